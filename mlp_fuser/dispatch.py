@@ -1,0 +1,161 @@
+"""Which implementation runs a call: chosen from declared constraints, in this one place.
+
+Every implementation declares the devices, dtypes and shapes it supports. ``select`` keeps the eligible
+ones; on CUDA, when several are eligible, each is timed once per shape bucket (M rounded up to a power of
+two) and the fastest is cached, so the op is never slower than the best path it knows, the unfused
+cuBLAS path included. Under CUDA-graph capture nothing is timed: run one warm-up call first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import config
+from .reference import reference_mlp
+
+ImplFn = Callable[..., Tensor]  # (x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation) -> y2 (M, O)
+
+
+@dataclass(frozen=True)
+class Problem:
+    device: str  # device type: "cuda", "cpu", ...
+    dtype: torch.dtype
+    M: int
+    K: int
+    I: int  # noqa: E741 - the MLP's intermediate size, as in the papers
+    O: int
+    gated: bool
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    fn: ImplFn
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    max_m: int | None = None  # largest M it supports (or is worth considering for)
+    max_o: int | None = None
+    triton: bool = False  # a Triton kernel: on CPU only under the interpreter
+    notes: str = field(default="", compare=False)
+
+    def why_not(self, p: Problem) -> str | None:
+        """None when this implementation supports the problem, else the constraint that fails."""
+        devices = set(self.devices)
+        if self.triton and config.triton_on_cpu:
+            devices.add("cpu")
+        if p.device not in devices:
+            return f"device {p.device} not in {sorted(devices)}"
+        if p.dtype not in self.dtypes:
+            return f"dtype {p.dtype} not supported"
+        if self.triton and min(p.K, p.I, p.O) < 1:
+            return "a zero-sized K, I or O"
+        if self.max_m is not None and p.M > self.max_m:
+            return f"M={p.M} > {self.max_m}"
+        if self.max_o is not None and p.O > self.max_o:
+            return f"O={p.O} > {self.max_o}"
+        return None
+
+
+# ---- the implementations ----------------------------------------------------------------------
+
+
+def _reference(x2, wg, bg, wu, bu, wd, bd, act):
+    return reference_mlp(x2, wg, bg, wu, bu, wd, bd, act)
+
+
+def _triton_small_m(x2, wg, bg, wu, bu, wd, bd, act):
+    from .kernels import fused_mlp_small_m
+
+    return fused_mlp_small_m(x2, wg, bg, wu, bu, wd, bd, act)
+
+
+def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
+    from .kernels import gate_up_act
+
+    return F.linear(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
+
+
+def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
+    from .kernels import act_mul
+
+    g = F.linear(x2, wg, bg)
+    u = F.linear(x2, wu, bu) if wu is not None else None
+    return F.linear(act_mul(g, u, act), wd, bd)
+
+
+ALL_DEVICES = frozenset({"cuda", "cpu", "mps", "xpu", "meta", "hpu", "privateuseone"})
+IMPLS: list[Impl] = [
+    Impl("triton_small_m", _triton_small_m, frozenset({"cuda"}), max_m=64, triton=True,
+         notes="one launch: split over I, intermediate on chip, fp32 atomic reduction of partial outputs"),
+    Impl("triton_gemm", _triton_gemm, frozenset({"cuda"}), triton=True,
+         notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
+    Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
+         notes="cuBLAS for the projections, one Triton kernel for act*mul"),
+    Impl("reference", _reference, ALL_DEVICES, dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+         notes="aten ops, exactly as the unfused module"),
+]
+IMPLS_BY_NAME = {i.name: i for i in IMPLS}
+
+
+def eligible(p: Problem) -> list[Impl]:
+    return [i for i in IMPLS if i.why_not(p) is None]
+
+
+def m_bucket(M: int) -> int:
+    return 1 if M <= 1 else 1 << (M - 1).bit_length()
+
+
+_choice_cache: dict[tuple, str] = {}
+
+
+def select(p: Problem, args: tuple | None = None) -> Impl:
+    """The implementation to run ``p``; ``args`` (the call's arguments) let CUDA autotuning time candidates."""
+    if config.force_impl:
+        impl = IMPLS_BY_NAME.get(config.force_impl)
+        if impl is None:
+            raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {list(IMPLS_BY_NAME)}")
+        reason = impl.why_not(p)
+        if reason is not None:
+            raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
+        return impl
+    candidates = eligible(p)
+    if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
+        return candidates[0]
+    key = (p.device, torch.cuda.current_device(), p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
+    name = _choice_cache.get(key)
+    if name is None:
+        if torch.cuda.is_current_stream_capturing():
+            return candidates[0]
+        name = _time_candidates(candidates, args)
+        _choice_cache[key] = name
+    return IMPLS_BY_NAME[name]
+
+
+def _time_candidates(candidates: list[Impl], args: tuple) -> str:
+    best, best_ms = candidates[0].name, float("inf")
+    for impl in candidates:
+        if impl.name == "reference":
+            continue  # the cuBLAS path computes the same thing faster, in fp32 where it matters
+        try:
+            for _ in range(2):
+                impl.fn(*args)  # compile and warm up
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(5):
+                start.record()
+                impl.fn(*args)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            ms = sorted(times)[len(times) // 2]
+        except Exception:  # a kernel that fails to compile for this shape is simply not chosen
+            continue
+        if ms < best_ms:
+            best, best_ms = impl.name, ms
+    return best

@@ -1,0 +1,1 @@
+"""Triton kernels. Filled in by kernels/*.py."""
