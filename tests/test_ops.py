@@ -1,0 +1,232 @@
+"""The op family mlp_fuser::mlp / mlp_fuser::gated_mlp: registration, correctness, autograd, autocast, errors.
+
+Triton implementations run here through the Triton interpreter on CPU tensors (fp32/fp16); on a CUDA
+machine the same tests run them on the GPU.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import HAS_CUDA, KERNEL_DEVICE, KERNEL_DTYPES
+
+import mlp_fuser
+from mlp_fuser import config, dispatch
+from mlp_fuser.activations import ACTIVATIONS
+from _mlp_cases import make_case, rel_err
+
+TRITON_IMPLS = [i.name for i in dispatch.IMPLS if i.triton]
+ALL_IMPLS = TRITON_IMPLS + ["reference"]
+
+
+@pytest.fixture
+def force_impl(monkeypatch):
+    """Run the op through one named implementation (Triton ones through the interpreter on CPU)."""
+
+    def use(name):
+        monkeypatch.setattr(config, "force_impl", name)
+        monkeypatch.setattr(config, "triton_on_cpu", True)
+
+    return use
+
+
+def _device_for(impl):
+    return KERNEL_DEVICE if impl in TRITON_IMPLS else "cpu"
+
+
+# ---- registration ----------------------------------------------------------------------------
+
+
+def test_ops_live_in_the_mlp_fuser_namespace():
+    assert torch.ops.mlp_fuser.mlp.default.name() == "mlp_fuser::mlp"
+    assert torch.ops.mlp_fuser.gated_mlp.default.name() == "mlp_fuser::gated_mlp"
+
+
+OPCHECK_VARIANTS = [
+    dict(gated=True, layout="linear", bias=(False, False, False)),
+    dict(gated=True, layout="merged", bias=(True, True, True)),
+    dict(gated=True, layout="conv1d", bias=(True, False, True)),
+    dict(gated=False, layout="linear", bias=(True, False, True)),
+    dict(gated=False, layout="conv1d", bias=(False, False, False)),
+]
+
+
+@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("variant", OPCHECK_VARIANTS, ids=lambda v: f"{'gated' if v['gated'] else 'plain'}-{v['layout']}")
+def test_opcheck(impl, variant, force_impl):
+    force_impl(impl)
+    case = make_case(3, 8, 16, 5, device=_device_for(impl), act="gelu_tanh", lead=(2,), **variant)
+    if impl == "reference":  # reference runs in float64 too: exercise autograd registration there
+        case = make_case(3, 8, 16, 5, dtype=torch.float64, act="gelu_tanh", lead=(2,), **variant)
+        for t in (case.x, case.wg, case.wd):
+            t.requires_grad_(True)
+    torch.library.opcheck(case.op(), case.args())
+
+
+# ---- correctness against float64 --------------------------------------------------------------
+
+SHAPES = [(1, 1, 1, 1), (0, 5, 3, 4), (17, 3, 5, 127), (1, 130, 127, 3), (17, 127, 130, 5), (5, 64, 96, 48)]
+
+
+@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_matches_float64(impl, dtype, force_impl):
+    force_impl(impl)
+    device = _device_for(impl)
+    if dtype == torch.bfloat16 and device == "cpu" and impl != "reference":
+        pytest.skip("the Triton interpreter mishandles bf16")
+    rng = random.Random(1234)
+    for M, K, I, O in SHAPES:
+        gated = rng.random() < 0.6
+        case = make_case(M, K, I, O, gated=gated, dtype=dtype, device=device, act=rng.choice(list(ACTIVATIONS)),
+                         layout=rng.choice(["linear", "conv1d"] + (["merged"] if gated else [])),
+                         bias=tuple(rng.random() < 0.5 for _ in range(3)), lead=rng.choice([(), (2,), (2, 1)]),
+                         x_noncontig=rng.random() < 0.5)
+        out = case.op()(*case.args())
+        assert out.shape == (*case.x.shape[:-1], O) and out.dtype == dtype and out.device.type == device
+        if M == 0:
+            continue
+        ref = case.reference64()
+        err = rel_err(out, ref)
+        if dtype == torch.float32:
+            assert err <= 1e-5, (impl, M, K, I, O, err)
+        else:
+            assert err <= 1.25 * rel_err(case.unfused(), ref) + 1e-6, (impl, M, K, I, O, err)
+
+
+def test_every_activation_every_impl(force_impl):
+    for impl in ALL_IMPLS:
+        force_impl(impl)
+        for act in ACTIVATIONS:
+            case = make_case(4, 24, 40, 16, act=act, device=_device_for(impl), gated=act != "relu")
+            assert rel_err(case.op()(*case.args()), case.reference64()) <= 1e-5, (impl, act)
+
+
+def test_cpu_reference_equals_unfused_module_bitwise():
+    case = make_case(7, 32, 48, 16, act="silu", lead=(3,))
+    assert torch.equal(case.op()(*case.args()), case.unfused())
+
+
+# ---- autograd ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_gradcheck_float64(gated, act):
+    layout = "merged" if gated and act == "silu" else ("conv1d" if act == "gelu" else "linear")
+    case = make_case(3, 6, 7, 5, gated=gated, act=act, dtype=torch.float64, lead=(2,), layout=layout)
+    if act in ("relu", "relu2"):  # keep inputs away from the kink at 0, where finite differences lie
+        case.bg = case.bg + torch.where(case.bg >= 0, 0.3, -0.3)
+    tensors = [t for t in (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)]
+    idx = [i for i, t in enumerate(tensors) if t is not None]
+    leaves = [tensors[i].detach().clone().requires_grad_(True) for i in idx]
+
+    def f(*ls):
+        full = list(tensors)
+        for i, leaf in zip(idx, ls):
+            full[i] = leaf
+        x, wg, bg, wu, bu, wd, bd = full
+        if gated:
+            return mlp_fuser.gated_mlp(x, wg, bg, wu, bu, wd, bd, act)
+        return mlp_fuser.mlp(x, wg, bg, wd, bd, act)
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+def test_backward_recomputes_instead_of_saving_the_intermediate():
+    case = make_case(4, 8, 16, 8, dtype=torch.float64)
+    saved = []
+    x = case.x.requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        case.op()(*case.args()).sum().backward()
+    assert (4, 16) not in saved, f"an (M, I) intermediate was saved: {saved}"
+    assert x.grad is not None
+
+
+# ---- autocast ---------------------------------------------------------------------------------
+
+
+def test_autocast_cpu_behaves_like_the_unfused_module():
+    case = make_case(5, 32, 64, 16, act="gelu_tanh", lead=(2,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = case.op()(*case.args())
+        unfused = case.unfused()
+    assert out.dtype == unfused.dtype == torch.bfloat16
+    torch.testing.assert_close(out, unfused)
+
+
+# ---- torch.compile ----------------------------------------------------------------------------
+
+
+def test_compiles_fullgraph_with_dynamic_shapes():
+    case = make_case(3, 16, 32, 8)
+    args = case.args()
+    fn = torch.compile(lambda x: case.op()(x, *args[1:]), fullgraph=True, dynamic=True, backend="aot_eager")
+    for M in (3, 5, 9):
+        x = torch.randn(2, M, 16)
+        torch.testing.assert_close(fn(x), case.op()(x, *args[1:]), rtol=0, atol=0)
+
+
+# ---- dispatch ---------------------------------------------------------------------------------
+
+
+def test_dispatch_declared_constraints():
+    p = dispatch.Problem("cpu", torch.float32, 4, 8, 8, 8, True)
+    assert [i.name for i in dispatch.eligible(p)] == ["reference"]
+    p = dispatch.Problem("cuda", torch.float64, 4, 8, 8, 8, True)
+    assert [i.name for i in dispatch.eligible(p)] == ["reference"]
+    p = dispatch.Problem("cuda", torch.bfloat16, 4096, 8, 8, 8, True)
+    assert "triton_small_m" not in [i.name for i in dispatch.eligible(p)]
+    assert dispatch.IMPLS_BY_NAME["triton_small_m"].why_not(p).startswith("M=4096")
+
+
+def test_forcing_an_impl_that_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setattr(config, "force_impl", "triton_gemm")
+    monkeypatch.setattr(config, "triton_on_cpu", False)
+    case = make_case(2, 4, 4, 4)
+    with pytest.raises(ValueError, match="triton_gemm.*device cpu"):
+        case.op()(*case.args())
+    monkeypatch.setattr(config, "force_impl", "nope")
+    with pytest.raises(ValueError, match="nope"):
+        case.op()(*case.args())
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    c = make_case(3, 8, 16, 4)
+    x, wg, wu, wd, bd = c.x, c.wg, c.wu, c.wd, c.bd
+    g = torch.ops.mlp_fuser.gated_mlp.default
+    p = torch.ops.mlp_fuser.mlp.default
+    return [
+        ("K mismatch", lambda: g(torch.randn(3, 9), wg, None, wu, None, wd, bd, "silu"), ValueError, "w_gate"),
+        ("up shape", lambda: g(x, wg, None, wu[:5], None, wd, bd, "silu"), ValueError, "w_up"),
+        ("down shape", lambda: p(x, wg, None, wd[:, :3], bd, "gelu"), ValueError, "w2"),
+        ("bias shape", lambda: p(x, wg, torch.randn(3), wd, bd, "gelu"), ValueError, "b1"),
+        ("dtype mismatch", lambda: g(x, wg.half(), None, wu, None, wd, bd, "silu"), TypeError, "w_gate"),
+        ("int dtype", lambda: p(x.long(), wg.long(), None, wd.long(), None, "relu"), TypeError, "x"),
+        ("device mismatch", lambda: p(x, wg.to("meta"), None, wd, bd, "relu"), ValueError, "w1"),
+        ("unknown activation", lambda: p(x, wg, None, wd, bd, "tanhh"), ValueError, "activation"),
+        ("weight dims", lambda: p(x, wg[0], None, wd, bd, "relu"), ValueError, "w1"),
+    ]
+
+
+@pytest.mark.parametrize("name,call,exc,arg", _bad_calls(), ids=[b[0] for b in _bad_calls()])
+def test_bad_input_raises_clear_errors(name, call, exc, arg):
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    assert msg.startswith("mlp_fuser::"), msg
+    assert arg in msg and "shapes:" in msg, msg
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_autocast_cuda_bf16():
+    case = make_case(5, 64, 128, 32, device="cuda", act="silu")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = case.op()(*case.args())
+        unfused = case.unfused()
+    assert out.dtype == unfused.dtype == torch.bfloat16
+    ref = case.reference64()
+    assert rel_err(out, ref) <= 1.25 * rel_err(unfused, ref)
