@@ -1,0 +1,133 @@
+"""h = act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up): gate and up in ONE tiled GEMM, act·mul in its epilogue.
+
+Algorithm (the Triton matmul tutorial, with two B operands): program ids are ordered in groups of GROUP_M
+rows of tiles so consecutive programs share x row-panels and weight column-panels in L2. Each program owns
+one (BLOCK_M, BLOCK_N) tile of h and loops over K in BLOCK_K steps: it loads one x tile and the matching
+w_gate and w_up tiles and feeds both tl.dot's from the same x tile into two fp32 accumulators. The epilogue
+adds the biases, applies act(gate) * up in fp32 and stores h in x's dtype. With w_up None (a plain MLP)
+there is one accumulator and h = act(x @ w1ᵀ + b1).
+
+Bytes moved (ideal, with perfect L2 reuse): x (M·K) + w_gate and w_up (2·I·K) + h (M·I), in x's dtype, versus
+the unfused path's extra write and re-read of gate and up (4·M·I) and one more launch. FLOPs: 4·M·I·K
+(2·M·I·K plain). Weights and x are read through their strides: (out, in) views of any layout, never copied.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..activations import get_activation
+
+
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: one small config, no tuning
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
+    c = triton.Config
+    return [  # two accumulators per program, so the tiles are half the usual single-GEMM size in N
+        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        c({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    ]
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "HAS_UP"])
+@triton.jit
+def _gate_up_act_kernel(
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, h_ptr,
+    M, N, K,
+    M_BUCKET,  # a power of two >= M: the autotuning key, unused by the kernel
+    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
+    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # -- grouped ordering of the program ids (L2 reuse) ----------------------------------------------
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and h
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the weights = columns of h
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    # x tile (BLOCK_M, BLOCK_K); weight tiles read transposed, (BLOCK_K, BLOCK_N), through their strides.
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_n[None, :] * stride_wgn
+    wu_ptrs = wu_ptr + offs_k[:, None] * stride_wuk + offs_n[None, :] * stride_wun
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
+        acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+        if HAS_UP:
+            acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wgk
+        wu_ptrs += BLOCK_K * stride_wuk
+
+    # -- epilogue, all in fp32: bias, act, product; h rounded to x's dtype once, at the store -------------
+    if HAS_BG:
+        acc_g += tl.load(bg_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    h = ACT(acc_g)
+    if HAS_UP:
+        if HAS_BU:
+            acc_u += tl.load(bu_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        h = h * acc_u
+    h_ptrs = h_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: IEEE fp32 unless the user allowed TF32, as for torch's own matmuls."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # the default; only fp32 operands are affected by it
+
+
+def m_bucket(M: int) -> int:
+    return 1 if M <= 1 else 1 << (M - 1).bit_length()
+
+
+def gate_up_act(
+    x2: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor | None, b_up: Tensor | None, activation: str
+) -> Tensor:
+    """h (M, I) = act(x2 @ w_gateᵀ + b_gate) * (x2 @ w_upᵀ + b_up), in x2's dtype; w_up None: no product."""
+    act = get_activation(activation)
+    M, K = x2.shape
+    N = w_gate.shape[0]
+    h = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return h
+    wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
+    bg = b_gate if b_gate is not None else h
+    bu = b_up if b_up is not None else h
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _gate_up_act_kernel[grid](
+        x2, w_gate, bg, wu, bu, h,
+        M, N, K, m_bucket(M),
+        x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1), wu.stride(0), wu.stride(1),
+        ACT=act.triton_fn, HAS_UP=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+        PRECISION=dot_precision(x2.dtype),
+    )
+    return h
