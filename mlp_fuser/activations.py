@@ -8,8 +8,8 @@ kernels' epilogues, always on fp32 values). HF's names (``ACT2FN`` keys) map ont
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -8,8 +8,8 @@ cuBLAS path included. Under CUDA-graph capture nothing is timed: run one warm-up
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +96,8 @@ IMPLS: list[Impl] = [
          notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
-    Impl("reference", _reference, ALL_DEVICES, dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+    Impl("reference", _reference, ALL_DEVICES,
+         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
          notes="aten ops, exactly as the unfused module"),
 ]
 IMPLS_BY_NAME = {i.name: i for i in IMPLS}
@@ -118,7 +119,8 @@ def select(p: Problem, args: tuple | None = None) -> Impl:
     if config.force_impl:
         impl = IMPLS_BY_NAME.get(config.force_impl)
         if impl is None:
-            raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {list(IMPLS_BY_NAME)}")
+            known = list(IMPLS_BY_NAME)
+            raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
         reason = impl.why_not(p)
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")

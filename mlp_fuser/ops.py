@@ -2,7 +2,7 @@
 
     mlp(x, w1, b1, w2, b2, activation)                       = act(x @ w1ᵀ + b1) @ w2ᵀ + b2
     gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
-                                                             = (act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down
+        = (act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down
 
 Weights are taken in the logical ``(out, in)`` shape of ``nn.Linear`` with any strides, so every storage
 layout is a free view: GPT-2's ``Conv1D`` ``(in, out)`` weight is passed as ``w.t()``, a merged Phi-3
@@ -31,7 +31,10 @@ def _shape(t: Optional[Tensor]) -> str:
 
 def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> dispatch.Problem:
     """Validate one call; raise TypeError/ValueError naming the op, the argument and the shapes."""
-    names = ("w1", "b1", None, None, "w2", "b2") if wu is None else ("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
+    if wu is None:
+        names = ("w1", "b1", None, None, "w2", "b2")
+    else:
+        names = ("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
     tensors = dict(zip(names, (wg, bg, wu, bu, wd, bd)))
     tensors.pop(None, None)
     shapes = ", ".join(f"{n}={_shape(t)}" for n, t in {"x": x, **tensors}.items())

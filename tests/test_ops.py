@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
+from _mlp_cases import make_case, rel_err
 from conftest import HAS_CUDA, KERNEL_DEVICE, KERNEL_DTYPES
 
 import mlp_fuser
 from mlp_fuser import config, dispatch
 from mlp_fuser.activations import ACTIVATIONS
-from _mlp_cases import make_case, rel_err
 
 TRITON_IMPLS = [i.name for i in dispatch.IMPLS if i.triton]
 ALL_IMPLS = TRITON_IMPLS + ["reference"]
@@ -52,7 +52,8 @@ OPCHECK_VARIANTS = [
 
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)
-@pytest.mark.parametrize("variant", OPCHECK_VARIANTS, ids=lambda v: f"{'gated' if v['gated'] else 'plain'}-{v['layout']}")
+@pytest.mark.parametrize("variant", OPCHECK_VARIANTS,
+                         ids=lambda v: ("gated-" if v["gated"] else "plain-") + v["layout"])
 def test_opcheck(impl, variant, force_impl):
     force_impl(impl)
     case = make_case(3, 8, 16, 5, device=_device_for(impl), act="gelu_tanh", lead=(2,), **variant)
