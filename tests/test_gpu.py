@@ -1,0 +1,82 @@
+"""The GPU suite: every implementation on CUDA, bf16/fp16/fp32, small and LLaMA-7B sizes.
+
+Skipped where CUDA is absent; run on the H200 with `pytest tests/test_gpu.py tests/test_ops.py tests/test_kernels.py`.
+"""
+
+import pytest
+import torch
+from _mlp_cases import make_case, rel_err
+from conftest import HAS_CUDA
+
+from mlp_fuser import config, dispatch
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (run on the H200)")
+
+IMPLS = [i.name for i in dispatch.IMPLS if i.triton] + [None]  # None: the dispatcher's own choice
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SIZES = [  # (M, K, I, O, gated, act, bias)
+    (1, 4096, 11008, 4096, True, "silu", False),
+    (16, 4096, 11008, 4096, True, "silu", False),
+    (128, 4096, 11008, 4096, True, "silu", False),
+    (600, 4096, 11008, 4096, True, "silu", False),
+    (7, 4096, 11008, 4096, False, "gelu", True),
+    (333, 4096, 11008, 4096, False, "gelu", True),
+    (17, 576, 1536, 576, True, "silu", False),
+    (5, 130, 127, 3, True, "gelu_tanh", True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i or "dispatch")
+def test_gpu_matches_float64(impl, dtype, monkeypatch):
+    monkeypatch.setattr(config, "force_impl", impl)
+    for M, K, I, O, gated, act, bias in SIZES:
+        p = dispatch.Problem("cuda", dtype, M, K, I, O, gated)
+        if impl and dispatch.IMPLS_BY_NAME[impl].why_not(p):
+            continue
+        case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, device="cuda", bias=(bias,) * 3)
+        out = case.op()(*case.args())
+        ref = case.reference64()
+        err = rel_err(out, ref)
+        if dtype == torch.float32:
+            assert err <= 1e-5, (impl, M, K, I, O, err)
+        else:
+            unfused = rel_err(case.unfused(), ref)
+            assert err <= 1.25 * unfused, (impl, M, K, I, O, err, unfused)
+
+
+@pytest.mark.parametrize("layout", ["conv1d", "merged"])
+def test_gpu_weight_layouts(layout):
+    for M in (1, 64, 700):
+        case = make_case(M, 512, 1000, 384, dtype=torch.bfloat16, device="cuda", layout=layout)
+        ref = case.reference64()
+        assert rel_err(case.op()(*case.args()), ref) <= 1.25 * rel_err(case.unfused(), ref)
+
+
+def test_gpu_cuda_graph_capture_after_warmup():
+    case = make_case(4, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
+    args = case.args()
+    expected = case.op()(*args)  # warm-up: compiles and autotunes outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = case.op()(*args)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_gpu_backward_matches_unfused():
+    case = make_case(33, 256, 704, 256, dtype=torch.float32, device="cuda", bias=(True, True, True))
+    leaves = [t.detach().requires_grad_(True) for t in (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)]
+    x, wg, bg, wu, bu, wd, bd = leaves
+    dy = torch.randn(33, 256, device="cuda")
+    torch.ops.mlp_fuser.gated_mlp.default(x, wg, bg, wu, bu, wd, bd, "silu").backward(dy)
+    fused_grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    from mlp_fuser.reference import reference_mlp
+
+    reference_mlp(x, wg, bg, wu, bu, wd, bd, "silu").backward(dy)
+    for a, t in zip(fused_grads, leaves):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
