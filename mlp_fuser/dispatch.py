@@ -80,6 +80,13 @@ def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
     return F.linear(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
 
 
+def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
+    from .kernels import gate_up_act
+    from .kernels.splitk import linear_splitk
+
+    return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
+
+
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     from .kernels import act_mul
 
@@ -94,6 +101,8 @@ IMPLS: list[Impl] = [
          notes="one launch: split over I, intermediate on chip, fp32 atomic reduction of partial outputs"),
     Impl("triton_gemm", _triton_gemm, frozenset({"cuda"}), triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
+    Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
+         notes="gate and up in one GEMM with act*mul in its epilogue, then a split-K GEMM streaming w_down once"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
     Impl("reference", _reference, ALL_DEVICES,

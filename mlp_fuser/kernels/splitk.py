@@ -1,0 +1,138 @@
+"""y = h @ wᵀ + b for few rows: a split-K GEMM that streams w once, for the down projection at small M.
+
+At small M a GEMM is a stream of weight bytes: with one program per output tile, a (M, 4096) output in
+64-wide tiles gives 64 programs, too few to pull the full bandwidth of 132 SMs. So the reduction
+dimension K is split in SPLIT_K ranges; each program owns one (output tile, K range) pair:
+
+    acc[BLOCK_M, BLOCK_N] = h[m-block, k-range] @ w[n-block, k-range]ᵀ        (fp32)
+    partials[split, m-block, n-block] = acc                                   (plain store, fp32)
+    the last of the SPLIT_K programs of a tile (an atomic counter per tile says which) sums the
+    partials in split order, adds the bias, casts and stores y, and resets the counter to 0.
+
+One launch, no memset, and the sum order is fixed, so results are deterministic. The workspace
+(partials and counters) belongs to one (device, stream): calls on one stream are ordered, so it is reused.
+Extra bytes: SPLIT_K · M · N · 4 written and read, small next to w at small M.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _linear_splitk_kernel(
+    H, W, B, Y, PARTIALS, COUNTERS,
+    M, N, K, K_PER_SPLIT,
+    stride_hm, stride_hk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tile // num_n
+    pid_n = tile % num_n
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        kk = k + rk
+        h = tl.load(H + rm[:, None] * stride_hm + kk[None, :] * stride_hk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+        w = tl.load(W + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=PRECISION)
+
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # partials are laid out [split, M, N], contiguous
+        p_ptrs = PARTIALS + rm[:, None] * N + rn[None, :]
+        tl.store(p_ptrs + split * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is issued before the counter moves
+        done = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the last program of this tile: reduce in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(p_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call on this stream
+
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n_partials: int, n_tiles: int):
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    parts, counters = _workspaces.get(key, (None, None))
+    if parts is None or parts.numel() < n_partials or counters.numel() < n_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mlp_fuser: the split-K workspace must be sized before CUDA-graph capture; "
+                               "run the op once with the same shapes first")
+        n_partials = max(n_partials, parts.numel() if parts is not None else 0)
+        n_tiles = max(n_tiles, counters.numel() if counters is not None else 0)
+        parts = torch.empty(n_partials, device=device, dtype=torch.float32)
+        counters = torch.zeros(n_tiles, device=device, dtype=torch.int32)
+        _workspaces[key] = (parts, counters)
+    return parts, counters
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for this shape: enough programs to keep
+    every SM streaming, K ranges no shorter than a few BLOCK_Ks."""
+    if INTERPRET:
+        return 16, 32, 32, min(3, triton.cdiv(K, 32)), 4, 1
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    block_n = 64 if block_m <= 64 else 128
+    block_k = 128 if block_m <= 64 else 64
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    target = 3 * _num_sms(device)
+    split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(K, 4 * block_k), 16))
+    num_warps = 4 if block_m <= 32 else 8
+    return block_m, block_n, block_k, split, num_warps, 4
+
+
+def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None) -> torch.Tensor:
+    """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y is contiguous, in h's dtype."""
+    M, K = h.shape
+    N = w.shape[0]
+    y = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    if M == 0:
+        return y
+    BM, BN, BK, split, warps, stages = config or splitk_config(M, N, K, h.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, k_per_split)
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    parts, counters = _workspace(h.device, split * M * N if split > 1 else 1, tiles)
+    precision = "ieee" if h.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    _linear_splitk_kernel[(tiles, split)](
+        h, w, b if b is not None else h, y, parts, counters,
+        M, N, K, k_per_split,
+        h.stride(0), h.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=precision,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
+    )
+    return y
