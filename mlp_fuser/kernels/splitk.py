@@ -115,11 +115,12 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, in
     return block_m, block_n, block_k, split, num_warps, 4
 
 
-def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None) -> torch.Tensor:
-    """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y is contiguous, in h's dtype."""
+def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y (or ``out``, (M, N)) in h's dtype."""
     M, K = h.shape
     N = w.shape[0]
-    y = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    y = torch.empty((M, N), device=h.device, dtype=h.dtype) if out is None else out
     if M == 0:
         return y
     BM, BN, BK, split, warps, stages = config or splitk_config(M, N, K, h.device)

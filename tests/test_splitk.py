@@ -1,0 +1,38 @@
+"""The split-K down-projection kernel (kernels/splitk.py): float64 reference, poisoned output, determinism."""
+
+import pytest
+import torch
+from _mlp_cases import rel_err
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES
+
+from mlp_fuser.kernels import splitk
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,config", [
+    (1, 1, 1, None), (17, 130, 127, None), (3, 300, 5, (16, 32, 32, 4, 4, 1)), (33, 257, 129, (16, 16, 16, 5, 4, 1)),
+])
+def test_linear_splitk(M, K, N, config, dtype):
+    for bias in (True, False):
+        h = torch.randn(M, 2 * K, device=KERNEL_DEVICE).to(dtype)[:, ::2]  # non-contiguous rows
+        w_t = (torch.randn(K, N, device=KERNEL_DEVICE) * K**-0.5).to(dtype)  # Conv1D-like storage
+        w = w_t.t() if bias else w_t.t().contiguous()
+        b = torch.randn(N, device=KERNEL_DEVICE).to(dtype) if bias else None
+        ref = h.double() @ w.double().t() + (b.double() if bias else 0)
+        y = torch.full((M, N), float("nan"), device=KERNEL_DEVICE, dtype=dtype)  # poison: all must be written
+        splitk.linear_splitk(h, w, b, config, out=y)
+        err = rel_err(y, ref)
+        if dtype == torch.float32:
+            assert err <= 1e-5
+        else:  # one rounding of the fp32 result, as F.linear does
+            assert err <= 1.25 * rel_err(torch.nn.functional.linear(h, w, b), ref) + 1e-6
+        assert torch.equal(y, splitk.linear_splitk(h, w, b, config)), "split-K sum must be deterministic"
+
+
+def test_counters_are_reset_after_each_call():
+    h = torch.randn(4, 200, device=KERNEL_DEVICE)
+    w = torch.randn(30, 200, device=KERNEL_DEVICE)
+    splitk.linear_splitk(h, w, None, (16, 16, 32, 4, 4, 1))
+    for (device, _), (_, counters) in splitk._workspaces.items():
+        if device == h.device:
+            assert int(counters.abs().sum()) == 0
