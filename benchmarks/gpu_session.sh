@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: versions, the GPU test suite, then the benchmarks named in $BENCH (default: impls).
+# Usage on the device machine: bash benchmarks/gpu_session.sh [tests|impls|bench|generate ...]
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# The package's patterns/ ships as mlp_fuser.patterns: without an install, link it in place.
+[ -e mlp_fuser/patterns ] || ln -s ../patterns mlp_fuser/patterns
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case $step in
+    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_splitk.py tests/test_ops.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    kernels) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -15 ;;
+    impls) timeout 400 python3 benchmarks/bench_impls.py --shapes ${SHAPES:-0} 2>&1 | tee "$OUT/impls.log" | tail -20 ;;
+    bench) timeout 560 python3 -m mlp_fuser bench --out "$OUT" 2>&1 | tail -60 ;;
+    generate) timeout 400 python3 benchmarks/bench_generate.py --out "$OUT" 2>&1 | tail -30 ;;
+  esac
+done
