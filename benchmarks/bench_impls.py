@@ -59,7 +59,7 @@ def main(argv=None):
                     out = fn(xs[0], *weights[0], act)
                     err = rel_err(out, ref)
 
-                    def run(fn=fn, xs=xs):
+                    def run(fn=fn, xs=xs, n_sets=n_sets, weights=weights, act=act):
                         for s in range(n_sets):
                             fn(xs[s], *weights[s], act)
 
