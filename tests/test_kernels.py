@@ -1,0 +1,210 @@
+"""The Triton kernels called directly, against a float64 reference.
+
+Bars: fp32 relative error (‖out − ref‖ / ‖ref‖) ≤ 1e-5; 16-bit dtypes at most 1.25 × the error of the unfused
+computation in the same dtype (F.linear and the activation in fp16, as the unfused modules compute it).
+Shapes are odd, prime and smaller than a block; weights come in every storage layout the op accepts; outputs
+are poisoned (torch.empty returns NaN while deterministic mode fills uninitialized memory) so an element the
+kernel never writes fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES
+
+from mlp_fuser.activations import ACTIVATIONS
+from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act
+from mlp_fuser.reference import reference_mlp
+
+ACTS = sorted(ACTIVATIONS)
+SIZES = (1, 3, 5, 127, 130)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty fills floating tensors with NaN inside this block."""
+    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
+
+
+def rel_err(out, ref) -> float:
+    ref_norm = ref.norm().item()
+    diff = (out.double() - ref).norm().item()
+    return diff / ref_norm if ref_norm > 0 else diff
+
+
+def check(out, ref, unfused, dtype):
+    """out and unfused in `dtype`, ref in float64; the bar of the module docstring."""
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output (an element never written, or NaN read)"
+    err = rel_err(out, ref)
+    if dtype == torch.float32:
+        assert err <= 1e-5, f"fp32 relative error {err:.3g} > 1e-5"
+    else:
+        bar = 1.25 * rel_err(unfused, ref)
+        assert err <= bar, f"{dtype} relative error {err:.3g} > 1.25 x unfused {bar / 1.25:.3g}"
+
+
+# ---- problems -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    M: int
+    K: int
+    I: int
+    O: int
+    act: str
+    gated: bool
+    bias: tuple[bool, bool, bool]  # b_gate, b_up, b_down
+    # "linear", "conv1d" (w_t.t() views), "padded" (row stride > row length), "merged" (one (2I, K) gate/up
+    # weight), "mixed" (w_gate linear, w_up conv1d: different strides for the two)
+    w_layout: str
+    x_layout: str  # "contiguous", "strided" (every other column), "transposed" ((K, M) storage)
+
+    def __str__(self):
+        b = "".join("b" if on else "-" for on in self.bias)
+        return f"{self.M}x{self.K}x{self.I}x{self.O}-{self.act}-{'gated' if self.gated else 'plain'}-{b}-" \
+               f"{self.w_layout}-{self.x_layout}"
+
+
+def _shapes() -> list[Shape]:
+    rng = random.Random(1234)
+    layouts = ("linear", "conv1d", "padded", "merged", "mixed")
+
+    def draw(M, K, I, O, act=None, gated=None, w_layout=None, x_layout=None):  # noqa: E741
+        gated = rng.random() < 0.7 if gated is None else gated
+        w_layout = w_layout or rng.choice(layouts if gated else layouts[:3])
+        x_layout = x_layout or rng.choice(("contiguous", "strided", "transposed"))
+        return Shape(M, K, I, O, act or rng.choice(ACTS), gated, tuple(rng.random() < 0.5 for _ in range(3)),
+                     w_layout, x_layout)
+
+    shapes = [  # corners: all ones, all largest (two blocks in the interpreter's tiles and a remainder)
+        draw(1, 1, 1, 1, gated=True, w_layout="merged"),
+        draw(17, 130, 130, 130, gated=False, w_layout="conv1d", x_layout="strided"),
+        draw(17, 127, 127, 127, gated=True, w_layout="merged", x_layout="transposed"),
+        draw(17, 130, 127, 130, gated=True, w_layout="mixed", x_layout="strided"),
+        draw(67, 130, 130, 5, gated=True),  # 5 blocks of M: a partial group in gate_up_act's ordering
+    ]
+    shapes += [draw(rng.choice((1, 17)), *(rng.choice(SIZES) for _ in range(3))) for _ in range(12)]
+    shapes += [draw(17, 5, 127, 3, act=a, gated=g) for a in ACTS for g in (True, False)]  # every activation
+    return shapes
+
+
+SHAPES = _shapes()
+
+
+def _rand(gen, *shape, scale=1.0):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+
+def make_inputs(s: Shape, dtype, seed: int):
+    """(x2, wg, bg, wu, bu, wd, bd), generated on the CPU (the same values on every machine), as views."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def dev(t):
+        return t.to(dtype).to(KERNEL_DEVICE)
+
+    def weight(out, inp, layout=s.w_layout):
+        scale = inp**-0.5
+        if layout == "conv1d":
+            return dev(_rand(gen, inp, out, scale=scale)).t()
+        if layout == "padded":  # rows padded to in + 3: a row stride that is not the row length
+            return dev(_rand(gen, out, inp + 3, scale=scale))[:, 1:inp + 1]
+        return dev(_rand(gen, out, inp, scale=scale))
+
+    if s.w_layout == "merged":
+        w = dev(_rand(gen, 2 * s.I, s.K, scale=s.K**-0.5))
+        wg, wu = w[:s.I], w[s.I:]
+    elif s.w_layout == "mixed":
+        wg, wu = weight(s.I, s.K, "linear"), weight(s.I, s.K, "conv1d")
+    else:
+        wg = weight(s.I, s.K)
+        wu = weight(s.I, s.K) if s.gated else None
+    wd = weight(s.O, s.I)
+    bg = dev(_rand(gen, s.I, scale=0.5)) if s.bias[0] else None
+    bu = dev(_rand(gen, s.I, scale=0.5)) if s.bias[1] and s.gated else None
+    bd = dev(_rand(gen, s.O, scale=0.5)) if s.bias[2] else None
+    if s.x_layout == "strided":
+        x = dev(_rand(gen, s.M, 2 * s.K + 1))[:, 1::2]
+    elif s.x_layout == "transposed":
+        x = dev(_rand(gen, s.K, s.M)).t()
+    else:
+        x = dev(_rand(gen, s.M, s.K))
+    assert x.shape == (s.M, s.K)
+    return x, wg, bg, wu, bu, wd, bd
+
+
+def _f64(ts):
+    return [None if t is None else t.double() for t in ts]
+
+
+def _gate_up_reference(x, wg, bg, wu, bu, act):
+    h = ACTIVATIONS[act].fn(F.linear(x, wg, bg))
+    return h * F.linear(x, wu, bu) if wu is not None else h
+
+
+# ---- the tests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("s", SHAPES, ids=str)
+def test_fused_mlp_small_m(s, dtype):
+    args = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
+    with poisoned_empty():
+        y = fused_mlp_small_m(*args, s.act)
+    check(y, reference_mlp(*_f64(args), s.act), reference_mlp(*args, s.act), dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("s", SHAPES, ids=str)
+def test_gate_up_act(s, dtype):
+    x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
+    with poisoned_empty():
+        h = gate_up_act(x, wg, bg, wu, bu, s.act)
+    ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
+    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("act", ACTS)
+def test_act_mul(act, gated, dtype):
+    gen = torch.Generator().manual_seed(7)
+    g = (_rand(gen, 33, 2 * 131) * 2).to(dtype).to(KERNEL_DEVICE)[:, ::2]  # strided rows and columns
+    u = _rand(gen, 131, 33).to(dtype).to(KERNEL_DEVICE).t() if gated else None  # column-major
+    with poisoned_empty():
+        h = act_mul(g, u, act)
+    assert h.is_contiguous()
+    fn = ACTIVATIONS[act].fn
+    ref = fn(g.double()) * u.double() if gated else fn(g.double())
+    check(h, ref, fn(g) * u if gated else fn(g), dtype)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_act_mul_matches_torch_fn_fp32(act):
+    gen = torch.Generator().manual_seed(3)
+    g = (_rand(gen, 5, 1000) * 4).float().to(KERNEL_DEVICE)  # covers the tails of every activation
+    u = _rand(gen, 5, 1000).float().to(KERNEL_DEVICE)
+    fn = ACTIVATIONS[act].fn
+    torch.testing.assert_close(act_mul(g, None, act), fn(g), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(act_mul(g, u, act), fn(g) * u, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_m():
+    x = torch.randn(0, 5, device=KERNEL_DEVICE)
+    w, wd = torch.randn(7, 5, device=KERNEL_DEVICE), torch.randn(3, 7, device=KERNEL_DEVICE)
+    assert fused_mlp_small_m(x, w, None, w, None, wd, None, "silu").shape == (0, 3)
+    assert gate_up_act(x, w, None, w, None, "silu").shape == (0, 7)
+    assert act_mul(torch.randn(0, 7, device=KERNEL_DEVICE), None, "gelu").shape == (0, 7)
