@@ -133,9 +133,17 @@ def make_inputs(s: Shape, dtype, seed: int):
         wg = weight(s.I, s.K)
         wu = weight(s.I, s.K) if s.gated else None
     wd = weight(s.O, s.I)
-    bg = dev(_rand(gen, s.I, scale=0.5)) if s.bias[0] else None
-    bu = dev(_rand(gen, s.I, scale=0.5)) if s.bias[1] and s.gated else None
-    bd = dev(_rand(gen, s.O, scale=0.5)) if s.bias[2] else None
+    def bias(n):  # "padded" weights come with strided biases (every other element of a longer vector)
+        if s.w_layout == "padded":
+            return dev(_rand(gen, 2 * n, scale=0.5))[::2]
+        return dev(_rand(gen, n, scale=0.5))
+
+    bg = bias(s.I) if s.bias[0] else None
+    bu = bias(s.I) if s.bias[1] and s.gated else None
+    if s.w_layout == "merged" and bg is not None and bu is not None:  # a merged gate/up bias, as two views
+        b = dev(_rand(gen, 2 * s.I, scale=0.5))
+        bg, bu = b[:s.I], b[s.I:]
+    bd = bias(s.O) if s.bias[2] else None
     if s.x_layout == "strided":
         x = dev(_rand(gen, s.M, 2 * s.K + 1))[:, 1::2]
     elif s.x_layout == "transposed":

@@ -44,7 +44,7 @@ def _gate_up_act_kernel(
     x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, h_ptr,
     M, N, K,
     M_BUCKET,  # a power of two >= M: the autotuning key, unused by the kernel
-    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
+    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
     ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -85,11 +85,11 @@ def _gate_up_act_kernel(
 
     # -- epilogue, all in fp32: bias, act, product; h rounded to x's dtype once, at the store -------------
     if HAS_BG:
-        acc_g += tl.load(bg_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(bg_ptr + offs_n * stride_bg, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     h = ACT(acc_g)
     if HAS_UP:
         if HAS_BU:
-            acc_u += tl.load(bu_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bu_ptr + offs_n * stride_bu, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         h = h * acc_u
     h_ptrs = h_ptr + offs_m[:, None] * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -127,6 +127,7 @@ def gate_up_act(
         x2, w_gate, bg, wu, bu, h,
         M, N, K, m_bucket(M),
         x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1), wu.stride(0), wu.stride(1),
+        bg.stride(0), bu.stride(0),
         ACT=act.triton_fn, HAS_UP=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
         PRECISION=dot_precision(x2.dtype),
     )
