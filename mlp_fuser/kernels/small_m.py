@@ -112,8 +112,14 @@ def fused_mlp_small_m(
     w_down: Tensor,
     b_down: Tensor | None,
     activation: str,
+    *,
+    block_sizes: dict | None = None,
 ) -> Tensor:
-    """y (M, O) = down(act(gate(x2)) * up(x2)) (no product when w_up is None), in x2's dtype."""
+    """y (M, O) = down(act(gate(x2)) * up(x2)) (no product when w_up is None), in x2's dtype.
+
+    ``block_sizes`` overrides entries of the heuristic's choice (BLOCK_M/I/K/O, num_warps, num_stages): for
+    benchmarks that sweep them.
+    """
     act = get_activation(activation)
     M, K = x2.shape
     I, O = w_gate.shape[0], w_down.shape[0]  # noqa: E741
@@ -127,7 +133,7 @@ def fused_mlp_small_m(
     wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
     bg = b_gate if b_gate is not None else y32
     bu = b_up if b_up is not None else y32
-    blocks = _blocks(M, I, x2.dtype, x2.device)
+    blocks = {**_blocks(M, I, x2.dtype, x2.device), **(block_sizes or {})}
     grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(I, blocks["BLOCK_I"]),)
     _fused_mlp_small_m_kernel[grid](
         x2, w_gate, bg, wu, bu, w_down, y32,
