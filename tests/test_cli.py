@@ -1,0 +1,153 @@
+"""The command line: ``python -m mlp_fuser {demo,explain,bench}`` and the helpers in ``mlp_fuser._hf``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlp_fuser
+from mlp_fuser import _hf, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _env() -> dict[str, str]:
+    """The environment of a user's shell: no Triton interpreter (conftest sets it for the kernel tests)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MLP_FUSER_TRITON_ON_CPU")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def run_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mlp_fuser", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_the_subcommands():
+    r = run_cli("--help", timeout=300)
+    assert r.returncode == 0, r.stderr
+    for sub in ("demo", "explain", "bench"):
+        assert sub in r.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert mlp_fuser.__version__ in capsys.readouterr().out
+
+
+def test_no_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
+def test_bench_without_cuda_exits_2_with_a_clear_message(capsys):
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA" in err and "GPU" in err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
+def test_bench_subprocess_exit_code():
+    r = run_cli("bench", "--quick", timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "CUDA" in r.stderr
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_explain_model_type(model_type, capsys):
+    assert cli.main(["explain", model_type]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip(), "the report goes to stdout"
+    assert "building a tiny random" in cap.err, "progress goes to stderr"
+
+
+def test_explain_matches_the_api():
+    model = _hf.tiny_model("qwen3")
+    expected = str(mlp_fuser.explain(model, *_hf.example_inputs(model)))
+    assert cli.explain("qwen3").strip() == expected.strip()
+
+
+def test_explain_local_checkpoint(tmp_path, capsys):
+    model = _hf.tiny_model("llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    assert cli.main(["explain", str(tmp_path / "ckpt")]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip()
+    assert "loading checkpoint" in cap.err
+
+
+def test_explain_unknown_target(capsys):
+    assert cli.main(["explain", "no_such_model_type"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_model_type" in err and len(err) < 400
+
+
+def test_explain_subprocess():
+    r = run_cli("explain", "gpt2", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "[mlp_fuser]" in r.stderr and "[mlp_fuser]" not in r.stdout
+
+
+# ---- _hf helpers ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gemma2", "phi3", "opt", "bert", "mixtral", "falcon"])
+def test_tiny_config_is_tiny_and_runs(model_type):
+    cfg = _hf.tiny_config(model_type)
+    assert cfg.model_type == model_type
+    assert cfg.hidden_size == 64 and cfg.num_hidden_layers == 2 and cfg.vocab_size == 512
+    assert cfg.hidden_size % cfg.num_attention_heads == 0
+    model = _hf.tiny_model(model_type)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    with torch.no_grad():
+        out = model(*_hf.example_inputs(model))
+    assert out[0].shape[:2] == (1, 8)
+
+
+def test_tiny_config_overrides():
+    cfg = _hf.tiny_config("gpt2", hidden_size=32, num_hidden_layers=1)
+    assert (cfg.n_embd, cfg.n_layer) == (32, 1)
+
+
+def test_example_inputs_encoder_decoder():
+    model = _hf.tiny_model("t5")
+    inputs = _hf.example_inputs(model, seq_len=6)
+    assert inputs[0].shape == (1, 6) and inputs[-1] is not None
+    with torch.no_grad():
+        model(*inputs)
+
+
+def test_smollm2_gguf_is_found():
+    d, name = _hf.smollm2_gguf()
+    assert os.path.getsize(os.path.join(d, name)) > 50_000_000
+
+
+@pytest.mark.slow
+def test_demo_end_to_end():
+    """The demo as a newcomer runs it: identical tokens, a timing table, the CPU note (without a GPU)."""
+    r = run_cli("demo", "--tokens", "12", "--repeats", "1", timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "mlp_fuser.explain(model, input_ids)" in out
+    assert "Tokens identical: yes" in out
+    for variant in ("unfused (eager)", "mlp_fuser.patch (eager)", "torch.compile(backend=mlp_fuser.backend)"):
+        assert variant in out.split("== Timing")[1]
+    if not HAS_CUDA:
+        assert "Triton kernels run on CUDA" in out
+    assert "loading SmolLM2" in r.stderr
