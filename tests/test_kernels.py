@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 
 from mlp_fuser.activations import ACTIVATIONS
-from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act
+from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act, gemm
 from mlp_fuser.reference import reference_mlp
 
 ACTS = sorted(ACTIVATIONS)
@@ -175,12 +175,32 @@ def test_fused_mlp_small_m(s, dtype):
     check(y, reference_mlp(*_f64(args), s.act), reference_mlp(*args, s.act), dtype)
 
 
+def _pin_one_config(monkeypatch, s: Shape, dtype):
+    """On the GPU, run one autotune config per case (each config in turn across the cases), not all of them:
+    tuning every case would compile ~6 kernels per case. The interpreter has a single config anyway."""
+    kernel = gemm._gate_up_act_kernel
+    fits = [c for c in kernel.configs if gemm.config_fits(c, dtype.itemsize, gemm.m_bucket(s.M))] or kernel.configs
+    monkeypatch.setattr(kernel, "configs", [fits[zlib.crc32(str(s).encode()) % len(fits)]])
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("s", SHAPES, ids=str)
-def test_gate_up_act(s, dtype):
+def test_gate_up_act(s, dtype, monkeypatch):
+    _pin_one_config(monkeypatch, s, dtype)
     x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
     with poisoned_empty():
         h = gate_up_act(x, wg, bg, wu, bu, s.act)
+    ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
+    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("M", [1, 17, 67])
+def test_gate_up_act_autotuned(M, dtype):
+    """The real autotuner (every config that fits, timed on the GPU), for one gated shape per M bucket."""
+    s = Shape(M, 130, 127, 3, "silu", True, (True, True, False), "merged", "strided")
+    x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=5)
+    h = gate_up_act(x, wg, bg, wu, bu, s.act)
     ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
     check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), dtype)
 

@@ -38,7 +38,23 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "HAS_UP"])
+def config_fits(config: triton.Config, itemsize: int, m_bucket: int) -> bool:
+    """Whether a config's pipelined tiles fit in shared memory (H200: 227 KiB) and its BLOCK_M suits M."""
+    c = config.kwargs
+    stage_bytes = (c["BLOCK_M"] * c["BLOCK_K"] + 2 * c["BLOCK_K"] * c["BLOCK_N"]) * itemsize
+    return config.num_stages * stage_bytes <= 200 * 1024 and c["BLOCK_M"] <= max(32, 2 * m_bucket)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Skip configs that cannot compile (fp32 tiles too large) or waste most of their rows (BLOCK_M >> M)."""
+    itemsize = named_args["x_ptr"].element_size()
+    fitting = [c for c in configs if config_fits(c, itemsize, named_args["M_BUCKET"])]
+    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+
+
+@triton.autotune(
+    configs=_configs(), key=["M_BUCKET", "N", "K", "HAS_UP"], prune_configs_by={"early_config_prune": _prune}
+)
 @triton.jit
 def _gate_up_act_kernel(
     x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, h_ptr,
