@@ -5,3 +5,20 @@ __version__ = "0.1.0"
 from . import ops  # noqa: F401  (registers the mlp_fuser:: op family)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
 from .ops import gated_mlp, mlp  # noqa: F401
+
+
+def _register_backend() -> None:
+    """Make ``torch.compile(model, backend="mlp_fuser")`` work."""
+    import torch._dynamo
+
+    try:
+        torch._dynamo.register_backend(backend, name="mlp_fuser")
+    except Exception:  # already registered (module reloaded)
+        pass
+
+
+from .backend import backend, make_backend  # noqa: E402, F401
+from .explain import explain  # noqa: E402, F401
+from .patch import patch, unpatch  # noqa: E402, F401
+
+_register_backend()

@@ -1,1 +1,30 @@
-"""The pattern registry (shipped as ``mlp_fuser.patterns``): one small file per family of MLP pattern."""
+"""The pattern registry (shipped as ``mlp_fuser.patterns``): one small file per family of MLP pattern.
+
+Each pattern is ``match(down: Proj) -> Candidate | None``: given a projection, the MLP whose last Linear it is.
+The graph pass (``mlp_fuser.fx_pass``) tries them in order on every projection, then checks and rewrites.
+"""
+
+from __future__ import annotations
+
+from . import gated, merged_gate_up, plain
+from .common import Candidate
+from .projections import Proj, match_projection
+
+PATTERNS = {
+    "merged_gate_up": merged_gate_up.match,
+    "gated": gated.match,
+    "plain": plain.match,
+}
+
+
+def find(down: Proj, patterns=None) -> Candidate | None:
+    """The first pattern that matches the MLP ending in ``down``."""
+    for name, fn in PATTERNS.items():
+        if patterns is None or name in patterns:
+            c = fn(down)
+            if c is not None:
+                return c
+    return None
+
+
+__all__ = ["PATTERNS", "Candidate", "Proj", "find", "match_projection"]

@@ -1,0 +1,296 @@
+"""The graph pass: find MLP sites with the pattern registry, check each, rewrite it to one ``mlp_fuser::`` op.
+
+It runs on the torch-level FX graph that Dynamo hands a backend (before AOTAutograd), so the op's own autograd
+serves training. A site is fused only when every check passes; otherwise it is reported as a near miss that names
+the failed check:
+
+- ``activation``: the subgraph between the first projection and the rest computes no registry activation;
+- ``allowed`` / ``filter``: the pattern or activation is not enabled, or the user's filter rejected the site;
+- ``single_use``: an intermediate has a user outside the MLP (returned, stored, captured by a hook);
+- ``same_input``: gate and up read different tensors;
+- ``dtype_device``: the tensors do not share one dtype and device (a cast inside the MLP, mixed weights);
+- ``dropout_inactive``: a dropout inside the MLP is active (training mode, p > 0);
+- ``shapes``: the weight, bias and output shapes do not chain as one MLP.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from mlp_fuser import patterns as P
+from mlp_fuser.patterns.common import dropout_active, is_dropout, val
+
+log = logging.getLogger("mlp_fuser")
+
+CHECKS = ("activation", "allowed", "filter", "single_use", "same_input", "dtype_device", "dropout_inactive", "shapes")
+
+
+@dataclass
+class Site:
+    path: str  # module path of the MLP (common ancestor of its projections)
+    pattern: str
+    activation: str
+    K: object
+    I: object  # noqa: E741
+    O: object  # noqa: E741
+
+
+@dataclass
+class NearMiss:
+    path: str
+    pattern: str
+    check: str  # one of CHECKS
+    reason: str
+
+
+@dataclass
+class PassReport:
+    fused: list[Site] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+    projections: int = 0  # projections seen (to say why nothing was found)
+
+    def summary(self) -> str:
+        kinds: dict[str, int] = {}
+        for s in self.fused:
+            key = f"{s.pattern}/{s.activation}"
+            kinds[key] = kinds.get(key, 0) + 1
+        what = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
+        text = f"fused {len(self.fused)} MLP(s)" + (f" ({what})" if what else "")
+        if self.near_misses:
+            checks = sorted({m.check for m in self.near_misses})
+            text += f"; {len(self.near_misses)} near miss(es), failed: {', '.join(checks)}"
+        return text
+
+
+# ---- module paths ----------------------------------------------------------------------------------
+
+
+def module_path(n: Node) -> str:
+    """The dotted path of the innermost module that produced ``n`` (``model.layers.0.mlp.gate_proj``)."""
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']*'\]\.?|^self\.?", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip(".")
+
+
+def site_path(c: P.Candidate) -> str:
+    paths = [module_path(p.nodes[0]).split(".") for p in (c.gate, c.up, c.down) if p is not None]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+# ---- checks ------------------------------------------------------------------------------------------
+
+
+def _same(a, b) -> bool:
+    """Provably equal (ints or SymInts), without adding guards."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def _users_outside(n: Node, inside: set[Node]) -> str | None:
+    outside = [u for u in n.users if u not in inside]
+    if not outside:
+        return None
+    if any(u.op == "output" for u in outside):
+        return f"{n.name} escapes the graph (returned, stored on a module, or captured by a hook)"
+    return f"{n.name} is also read by {', '.join(u.name for u in outside)}"
+
+
+def _check_shapes(c: P.Candidate) -> str | None:
+    x = val(c.gate.x)
+    projs = [p for p in (c.gate, c.up, c.down) if p is not None]
+    shapes = [p.weight_shape() for p in projs]
+    if x is None or any(s is None for s in shapes) or val(c.down.out) is None:
+        return "a weight is not 2-D, or a shape is unknown"
+    if not all(isinstance(d, int) for s in shapes for d in s):
+        return "weight shapes are not static"
+    (I, K), *_, (O, I2) = shapes  # noqa: E741
+    if not _same(x.shape[-1], K):
+        return f"x has {x.shape[-1]} features but the first projection takes {K}"
+    if c.up is not None and shapes[1] != shapes[0]:
+        return f"gate weight {shapes[0]} and up weight {shapes[1]} differ"
+    if I2 != I:
+        return f"the last projection takes {I2} features but the intermediate has {I}"
+    for p, (out, _) in zip(projs, shapes):
+        b = val(p.bias) if p.bias is not None else None
+        if p.bias is not None and (b is None or b.dim() != 1 or b.shape[0] != out * (p.rows[1] if p.rows else 1)):
+            return f"bias {p.bias.name} has shape {tuple(b.shape) if b is not None else '?'}, expected ({out},)"
+    for p, n in ((c.gate, I), (c.up, I), (c.down, O)):
+        if p is not None and (val(p.out) is None or not _same_shape(val(p.out).shape, (*x.shape[:-1], n))):
+            return f"{p.out.name} does not have shape x.shape[:-1] + ({n},)"
+    for n in c.act.nodes + c.extra:
+        v = val(n)
+        if v is None or not _same_shape(v.shape, (*x.shape[:-1], I)):
+            return f"{n.name} does not have the intermediate's shape"
+    return None
+
+
+def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=None) -> tuple[str, str] | None:
+    """The first failed check as (name, reason), or None when the site may be fused."""
+    if c.act.name is None:
+        return "activation", f"unrecognized activation: {c.act.desc}"
+    if patterns is not None and c.pattern not in patterns:
+        return "allowed", f"pattern {c.pattern!r} is not enabled"
+    if activations is not None and c.act.name not in activations:
+        return "allowed", f"activation {c.act.name!r} is not enabled"
+    if filter_fn is not None and not filter_fn(path):
+        return "filter", "rejected by filter_fn"
+    inter = c.intermediates()
+    inside = set(inter) | {c.down.out}
+    for n in inter:
+        why = _users_outside(n, inside)
+        if why:
+            return "single_use", why
+    if c.up is not None and c.up.x is not c.gate.x:
+        return "same_input", f"gate reads {c.gate.x.name} but up reads {c.up.x.name}"
+    x = val(c.gate.x)
+    tensors = [p.weight for p in (c.gate, c.up, c.down) if p is not None]
+    tensors += [p.bias for p in (c.gate, c.up, c.down) if p is not None and p.bias is not None]
+    for n in tensors + inter + [c.down.out]:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        vs = list(v) if isinstance(v, (tuple, list)) else [v]
+        if x is None or not vs or not all(isinstance(t, torch.Tensor) for t in vs):
+            return "dtype_device", f"no dtype/device known for {n.name}"
+        for t in vs:
+            if t.dtype != x.dtype or t.device != x.device:
+                return "dtype_device", f"{n.name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}"
+    for n in inter:
+        if is_dropout(n) and dropout_active(n):
+            return "dropout_inactive", f"{n.name} is an active dropout (training mode, p > 0)"
+    why = _check_shapes(c)
+    return ("shapes", why) if why else None
+
+
+# ---- rewrite -------------------------------------------------------------------------------------------
+
+
+def _with_value(n: Node, fn) -> Node:
+    try:
+        n.meta["example_value"] = fn()
+    except Exception:  # the value is a convenience for later passes only
+        pass
+    return n
+
+
+def _view(g, t: Node, method: str, *args) -> Node:
+    n = g.call_method(method, (t, *args))
+    return _with_value(n, lambda: getattr(val(t), method)(*args))
+
+
+def _weight_args(g, p) -> tuple[Node, Node | None]:
+    w, b = p.weight, p.bias
+    if p.transposed:
+        w = _view(g, w, "t")
+    if p.rows is not None:
+        size = p.weight_shape()[0]
+        start = p.rows[0] * size
+        w = _view(g, w, "narrow", 0, start, size)
+        b = _view(g, b, "narrow", 0, start, size) if b is not None else None
+    return w, b
+
+
+def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int]) -> Node:
+    g = gm.graph
+    out = c.down.out
+    with g.inserting_before(out):
+        wg, bg = _weight_args(g, c.gate)
+        wd, bd = _weight_args(g, c.down)
+        if c.up is None:
+            new = g.call_function(torch.ops.mlp_fuser.mlp.default, (c.gate.x, wg, bg, wd, bd, c.act.name))
+        else:
+            wu, bu = _weight_args(g, c.up)
+            args = (c.gate.x, wg, bg, wu, bu, wd, bd, c.act.name)
+            new = g.call_function(torch.ops.mlp_fuser.gated_mlp.default, args)
+    for key in ("example_value", "nn_module_stack", "stack_trace"):
+        if key in out.meta:
+            new.meta[key] = out.meta[key]
+    out.replace_all_uses_with(new)
+    dead = set(c.intermediates()) | {out}
+    for p in (c.gate, c.up, c.down):
+        if p is not None:
+            dead |= set(p.x_nodes) | set(p.w_nodes)
+    for n in sorted(dead, key=lambda n: order.get(n, -1), reverse=True):
+        if not n.users:
+            g.erase_node(n)
+    return new
+
+
+# ---- the pass ---------------------------------------------------------------------------------------------
+
+
+def _fill_get_attr_values(gm: GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and val(n) is None:
+            try:
+                n.meta["example_value"] = gm.get_parameter(n.target)
+            except AttributeError:
+                try:
+                    n.meta["example_value"] = gm.get_buffer(n.target)
+                except AttributeError:
+                    pass
+
+
+def fuse_mlps(
+    gm: GraphModule,
+    *,
+    activations=None,
+    patterns=None,
+    filter_fn: Callable[[str], bool] | None = None,
+    dry_run: bool = False,
+) -> PassReport:
+    """Find, check and (unless ``dry_run``) rewrite every MLP site of ``gm``; return what was fused and missed."""
+    _fill_get_attr_values(gm)
+    report = PassReport()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    seen: set[Node] = set()
+    for n in reversed(list(order)):
+        if n in seen or getattr(n, "_erased", False) or n.op not in ("call_function", "call_method"):
+            continue
+        down = P.match_projection(n)
+        if down is None:
+            continue
+        report.projections += 1
+        seen.update(down.nodes)
+        c = P.find(down)
+        if c is None:
+            continue
+        path = site_path(c)
+        failed = check(c, path, activations, patterns, filter_fn)
+        if failed:
+            report.near_misses.append(NearMiss(path, c.pattern, *failed))
+            continue
+        I, K = c.gate.weight_shape()  # noqa: E741
+        report.fused.append(Site(path, c.pattern, c.act.name, K, I, c.down.weight_shape()[0]))
+        seen.update(c.intermediates())
+        if not dry_run:
+            rewrite(gm, c, order)
+    report.fused.reverse()
+    report.near_misses.reverse()
+    if report.fused and not dry_run:
+        gm.graph.lint()
+        gm.recompile()
+    return report

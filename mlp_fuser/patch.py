@@ -1,0 +1,76 @@
+"""Eager-mode fusion: ``patch(model)`` runs the model's forward through Dynamo with the fusing pass and no Inductor.
+
+Working from the captured graph (not from class names) is what finds MLPs split across modules (BERT's
+``BertIntermediate.dense → GELU`` then ``BertOutput.dense``) and sees HF's control flow resolved. The rewritten
+graph runs op by op, like eager mode. Nothing in the module tree changes: ``state_dict()`` keys and tensors stay
+the same, so save/load, ``.to()``, ``.half()`` and ``generate()`` keep working; Dynamo's guards re-capture the
+graph when dtype, device, shapes or train/eval change, and each capture is checked afresh (dropout included).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .backend import make_backend
+
+_ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
+_MISSING = object()
+
+
+def is_patched(model: nn.Module) -> bool:
+    return _ORIG in model.__dict__
+
+
+def original_forward(model: nn.Module):
+    """The forward as it was before ``patch``."""
+    orig = model.__dict__.get(_ORIG, _MISSING)
+    if orig is _MISSING or orig is None:
+        return type(model).forward.__get__(model)
+    return orig
+
+
+def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None, **options) -> nn.Module:
+    """Fuse ``model``'s MLP blocks in place (eager mode); return ``model``. Idempotent; undone by ``unpatch``.
+
+    ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
+    ancestor of its projections, e.g. ``model.layers.0.mlp``). ``options`` go to ``make_backend``
+    (``activations=``, ``patterns=``).
+    """
+    if is_patched(model):
+        return model
+    orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
+    forward = model.forward
+
+    def path_filter(path: str) -> bool:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            module = None
+        return filter_fn(path, module)
+
+    be = make_backend(inductor=False, filter_fn=path_filter if filter_fn else None, **options)
+    compiled = torch.compile(forward, backend=be)
+
+    @functools.wraps(forward)
+    def fused_forward(*args, **kwargs):
+        return compiled(*args, **kwargs)
+
+    model.__dict__[_ORIG] = orig
+    model.forward = fused_forward
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the forward ``patch`` replaced; return ``model``."""
+    if not is_patched(model):
+        return model
+    orig = model.__dict__.pop(_ORIG)
+    if orig is None:
+        del model.forward
+    else:
+        model.forward = orig
+    return model

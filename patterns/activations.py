@@ -1,0 +1,119 @@
+"""Recognize an activation subgraph and name it in the activation registry.
+
+The subgraph is what lies between a projection's output and the node the rest of the MLP reads: a chain of
+elementwise ops of that one tensor and Python constants (``F.silu``, ``nn.GELU``, HF's ``ACT2FN`` classes, or a
+formula such as gelu_new's ``0.5 * x * (1 + tanh(√(2/π) (x + 0.044715 x³)))``). It is identified by running it in
+float64 on probe points and comparing with each registry activation: the way it is written does not matter,
+only what it computes. Nodes outside the elementwise whitelist end the subgraph.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from mlp_fuser.activations import ACTIVATIONS
+
+from .common import is_identity
+
+ELEMENTWISE_FNS = {
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
+    torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.neg, torch.square,
+    torch.tanh, torch.sigmoid, torch.erf, torch.exp, torch.sqrt, torch.rsqrt, torch.relu,
+    torch.special.erf, torch.special.expit, torch.nn.functional.tanh, torch.nn.functional.sigmoid,
+    F.relu, F.gelu, F.silu, torch._C._nn.gelu,
+}  # fmt: skip
+ELEMENTWISE_METHODS = {
+    "mul", "add", "sub", "div", "pow", "neg", "square", "tanh", "sigmoid", "erf", "exp", "sqrt", "rsqrt", "relu",
+}  # fmt: skip
+MAX_NODES = 32
+
+_PROBE = torch.cat([torch.linspace(-8.0, 8.0, 321), torch.tensor([-30.0, -1e-3, 1e-3, 30.0, math.pi])]).double()
+
+
+@dataclass
+class ActMatch:
+    out: Node  # the activation's output
+    leaf: Node  # its one tensor input (a projection's output)
+    nodes: list[Node] = field(default_factory=list)  # the subgraph, in topological order
+    name: str | None = None  # registry name, or None when it computes none of them
+
+    @property
+    def desc(self) -> str:
+        def short(n):
+            t = n.target
+            return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+        return " → ".join(short(n) for n in self.nodes)
+
+
+def _elementwise(n: Node) -> bool:
+    if n.op == "call_function":
+        return n.target in ELEMENTWISE_FNS or is_identity(n)
+    return n.op == "call_method" and (n.target in ELEMENTWISE_METHODS or is_identity(n))
+
+
+def _inputs(n: Node) -> list[Node]:
+    if is_identity(n):
+        return [n.args[0]] if isinstance(n.args[0], Node) else []
+    found: list[Node] = []
+    map_arg((n.args, n.kwargs), lambda m: found.append(m))
+    return found
+
+
+def _evaluate(nodes: list[Node], leaf: Node, out: Node, x: torch.Tensor) -> torch.Tensor:
+    env = {leaf: x}
+    for n in nodes:
+        if is_identity(n):
+            env[n] = env[n.args[0]]
+            continue
+        args = map_arg(n.args, lambda m: env[m])
+        kwargs = {k: v for k, v in map_arg(n.kwargs, lambda m: env[m]).items() if k != "inplace"}
+        fn = getattr(torch.Tensor, n.target) if n.op == "call_method" else n.target
+        env[n] = fn(*args, **kwargs)
+    return env[out]
+
+
+def identify(nodes: list[Node], leaf: Node, out: Node) -> str | None:
+    """The registry name of the function the subgraph computes, or None."""
+    try:
+        y = _evaluate(nodes, leaf, out, _PROBE.clone())
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
+        return None
+    for name, act in ACTIVATIONS.items():
+        if torch.allclose(y, act.fn(_PROBE), rtol=1e-6, atol=1e-9):
+            return name
+    return None
+
+
+def match(out: Node, is_leaf: Callable[[Node], bool]) -> ActMatch | None:
+    """The elementwise subgraph ending at ``out`` with exactly one tensor input, which ``is_leaf`` accepts."""
+    nodes: list[Node] = []
+    leaves: list[Node] = []
+    seen: set[Node] = set()
+
+    def visit(n: Node) -> bool:
+        if n in seen:
+            return True
+        seen.add(n)
+        if (n is not out and is_leaf(n)) or not _elementwise(n):
+            leaves.append(n)
+            return len(leaves) == 1
+        for m in _inputs(n):
+            if not visit(m):
+                return False
+        nodes.append(n)
+        return len(nodes) <= MAX_NODES
+
+    if not visit(out) or len(leaves) != 1 or not nodes or not is_leaf(leaves[0]):
+        return None
+    return ActMatch(out, leaves[0], nodes, identify(nodes, leaves[0], out))

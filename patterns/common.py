@@ -1,0 +1,81 @@
+"""What every pattern shares: reading FX nodes, pass-through nodes, and the candidate a pattern returns."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
+# Nodes that hand their first argument on unchanged (a no-op cast is checked later by the dtype check).
+IDENTITY_METHODS = ("to", "type_as", "float", "contiguous")
+MUL = (operator.mul, torch.mul)
+
+
+def is_fn(n, *targets) -> bool:
+    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
+
+
+def is_method(n, *names) -> bool:
+    return isinstance(n, Node) and n.op == "call_method" and n.target in names
+
+
+def arg(n: Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def val(n):
+    """The node's example value (a fake tensor under Dynamo), or None."""
+    if not isinstance(n, Node):
+        return None
+    v = n.meta.get("example_value", n.meta.get("val"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_dropout(n) -> bool:
+    return is_fn(n, *DROPOUT)
+
+
+def dropout_active(n: Node) -> bool:
+    p = arg(n, 1, "p", 0.5)
+    training = arg(n, 2, "training" if n.target is not torch.dropout else "train", True)
+    return bool(training) and p != 0
+
+
+def is_identity(n) -> bool:
+    return is_dropout(n) or is_method(n, *IDENTITY_METHODS)
+
+
+def is_mul(n) -> bool:
+    return (is_fn(n, *MUL) or is_method(n, "mul")) and len(n.args) == 2 and all(isinstance(a, Node) for a in n.args)
+
+
+def strip(n: Node) -> tuple[Node, list[Node]]:
+    """Walk back through dropout and no-op-cast nodes; return the first real node and the nodes passed."""
+    passed = []
+    while is_identity(n) and isinstance(n.args[0], Node):
+        passed.append(n)
+        n = n.args[0]
+    return n, passed
+
+
+@dataclass
+class Candidate:
+    """One MLP site as a pattern sees it; the checks and the rewrite live in ``mlp_fuser.fx_pass``."""
+
+    pattern: str
+    down: object  # projections.Proj
+    gate: object  # projections.Proj (the only first projection of a plain MLP)
+    up: object | None
+    act: object  # activations.ActMatch
+    extra: list[Node] = field(default_factory=list)  # mul and pass-through nodes between the pieces
+
+    def intermediates(self) -> list[Node]:
+        """Every node whose value is internal to the MLP: none may have a user outside the site."""
+        nodes = list(self.gate.nodes) + list(self.act.nodes) + list(self.extra)
+        nodes += list(self.up.nodes) if self.up is not None else []
+        nodes += list(self.down.x_nodes) + [n for n in self.down.nodes if n is not self.down.out]
+        return list(dict.fromkeys(nodes))

@@ -1,0 +1,33 @@
+"""Gated MLP: ``down(act(gate(x)) * up(x))`` in either multiplication order (LLaMA, Mistral, Qwen, Gemma, mT5 …)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import activations
+from .common import Candidate, is_mul, strip
+from .projections import Proj, match_projection
+
+
+def match_gated(down: Proj, proj: Callable[[object], Proj | None], pattern: str) -> Candidate | None:
+    """The gated site feeding ``down``, with gate and up recognized by ``proj``."""
+    mul, passed = strip(down.x)
+    if not is_mul(mul):
+        return None
+    for act_side, up_side in (mul.args, mul.args[::-1]):
+        up_base, up_passed = strip(up_side)
+        up = proj(up_base)
+        if up is None:
+            continue
+        act = activations.match(act_side, lambda n: proj(n) is not None)
+        if act is None:
+            continue
+        gate = proj(act.leaf)
+        if gate.out is up.out:
+            continue
+        return Candidate(pattern, down, gate, up, act, passed + [mul] + up_passed)
+    return None
+
+
+def match(down: Proj) -> Candidate | None:
+    return match_gated(down, match_projection, "gated")
