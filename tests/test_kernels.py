@@ -1,7 +1,11 @@
 """The Triton kernels called directly, against a float64 reference.
 
 Bars: fp32 relative error (‖out − ref‖ / ‖ref‖) ≤ 1e-5; 16-bit dtypes at most 1.25 × the error of the unfused
-computation in the same dtype (F.linear and the activation in fp16, as the unfused modules compute it).
+computation in the same dtype (F.linear and the activation in fp16, as the unfused modules compute it), or of the
+"ideal" fused computation if that is larger: float64 throughout except h rounded once and the output rounded once,
+the roundings the fused design makes by definition. The second term matters only for outputs of a few elements
+where the sum cancels: there one sample of the unfused error is luck (simulated in bf16, a 1x127x3x1 case with
+7x cancellation gave the unfused result 0.05% error and the ideal fused one 1.3%).
 Shapes are odd, prime and smaller than a block; weights come in every storage layout the op accepts; outputs
 are poisoned (torch.empty returns NaN while deterministic mode fills uninitialized memory) so an element the
 kernel never writes fails the test.
@@ -44,16 +48,18 @@ def rel_err(out, ref) -> float:
     return diff / ref_norm if ref_norm > 0 else diff
 
 
-def check(out, ref, unfused, dtype):
-    """out and unfused in `dtype`, ref in float64; the bar of the module docstring."""
+def check(out, ref, unfused, ideal, dtype):
+    """out, unfused and ideal in `dtype`, ref in float64; the bar of the module docstring."""
     assert out.dtype == dtype and out.shape == ref.shape
     assert torch.isfinite(out).all(), "non-finite output (an element never written, or NaN read)"
     err = rel_err(out, ref)
     if dtype == torch.float32:
         assert err <= 1e-5, f"fp32 relative error {err:.3g} > 1e-5"
     else:
-        bar = 1.25 * rel_err(unfused, ref)
-        assert err <= bar, f"{dtype} relative error {err:.3g} > 1.25 x unfused {bar / 1.25:.3g}"
+        unfused_err, ideal_err = rel_err(unfused, ref), rel_err(ideal, ref)
+        bar = 1.25 * max(unfused_err, ideal_err)
+        assert err <= bar, f"{dtype} relative error {err:.3g} > 1.25 x max(unfused {unfused_err:.3g}, " \
+                           f"ideal {ideal_err:.3g})"
 
 
 # ---- problems -----------------------------------------------------------------------------------------
@@ -172,7 +178,9 @@ def test_fused_mlp_small_m(s, dtype):
     args = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
     with poisoned_empty():
         y = fused_mlp_small_m(*args, s.act)
-    check(y, reference_mlp(*_f64(args), s.act), reference_mlp(*args, s.act), dtype)
+    x, wg, bg, wu, bu, wd, bd = _f64(args)
+    ideal = F.linear(_gate_up_reference(x, wg, bg, wu, bu, s.act).to(dtype).double(), wd, bd).to(dtype)
+    check(y, reference_mlp(x, wg, bg, wu, bu, wd, bd, s.act), reference_mlp(*args, s.act), ideal, dtype)
 
 
 def _pin_one_config(monkeypatch, s: Shape, dtype):
@@ -191,7 +199,7 @@ def test_gate_up_act(s, dtype, monkeypatch):
     with poisoned_empty():
         h = gate_up_act(x, wg, bg, wu, bu, s.act)
     ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
-    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), dtype)
+    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -202,7 +210,7 @@ def test_gate_up_act_autotuned(M, dtype):
     x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=5)
     h = gate_up_act(x, wg, bg, wu, bu, s.act)
     ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
-    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), dtype)
+    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -217,7 +225,7 @@ def test_act_mul(act, gated, dtype):
     assert h.is_contiguous()
     fn = ACTIVATIONS[act].fn
     ref = fn(g.double()) * u.double() if gated else fn(g.double())
-    check(h, ref, fn(g) * u if gated else fn(g), dtype)
+    check(h, ref, fn(g) * u if gated else fn(g), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("act", ACTS)
