@@ -47,11 +47,11 @@ def make_case(M, K, I, O, *, gated=True, act="silu", dtype=torch.float32, device
               layout="linear", lead=(), x_noncontig=False) -> Case:
     """layout: "linear" (out, in) weights; "conv1d" (in, out) storage passed as .t() views;
     "merged" one (2I, K) gate_up weight passed as two views (gated only)."""
-    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    g = torch.Generator(device=device).manual_seed(torch.randint(0, 2**31, ()).item())
 
     def rnd(*shape, scale=1.0):
-        t = torch.randn(*shape, generator=g, dtype=torch.float64) * scale
-        return t.to(dtype).to(device)
+        t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale
+        return t.to(dtype)
 
     kx = K**-0.5
     if layout == "conv1d":

@@ -14,14 +14,11 @@ pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (run on the H20
 
 IMPLS = [i.name for i in dispatch.IMPLS if i.triton] + [None]  # None: the dispatcher's own choice
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-SIZES = [  # (M, K, I, O, gated, act, bias)
-    (1, 4096, 11008, 4096, True, "silu", False),
+SIZES = [  # (M, K, I, O, gated, act, bias): LLaMA-7B's MLP (K=4096, I=11008) and small, odd ones
     (16, 4096, 11008, 4096, True, "silu", False),
-    (128, 4096, 11008, 4096, True, "silu", False),
-    (600, 4096, 11008, 4096, True, "silu", False),
-    (7, 4096, 11008, 4096, False, "gelu", True),
     (333, 4096, 11008, 4096, False, "gelu", True),
-    (17, 576, 1536, 576, True, "silu", False),
+    (1, 576, 1536, 576, True, "silu", False),
+    (100, 576, 1536, 576, True, "silu", False),
     (5, 130, 127, 3, True, "gelu_tanh", True),
 ]
 

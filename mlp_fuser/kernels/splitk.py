@@ -75,23 +75,20 @@ def _linear_splitk_kernel(
             tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call on this stream
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _workspace(device: torch.device, n_partials: int, n_tiles: int):
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    parts, counters = _workspaces.get(key, (None, None))
-    if parts is None or parts.numel() < n_partials or counters.numel() < n_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mlp_fuser: the split-K workspace must be sized before CUDA-graph capture; "
-                               "run the op once with the same shapes first")
-        n_partials = max(n_partials, parts.numel() if parts is not None else 0)
-        n_tiles = max(n_tiles, counters.numel() if counters is not None else 0)
-        parts = torch.empty(n_partials, device=device, dtype=torch.float32)
-        counters = torch.zeros(n_tiles, device=device, dtype=torch.int32)
-        _workspaces[key] = (parts, counters)
-    return parts, counters
+def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    """Per-tile arrival counters, zero between calls (the last program of each tile resets its own).
+
+    One buffer per device, grown when needed; if it is first needed during a CUDA-graph capture it comes
+    from the graph's pool, which outlives the capture. Two launches running concurrently on different
+    streams would share it: mlp_fuser runs each op on the caller's current stream, in order."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < n_tiles:
+        counters = torch.zeros(max(n_tiles, 1024), device=device, dtype=torch.int32)
+        _counters[device] = counters
+    return counters
 
 
 def _num_sms(device: torch.device) -> int:
@@ -127,7 +124,8 @@ def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conf
     k_per_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
     split = triton.cdiv(K, k_per_split)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    parts, counters = _workspace(h.device, split * M * N if split > 1 else 1, tiles)
+    parts = torch.empty(split * M * N if split > 1 else 1, device=h.device, dtype=torch.float32)
+    counters = _tile_counters(h.device, tiles)
     precision = "ieee" if h.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
     _linear_splitk_kernel[(tiles, split)](
         h, w, b if b is not None else h, y, parts, counters,
