@@ -57,7 +57,7 @@ del model.forward  # back to the class's forward
 torch._dynamo.reset()
 
 reference = results["unfused"][0]
-print(f"reply: {tok.decode(reference, skip_special_tokens=True).strip()!r}")
+print(f"reply: {tok.decode(reference, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()!r}")
 print(f"{'variant':<42} {'ms/token':>9}  tokens")
 for name, (tokens, seconds) in results.items():
     same = "identical" if tokens == reference else "DIFFERENT"

@@ -27,12 +27,19 @@ batch = torch.randint(0, config.vocab_size, (4, 32))
 def train_step(model, forward=None):
     """One step: loss, backward, AdamW. Returns (loss, {name: grad}) before the update."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = (forward or model)(input_ids=batch, labels=batch).loss
+    loss = (model if forward is None else forward)(input_ids=batch, labels=batch).loss
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item(), grads
+
+
+def fused_op_calls(step):
+    """Run ``step()`` under the profiler; return it and how many times mlp_fuser's ops ran (forward and backward)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = step()
+    return result, sum(1 for e in prof.events() if e.name.startswith("mlp_fuser::"))
 
 
 def compare(label, ref, got, atol=1e-5, rtol=1e-4):
@@ -50,12 +57,16 @@ reference = train_step(unfused)
 
 patched = copy.deepcopy(base)
 mlp_fuser.patch(patched)
-compare("mlp_fuser.patch (eager)", reference, train_step(patched))
+result, calls = fused_op_calls(lambda: train_step(patched))
+assert calls >= config.num_hidden_layers, f"the fused op ran {calls} times, expected one per layer at least"
+compare("mlp_fuser.patch (eager)", reference, result)
 for (n, p), q in zip(patched.named_parameters(), unfused.parameters()):
     torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"after the step, {n}: {m}")
 
 compiled_model = copy.deepcopy(base)
 compiled = torch.compile(compiled_model, backend=mlp_fuser.backend)
-compare("torch.compile(backend=mlp_fuser.backend)", reference, train_step(compiled_model, compiled))
+result, calls = fused_op_calls(lambda: train_step(compiled_model, compiled))
+assert calls >= config.num_hidden_layers, f"the fused op ran {calls} times, expected one per layer at least"
+compare("torch.compile(backend=mlp_fuser.backend)", reference, result)
 
 print("training step through the fused op: gradients match the unfused model")

@@ -27,7 +27,7 @@ import torch
 
 from ._hf import load_smollm2, log, step
 
-PROMPT = "What is the capital of France? Answer in one sentence, then name one famous landmark there."
+PROMPT = "Explain in two sentences why the sky is blue."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CPU_NOTE = (
@@ -117,6 +117,10 @@ def _measure(
     return Variant(name, tokens, first, *ms)
 
 
+def _decode(tok: Any, tokens: list[int]) -> str:
+    return tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 def chat_input_ids(tok: Any, prompt: str, device: torch.device) -> torch.Tensor:
     enc = tok.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
@@ -183,7 +187,7 @@ def run(
             teardown()
 
     ref = result.variants[0].tokens
-    result.text = tok.decode(ref, skip_special_tokens=True)
+    result.text = _decode(tok, ref)
     p("")
     p(f"== Greedy generation, {len(ref)} new tokens")
     p(f"prompt: {prompt}")
@@ -197,7 +201,7 @@ def run(
         else:
             k = next((i for i, (a, b) in enumerate(zip(v.tokens, ref)) if a != b), min(len(v.tokens), len(ref)))
             p(f"  {v.name:<42} tokens DIFFER from unfused from position {k}")
-            p(f"      {tok.decode(v.tokens, skip_special_tokens=True).strip()}")
+            p(f"      {_decode(tok, v.tokens).strip()}")
     if result.identical:
         p("Tokens identical: yes, all variants generated the same tokens.")
     else:
