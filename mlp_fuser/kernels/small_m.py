@@ -94,13 +94,15 @@ def _blocks(M: int, I: int, dtype: torch.dtype, device: torch.device) -> dict:  
     if device.type != "cuda":  # the CPU interpreter: small tiles, few numpy ops
         return dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=32, BLOCK_O=32, num_warps=4)
     BLOCK_M = 16 if M <= 16 else 32
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    # 128-wide I slices unless that leaves SMs idle (I=11008: 86 slices of 128 for 132 SMs -> 172 of 64).
-    BLOCK_I = 128 if triton.cdiv(I, 128) * triton.cdiv(M, BLOCK_M) >= n_sm else 64
-    # Shared memory per stage: x (BLOCK_M, BLOCK_K) + two weight tiles (BLOCK_K, BLOCK_I); 3 stages of 34 KiB
-    # for the K loop, 3 of 16 KiB for the O loop: 150 KiB of the H200's 227, in fp16/bf16 and in fp32 alike.
-    BLOCK_K = BLOCK_O = 64 if dtype != torch.float32 else 32
-    return dict(BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K, BLOCK_O=BLOCK_O, num_warps=4, num_stages=3)
+    if dtype == torch.float32:
+        # 128-wide I slices unless that leaves SMs idle (I=11008: 86 slices of 128 for 132 SMs -> 172 of 64).
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        BLOCK_I = 128 if triton.cdiv(I, 128) * triton.cdiv(M, BLOCK_M) >= n_sm else 64
+        return dict(BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_K=32, BLOCK_O=32, num_warps=4, num_stages=3)
+    # fp16/bf16: measured on the H200 (benchmarks/NOTES.md, v1 sweep): 128-wide I slices with a deep, short-K
+    # pipeline stream best (4096x11008 M=1: 71.8 µs vs 84.4 µs for BLOCK_I=64, BLOCK_K=64, 3 stages).
+    # Shared memory: 5 stages of (BLOCK_M·64 + 2·64·128)·2 bytes = 170-180 KiB of the H200's 227.
+    return dict(BLOCK_M=BLOCK_M, BLOCK_I=128, BLOCK_K=64, BLOCK_O=64, num_warps=4, num_stages=5)
 
 
 def fused_mlp_small_m(
