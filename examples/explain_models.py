@@ -8,6 +8,8 @@ prints the explain report, and ends with one summary line per family.
 
 import sys
 
+import torch
+
 import mlp_fuser
 from mlp_fuser._hf import example_inputs, tiny_model
 
@@ -23,10 +25,18 @@ def main(families):
         print(f"==================== {model_type} ({type(model).__name__}) ====================")
         print(text.rstrip())
         print()
-        summary.append((model_type, type(model).__name__, text.strip().splitlines()[0] if text.strip() else ""))
+        patterns = sorted({site.pattern for site in report.fused})
+        activations = sorted({site.activation for site in report.fused})
+        n_fused, n_missed = len(report.fused), len(report.near_misses)
+        summary.append((model_type, type(model).__name__, n_fused, n_missed, patterns, activations))
+        # Dynamo caches compiled frames per code object, and HF's forward wrappers are shared by every model
+        # class: start each model afresh so that the recompile limit is never reached.
+        torch._dynamo.reset()
     print("==================== summary ====================")
-    for model_type, cls, first in summary:
-        print(f"{model_type:<10} {cls:<28} {first}")
+    print(f"{'family':<12} {'model class':<28} {'fused':>5} {'not fused':>9}  pattern(s) / activation(s)")
+    for model_type, cls, n_fused, n_missed, patterns, activations in summary:
+        kinds = f"{', '.join(patterns) or '-'} / {', '.join(activations) or '-'}"
+        print(f"{model_type:<12} {cls:<28} {n_fused:>5} {n_missed:>9}  {kinds}")
 
 
 if __name__ == "__main__":
