@@ -16,16 +16,16 @@ the failed check:
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mlp_fuser import patterns as P
-from mlp_fuser.patterns.common import dropout_active, is_dropout, val
+from mlp_fuser.patterns.common import dropout_active, is_dropout, same, same_shape, val
 
 log = logging.getLogger("mlp_fuser")
 
@@ -78,7 +78,7 @@ def module_path(n: Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']*'\]\.?|^self\.?", "", path)
+    path = re.sub(r"^L\['[^']*'\](\.__self__)?\.?|^self\.?", "", path)
     path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip(".")
@@ -95,20 +95,6 @@ def site_path(c: P.Candidate) -> str:
 
 
 # ---- checks ------------------------------------------------------------------------------------------
-
-
-def _same(a, b) -> bool:
-    """Provably equal (ints or SymInts), without adding guards."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:
-        return False
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 def _users_outside(n: Node, inside: set[Node]) -> str | None:
@@ -129,7 +115,7 @@ def _check_shapes(c: P.Candidate) -> str | None:
     if not all(isinstance(d, int) for s in shapes for d in s):
         return "weight shapes are not static"
     (I, K), *_, (O, I2) = shapes  # noqa: E741
-    if not _same(x.shape[-1], K):
+    if not same(x.shape[-1], K):
         return f"x has {x.shape[-1]} features but the first projection takes {K}"
     if c.up is not None and shapes[1] != shapes[0]:
         return f"gate weight {shapes[0]} and up weight {shapes[1]} differ"
@@ -140,11 +126,11 @@ def _check_shapes(c: P.Candidate) -> str | None:
         if p.bias is not None and (b is None or b.dim() != 1 or b.shape[0] != out * (p.rows[1] if p.rows else 1)):
             return f"bias {p.bias.name} has shape {tuple(b.shape) if b is not None else '?'}, expected ({out},)"
     for p, n in ((c.gate, I), (c.up, I), (c.down, O)):
-        if p is not None and (val(p.out) is None or not _same_shape(val(p.out).shape, (*x.shape[:-1], n))):
+        if p is not None and (val(p.out) is None or not same_shape(val(p.out).shape, (*x.shape[:-1], n))):
             return f"{p.out.name} does not have shape x.shape[:-1] + ({n},)"
     for n in c.act.nodes + c.extra:
         v = val(n)
-        if v is None or not _same_shape(v.shape, (*x.shape[:-1], I)):
+        if v is None or not same_shape(v.shape, (*x.shape[:-1], I)):
             return f"{n.name} does not have the intermediate's shape"
     return None
 
@@ -213,6 +199,16 @@ def _weight_args(g, p) -> tuple[Node, Node | None]:
     return w, b
 
 
+_IN_PLACE_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
+
+
+def _in_place(user: Node, n: Node) -> bool:
+    """``user`` modifies ``n`` in place."""
+    if user.op == "call_function" and user.target in _IN_PLACE_FNS:
+        return user.args[0] is n
+    return user.op == "call_method" and user.target.endswith("_") and user.args[0] is n
+
+
 def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int]) -> Node:
     g = gm.graph
     out = c.down.out
@@ -228,6 +224,12 @@ def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int]) -> Node:
     for key in ("example_value", "nn_module_stack", "stack_trace"):
         if key in out.meta:
             new.meta[key] = out.meta[key]
+    if any(_in_place(u, out) for u in out.users):
+        # The op's output is a view (ops.py reshapes it), and autograd forbids modifying a custom op's view output
+        # in place (Falcon's ``mlp_output += attention_output``): hand those users a copy.
+        with g.inserting_after(new):
+            new = _with_value(g.call_method("clone", (new,)), lambda: val(out).clone())
+        new.meta["nn_module_stack"] = out.meta.get("nn_module_stack", {})
     out.replace_all_uses_with(new)
     dead = set(c.intermediates()) | {out}
     for p in (c.gate, c.up, c.down):

@@ -21,7 +21,7 @@ from torch.fx.node import map_arg
 
 from mlp_fuser.activations import ACTIVATIONS
 
-from .common import is_identity
+from .common import is_identity, same_shape, val
 
 ELEMENTWISE_FNS = {
     operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
@@ -115,5 +115,25 @@ def match(out: Node, is_leaf: Callable[[Node], bool]) -> ActMatch | None:
         return len(nodes) <= MAX_NODES
 
     if not visit(out) or len(leaves) != 1 or not nodes or not is_leaf(leaves[0]):
-        return None
+        return _opaque(out, is_leaf)
     return ActMatch(out, leaves[0], nodes, identify(nodes, leaves[0], out))
+
+
+_SHAPE_OPS = {"view", "reshape", "transpose", "permute", "flatten", "unflatten", "squeeze", "unsqueeze", "expand"}
+
+
+def _opaque(out: Node, is_leaf) -> ActMatch | None:
+    """An elementwise-shaped call the registry cannot read (``F.mish``, a custom ``autograd.Function``, a clipped
+    GELU) between two projections: returned unnamed, so that it is reported as a near miss."""
+    chain, n = [], out
+    for _ in range(3):
+        inputs = [m for m in _inputs(n) if m.op != "get_attr"]
+        chain.insert(0, n)
+        if len(inputs) != 1:
+            return None
+        n = inputs[0]
+        if is_leaf(n):
+            same = val(out) is not None and val(n) is not None and same_shape(val(out).shape, val(n).shape)
+            shape_only = all(c.target in _SHAPE_OPS for c in chain)
+            return ActMatch(out, n, chain, None) if same and not shape_only else None
+    return None

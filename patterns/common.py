@@ -11,7 +11,7 @@ from torch.fx import Node
 
 DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
 # Nodes that hand their first argument on unchanged (a no-op cast is checked later by the dtype check).
-IDENTITY_METHODS = ("to", "type_as", "float", "contiguous")
+IDENTITY_METHODS = ("to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous")
 MUL = (operator.mul, torch.mul)
 
 
@@ -33,6 +33,22 @@ def val(n):
         return None
     v = n.meta.get("example_value", n.meta.get("val"))
     return v if isinstance(v, torch.Tensor) else None
+
+
+def same(a, b) -> bool:
+    """Provably equal ints or SymInts, without adding a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def is_dropout(n) -> bool:

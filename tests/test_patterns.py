@@ -1,0 +1,385 @@
+"""The pattern registry and the safety checks, on small hand-written modules.
+
+Each module is run unfused and through ``mlp_fuser.patch``: the outputs must agree, the number of
+``mlp_fuser::`` op calls (torch.profiler) must be what was expected, and ``explain`` must say what it fused or
+name the check that failed.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mlp_fuser
+
+K, I, O = 16, 32, 24  # noqa: E741
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+def count_ops(fn) -> int:
+    """Calls of the mlp_fuser:: ops during ``fn()``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("mlp_fuser::"))
+
+
+def assert_fused(module, *inputs, n=1, pattern=None, activation=None):
+    """patch(module) gives the unfused outputs with ``n`` op calls; explain reports ``n`` sites."""
+    with torch.no_grad():
+        ref = module(*inputs)
+        report = mlp_fuser.explain(module, *inputs)
+        mlp_fuser.patch(module)
+        out = module(*inputs)
+        ops = count_ops(lambda: module(*inputs))
+    mlp_fuser.unpatch(module)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert ops == n, str(report)
+    assert len(report.fused) == n and not report.near_misses, str(report)
+    for site in report.fused:
+        assert pattern is None or site.pattern == pattern, str(report)
+        assert activation is None or site.activation == activation, str(report)
+    return report
+
+
+def assert_not_fused(module, *inputs, check, train=False):
+    """Nothing is fused, outputs stay the same, and explain names ``check``."""
+    module.train(train)
+    report = mlp_fuser.explain(module, *inputs)
+    torch.manual_seed(1)
+    ref = module(*inputs)
+    mlp_fuser.patch(module)
+    torch.manual_seed(1)
+    out = module(*inputs)
+    ops = count_ops(lambda: module(*inputs))
+    mlp_fuser.unpatch(module)
+    torch.testing.assert_close(out, ref)
+    assert ops == 0
+    assert not report.fused and check in report.checks_failed(), str(report)
+    assert check in str(report) and "Nothing fused" in str(report)
+    return report
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class Plain(nn.Module):
+    def __init__(self, act, bias=True, drop=None):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(K, I, bias=bias), nn.Linear(I, O, bias=bias)
+        self.act = act if isinstance(act, nn.Module) else Lambda(act)
+        self.drop = drop if drop is not None else nn.Identity()
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+class Gated(nn.Module):
+    def __init__(self, act=F.silu, bias=False, up_first=False):
+        super().__init__()
+        self.gate, self.up = nn.Linear(K, I, bias=bias), nn.Linear(K, I, bias=bias)
+        self.down = nn.Linear(I, O, bias=bias)
+        self.act, self.up_first = act, up_first
+
+    def forward(self, x):
+        g, u = self.act(self.gate(x)), self.up(x)
+        return self.down(u * g if self.up_first else g * u)
+
+
+class Merged(nn.Module):
+    def __init__(self, how="chunk", bias=False):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(K, 2 * I, bias=bias), nn.Linear(I, O, bias=bias)
+        self.how = how
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        gate, up = h.chunk(2, dim=-1) if self.how == "chunk" else h.split(I, dim=-1)
+        return self.down(up * F.silu(gate))
+
+
+def x3(*lead):
+    return torch.randn(*(lead or (2, 5)), K)
+
+
+# ---- activations as models write them -------------------------------------------------------------
+
+
+def _gelu_new(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _bloom_gelu(x):
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+ACTS = {
+    "F.gelu": (F.gelu, "gelu"),
+    "F.gelu-tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
+    "nn.GELU": (nn.GELU(), "gelu"),
+    "nn.GELU-tanh": (nn.GELU(approximate="tanh"), "gelu_tanh"),
+    "F.silu": (F.silu, "silu"),
+    "nn.SiLU": (nn.SiLU(), "silu"),
+    "F.relu": (F.relu, "relu"),
+    "torch.relu": (torch.relu, "relu"),
+    "nn.ReLU": (nn.ReLU(), "relu"),
+    "gelu_new-formula": (_gelu_new, "gelu_tanh"),
+    "bloom-formula": (_bloom_gelu, "gelu_tanh"),
+    "gelu-erf-formula": (lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))), "gelu"),
+    "quick_gelu-formula": (lambda x: x * torch.sigmoid(1.702 * x), "quick_gelu"),
+    "silu-formula": (lambda x: x * torch.sigmoid(x), "silu"),
+    "relu2-square": (lambda x: torch.square(F.relu(x)), "relu2"),
+    "relu2-pow": (lambda x: F.relu(x) ** 2, "relu2"),
+}
+
+
+@pytest.mark.parametrize("name", list(ACTS))
+def test_activation_spellings(name):
+    act, expected = ACTS[name]
+    assert_fused(Plain(act), x3(), pattern="plain", activation=expected)
+
+
+ACT2FN_NAMES = {
+    "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python": "gelu", "gelu_accurate": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "silu",
+    "swish": "silu", "relu": "relu", "relu2": "relu2",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", list(ACT2FN_NAMES))
+def test_hf_act2fn(key):
+    act2fn = pytest.importorskip("transformers.activations").ACT2FN
+    assert_fused(Gated(act=act2fn[key]), x3(), pattern="gated", activation=ACT2FN_NAMES[key])
+
+
+# ---- projections and patterns -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(7,), (2, 5), (2, 3, 4)])
+def test_plain_bias_and_leading_dims(bias, lead):
+    assert_fused(Plain(F.gelu, bias=bias), x3(*lead), pattern="plain", activation="gelu")
+
+
+def test_conv1d_gpt2():
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+
+    class GPT2MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc, self.c_proj = conv1d(I, K), conv1d(O, I)
+
+        def forward(self, x):
+            return self.c_proj(_gelu_new(self.c_fc(x)))
+
+    assert_fused(GPT2MLP(), x3(), pattern="plain", activation="gelu_tanh")
+
+
+class MatmulMLP(nn.Module):
+    """Falcon's ``x @ w.T (+ b)`` and an ``(in, out)`` weight used as ``x @ w``."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(I, K) / 4)
+        self.w2 = nn.Parameter(torch.randn(I, O) / 4)  # (in, out)
+        self.b1 = nn.Parameter(torch.randn(I)) if bias else None
+
+    def forward(self, x):
+        h = x @ self.w1.T
+        if self.b1 is not None:
+            h = h + self.b1
+        return F.gelu(h) @ self.w2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_matmul_projections(bias):
+    assert_fused(MatmulMLP(bias), x3(), pattern="plain", activation="gelu")
+
+
+@pytest.mark.parametrize("up_first", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_either_order(up_first, bias):
+    assert_fused(Gated(bias=bias, up_first=up_first), x3(), pattern="gated", activation="silu")
+
+
+@pytest.mark.parametrize("how", ["chunk", "split"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_merged_gate_up(how, bias):
+    assert_fused(Merged(how, bias), x3(), pattern="merged_gate_up", activation="silu")
+
+
+@pytest.mark.parametrize("drop", [nn.Dropout(0.3), Lambda(lambda h: F.dropout(h, 0.5, training=False))])
+def test_eval_dropout_between(drop):
+    assert_fused(Plain(F.relu, drop=drop).eval(), x3(), activation="relu")
+
+
+def test_zero_dropout_in_training_is_fused():
+    m = Plain(F.gelu, drop=nn.Dropout(0.0)).train()
+    x = x3().requires_grad_()
+    ref = m(x)
+    (gx_ref,) = torch.autograd.grad(ref.sum(), x)
+    mlp_fuser.patch(m)
+    out = m(x)
+    assert count_ops(lambda: m(x)) == 1
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, gx_ref)
+
+
+def test_two_sites_in_one_module():
+    m = nn.Sequential(Plain(F.gelu), nn.LayerNorm(O), nn.Linear(O, K), Gated())
+    assert_fused(m, x3(), n=2)
+
+
+# ---- near misses: each safety check -------------------------------------------------------------------
+
+
+class ReturnsIntermediate(Plain):
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        return self.fc2(h), h
+
+
+class StoresIntermediate(Plain):
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        self.last_hidden = h
+        return self.fc2(h)
+
+
+class TwoInputs(Gated):
+    def forward(self, x, y):
+        return self.down(self.act(self.gate(x)) * self.up(y))
+
+
+class CastsToDouble(Plain):
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)).double())
+
+
+def test_near_miss_intermediate_returned():
+    report = assert_not_fused(ReturnsIntermediate(F.gelu), x3(), check="single_use")
+    assert "escapes the graph" in str(report)
+
+
+def test_near_miss_intermediate_stored():
+    assert_not_fused(StoresIntermediate(F.gelu), x3(), check="single_use")
+
+
+def test_near_miss_hooked_intermediate():
+    m = Plain(nn.GELU())
+    seen = []
+    m.act.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    assert_not_fused(m, x3(), check="single_use")
+    assert seen
+
+
+def test_near_miss_gate_and_up_read_different_inputs():
+    assert_not_fused(TwoInputs(), x3(), x3(), check="same_input")
+
+
+def test_near_miss_dtypes():
+    m = CastsToDouble(F.gelu)
+    m.fc2.double()
+    assert_not_fused(m, x3(), check="dtype_device")
+
+
+def test_near_miss_active_dropout():
+    assert_not_fused(Plain(F.gelu, drop=nn.Dropout(0.5)), x3(), check="dropout_inactive", train=True)
+
+
+def test_near_miss_unknown_activation():
+    report = assert_not_fused(Plain(torch.tanh), x3(), check="activation")
+    assert "tanh" in str(report)
+
+
+def test_near_miss_opaque_activation():
+    report = assert_not_fused(Plain(F.mish), x3(), check="activation")
+    assert "mish" in str(report)
+
+
+def test_near_miss_shapes():
+    m = Gated()
+    m.up = nn.Linear(K, 1, bias=False)  # broadcasts against the gate: not a gated MLP
+    assert_not_fused(m, x3(), check="shapes")
+
+
+def test_nothing_found_says_why():
+    report = mlp_fuser.explain(nn.Sequential(nn.Linear(K, I), nn.LayerNorm(I), nn.Linear(I, O)), x3())
+    assert not report.fused and not report.near_misses
+    assert "no Linear → activation → Linear chain" in str(report)
+
+
+# ---- options ---------------------------------------------------------------------------------------------
+
+
+def test_options_allowed_and_filter():
+    x = x3()
+    report = mlp_fuser.explain(Gated(), x, activations=["gelu"])
+    assert report.checks_failed() == {"allowed"}
+    report = mlp_fuser.explain(Gated(), x, patterns=["plain"])
+    assert report.checks_failed() == {"allowed"}
+    m = nn.Sequential(Plain(F.gelu), nn.Linear(O, K), Plain(F.relu))
+    seen = []
+    mlp_fuser.patch(m, filter_fn=lambda path, module: seen.append((path, type(module))) or path == "0")
+    assert count_ops(lambda: m(x)) == 1
+    assert sorted(seen) == [("0", Plain), ("2", Plain)]
+    compiled = torch.compile(Gated(), backend=mlp_fuser.make_backend(enabled=False, inductor=False))
+    assert count_ops(lambda: compiled(x)) == 0
+    compiled = torch.compile(Gated(), backend=mlp_fuser.make_backend(patterns=["plain"], inductor=False))
+    assert count_ops(lambda: compiled(x)) == 0
+    with pytest.raises(ValueError, match="unknown pattern"):
+        mlp_fuser.make_backend(patterns=["nope"])
+
+
+# ---- patch semantics ---------------------------------------------------------------------------------------
+
+
+def test_patch_idempotent_unpatch_state_dict():
+    m = Gated(bias=True)
+    keys = {k: v.data_ptr() for k, v in m.state_dict().items()}
+    assert mlp_fuser.patch(m) is m
+    forward = m.forward
+    assert mlp_fuser.patch(m).forward is forward
+    assert {k: v.data_ptr() for k, v in m.state_dict().items()} == keys
+    x = x3()
+    with torch.no_grad():
+        out = m(x)
+        m.to(torch.float64)  # new dtype: Dynamo re-captures, still fused
+        assert count_ops(lambda: m(x.double())) == 1
+        m.float()
+        fresh = Gated(bias=True)
+        fresh.load_state_dict(m.state_dict())
+        torch.testing.assert_close(fresh(x), out)
+    mlp_fuser.unpatch(m)
+    assert "forward" not in m.__dict__ and mlp_fuser.unpatch(m) is m
+    assert count_ops(lambda: m(x)) == 0
+
+
+# ---- backend -------------------------------------------------------------------------------------------------
+
+
+def test_backend_by_name_inductor_and_log(caplog):
+    m = Merged(bias=True)
+    x = x3()
+    with torch.no_grad():
+        ref = m(x)
+        with caplog.at_level(logging.INFO, logger="mlp_fuser"):
+            compiled = torch.compile(m, backend="mlp_fuser")
+            out = compiled(x)
+        assert count_ops(lambda: compiled(x)) == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert any("fused 1 MLP(s) (merged_gate_up/silu: 1)" in r.getMessage() for r in caplog.records)
