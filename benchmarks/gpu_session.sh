@@ -14,7 +14,7 @@ for step in "$@"; do
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_gpu.py tests/test_splitk.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -15 ;;
     impls) timeout 400 python3 benchmarks/bench_impls.py --shapes ${SHAPES:-0} ${SWEEP:-} 2>&1 | tee "$OUT/impls.log" | tail -20 ;;
-    bench) timeout 560 python3 -m mlp_fuser bench --out "$OUT" 2>&1 | tail -60 ;;
-    generate) timeout 400 python3 benchmarks/bench_generate.py --out "$OUT" 2>&1 | tail -30 ;;
+    bench) timeout ${BENCH_TIMEOUT:-560} python3 -m mlp_fuser bench --out "$OUT" 2>&1 | tail -45 ;;
+    generate) timeout ${GEN_TIMEOUT:-400} python3 benchmarks/bench_generate.py --out "$OUT" --models ${MODELS:-1,0} 2>&1 | tail -30 ;;
   esac
 done

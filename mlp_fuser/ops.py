@@ -37,11 +37,10 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> dispatch.Probl
         names = ("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
     tensors = dict(zip(names, (wg, bg, wu, bu, wd, bd)))
     tensors.pop(None, None)
-    shapes = ", ".join(f"{n}={_shape(t)}" for n, t in {"x": x, **tensors}.items())
-    where = f"mlp_fuser::{op}"
 
-    def fail(exc, msg):
-        raise exc(f"{where}: {msg} (shapes: {shapes})")
+    def fail(exc, msg):  # the message is built only when something is wrong: this runs on every call
+        shapes = ", ".join(f"{n}={_shape(t)}" for n, t in {"x": x, **tensors}.items())
+        raise exc(f"mlp_fuser::{op}: {msg} (shapes: {shapes})")
 
     try:
         get_activation(activation)
