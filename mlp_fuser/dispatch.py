@@ -3,11 +3,13 @@
 Every implementation declares the devices, dtypes and shapes it supports. ``select`` keeps the eligible
 ones; on CUDA, when several are eligible, each is timed once per shape bucket (M rounded up to a power of
 two) and the fastest is cached, so the op is never slower than the best path it knows, the unfused
-cuBLAS path included. Under CUDA-graph capture nothing is timed: run one warm-up call first.
+cuBLAS path included. Candidates are timed by GPU time, each captured in a CUDA graph and replayed.
+Under a caller's CUDA-graph capture nothing is timed: run one warm-up call first.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +20,7 @@ from torch import Tensor
 from . import config
 from .reference import reference_mlp
 
+log = logging.getLogger("mlp_fuser")
 ImplFn = Callable[..., Tensor]  # (x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation) -> y2 (M, O)
 
 
@@ -110,6 +113,8 @@ IMPLS: list[Impl] = [
          notes="aten ops, exactly as the unfused module"),
 ]
 IMPLS_BY_NAME = {i.name: i for i in IMPLS}
+# Eligibility is cached per power-of-two bucket of M, so every M cap must be a power of two.
+assert all(i.max_m is None or i.max_m & (i.max_m - 1) == 0 for i in IMPLS)
 
 
 def eligible(p: Problem) -> list[Impl]:
@@ -120,22 +125,21 @@ def m_bucket(M: int) -> int:
     return 1 if M <= 1 else 1 << (M - 1).bit_length()
 
 
-_choice_cache: dict[tuple, str] = {}
+_choice_cache: dict[tuple, str] = {}  # CUDA autotuning: (device, index, dtype, gated, K, I, O, M bucket) -> name
+_eligible_cache: dict[tuple, list[Impl]] = {}
 
 
 def select(p: Problem, args: tuple | None = None) -> Impl:
     """The implementation to run ``p``; ``args`` (the call's arguments) let CUDA autotuning time candidates."""
-    if config.force_impl:
-        impl = IMPLS_BY_NAME.get(config.force_impl)
-        if impl is None:
-            known = list(IMPLS_BY_NAME)
-            raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
-        reason = impl.why_not(p)
-        if reason is not None:
-            raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
-        return impl
-    candidates = eligible(p)
-    if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
+    ekey = (p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl, config.triton_on_cpu)
+    candidates = _eligible_cache.get(ekey)
+    if candidates is not None and len(candidates) == 1:  # the common cases: CPU, or a forced implementation
+        return candidates[0]
+    if candidates is None:
+        candidates = _eligible_cache[ekey] = _candidates(p)
+        if len(candidates) == 1:
+            return candidates[0]
+    if p.device != "cuda" or not config.autotune or args is None:
         return candidates[0]
     key = (p.device, torch.cuda.current_device(), p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
     name = _choice_cache.get(key)
@@ -147,26 +151,56 @@ def select(p: Problem, args: tuple | None = None) -> Impl:
     return IMPLS_BY_NAME[name]
 
 
+def _candidates(p: Problem) -> list[Impl]:
+    if config.force_impl:
+        impl = IMPLS_BY_NAME.get(config.force_impl)
+        if impl is None:
+            known = list(IMPLS_BY_NAME)
+            raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
+        reason = impl.why_not(p)
+        if reason is not None:
+            raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
+        return [impl]
+    return eligible(p)
+
+
 def _time_candidates(candidates: list[Impl], args: tuple) -> str:
+    """The fastest candidate by GPU time: each one captured in a CUDA graph (so that Python and launch
+    overheads, which graphs remove, do not decide) and replayed; the median of a few replays."""
     best, best_ms = candidates[0].name, float("inf")
     for impl in candidates:
         if impl.name == "reference":
             continue  # the cuBLAS path computes the same thing faster, in fp32 where it matters
         try:
-            for _ in range(2):
-                impl.fn(*args)  # compile and warm up
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(5):
-                start.record()
-                impl.fn(*args)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = sorted(times)[len(times) // 2]
-        except Exception:  # a kernel that fails to compile for this shape is simply not chosen
+            ms = _gpu_ms(impl.fn, args)
+        except Exception as e:  # a kernel that cannot compile for this shape is not chosen; say so
+            log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, _shapes(args), type(e).__name__, e)
             continue
         if ms < best_ms:
             best, best_ms = impl.name, ms
+    log.debug("mlp_fuser: chose %s for %s (%.1f µs)", best, _shapes(args), best_ms * 1e3)
     return best
+
+
+def _shapes(args: tuple) -> str:
+    return " ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else str(a) for a in args)
+
+
+def _gpu_ms(fn: ImplFn, args: tuple, calls: int = 3, reps: int = 7) -> float:
+    for _ in range(2):
+        fn(*args)  # compile, autotune the kernels, size workspaces: never inside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn(*args)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[reps // 2]

@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .activations import get_activation
+from .activations import ACTIVATIONS, ALIASES, get_activation
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KNOWN_ACTIVATIONS = frozenset(ACTIVATIONS) | frozenset(ALIASES)
 
 
 def _shape(t: Optional[Tensor]) -> str:
@@ -30,7 +31,28 @@ def _shape(t: Optional[Tensor]) -> str:
 
 
 def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> dispatch.Problem:
-    """Validate one call; raise TypeError/ValueError naming the op, the argument and the shapes."""
+    """Validate one call and describe it; bad input raises TypeError/ValueError naming the op, the argument
+    and the shapes. This runs on every call, so the common case is a handful of comparisons."""
+    try:
+        dt, dev, K = x.dtype, x.device, x.shape[-1]
+        I, O = wg.shape[0], wd.shape[0]  # noqa: E741
+        ok = (
+            dt in _FLOAT_DTYPES and activation in _KNOWN_ACTIVATIONS and wg.dim() == 2 and wd.dim() == 2
+            and wg.shape[1] == K and wd.shape[1] == I
+            and all(t.dtype == dt and t.device == dev for t in (wg, wd, bg, wu, bu, bd) if t is not None)
+            and (wu is None or wu.shape == wg.shape)
+            and all(b is None or (b.dim() == 1 and b.shape[0] == n) for b, n in ((bg, I), (bu, I), (bd, O)))
+        )
+    except (AttributeError, IndexError, TypeError):
+        ok = False
+    if not ok:
+        _diagnose(op, x, wg, bg, wu, bu, wd, bd, activation)  # raises, naming what is wrong
+    M = x.numel() // K if K else 0
+    return dispatch.Problem(dev.type, dt, M, K, I, O, wu is not None)
+
+
+def _diagnose(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
+    """Find what is wrong with a call that failed check_args' quick test, and raise about it."""
     if wu is None:
         names = ("w1", "b1", None, None, "w2", "b2")
     else:
@@ -78,8 +100,7 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> dispatch.Probl
     for n, b, size in ((names[1], bg, I), ("b_up", bu, I), (names[5], bd, O)):
         if b is not None and b.shape[0] != size:
             fail(ValueError, f"{n} has {b.shape[0]} elements; expected {size}")
-    M = x.numel() // K if K else 0
-    return dispatch.Problem(x.device.type, x.dtype, M, K, I, O, wu is not None)
+    fail(ValueError, "invalid arguments")  # unreachable when the checks above mirror check_args
 
 
 def _forward(op, x, wg, bg, wu, bu, wd, bd, activation):
