@@ -183,6 +183,30 @@ def test_fused_mlp_small_m(s, dtype):
     check(y, reference_mlp(x, wg, bg, wu, bu, wd, bd, s.act), reference_mlp(*args, s.act), ideal, dtype)
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("s", SHAPES[:5], ids=str)
+def test_fused_mlp_small_m_v1_finish_outside(s, dtype):
+    """The v1 finish (fill, kernel, cast in torch) still computes the same thing."""
+    args = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()) + 1)
+    with poisoned_empty():
+        y = fused_mlp_small_m(*args, s.act, block_sizes={"FINISH": False})
+    x, wg, bg, wu, bu, wd, bd = _f64(args)
+    ideal = F.linear(_gate_up_reference(x, wg, bg, wu, bu, s.act).to(dtype).double(), wd, bd).to(dtype)
+    check(y, reference_mlp(x, wg, bg, wu, bu, wd, bd, s.act), reference_mlp(*args, s.act), ideal, dtype)
+
+
+def test_small_m_workspace_is_zero_after_each_call():
+    """The in-kernel finish leaves its accumulator and counters at zero, ready for the next call."""
+    from mlp_fuser.kernels import small_m
+
+    s = SHAPES[4]
+    args = make_inputs(s, torch.float32, seed=7)
+    first = fused_mlp_small_m(*args, s.act)
+    y32, cnt = small_m._workspaces[args[0].device]
+    assert int(cnt.abs().sum()) == 0 and float(y32.abs().sum()) == 0.0
+    torch.testing.assert_close(fused_mlp_small_m(*args, s.act), first, rtol=1e-6, atol=1e-6)
+
+
 def _pin_one_config(monkeypatch, s: Shape, dtype):
     """On the GPU, run one autotune config per case (each config in turn across the cases), not all of them:
     tuning every case would compile ~6 kernels per case. The interpreter has a single config anyway."""
