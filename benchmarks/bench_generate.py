@@ -84,8 +84,8 @@ def run_model(name, cfg_kwargs, args, results):
     with torch.no_grad():
         # ---- prefill ------------------------------------------------------------------------------------
         ids = torch.randint(0, vocab, (1, prefill_len), device=device, generator=g)
-        ref = model(input_ids=ids, use_cache=False).logits
-        for vname, backend in variants.items():
+        ref = model(input_ids=ids, use_cache=False).logits if "prefill" in args.phases else None
+        for vname, backend in variants.items() if "prefill" in args.phases else ():
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend=backend)
             t0 = time.time()
@@ -97,7 +97,7 @@ def run_model(name, cfg_kwargs, args, results):
             log(f"  {ms:.2f} ms")
             write(results, args.out)
         # ---- decode ---------------------------------------------------------------------------------------
-        for batch in (1, 16):
+        for batch in (1, 16) if "decode" in args.phases else ():
             cache_len, pos = 512, 256
             step_ids = torch.randint(0, vocab, (batch, 1), device=device, generator=g)
             cache_position = torch.tensor([pos], device=device)
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
     ap.add_argument("--models", default="", help="comma-separated indexes into CONFIGS (default: all)")
+    ap.add_argument("--phases", default="prefill,decode", help="prefill, decode or both (default)")
     args = ap.parse_args(argv)
     import logging
 
