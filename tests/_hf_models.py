@@ -1,4 +1,4 @@
-"""Tiny random HuggingFace models, one per MLP family (no downloads).
+"""Tiny random HuggingFace models, one per MLP family (no downloads), and an op counter.
 
 ``build(family)`` returns ``(model, inputs, n_mlp)``: an fp32 model in eval mode, a dict of forward kwargs and
 the number of MLP blocks it holds. Dropout probabilities are zeroed so a training step is deterministic.
@@ -96,6 +96,13 @@ def build(family: str, batch: int = 2, seq: int = 7, seed: int = 0):
     if cls == "AutoModelForSeq2SeqLM":
         inputs["decoder_input_ids"] = torch.randint(1, V, (batch, seq - 2), generator=g)
     return model, inputs, n_mlp
+
+
+def count_ops(fn) -> int:
+    """Calls of the ``mlp_fuser::`` ops during ``fn()``, counted with torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("mlp_fuser::"))
 
 
 def main_output(out) -> torch.Tensor:

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf_models import count_ops
 from torch import nn
 
 import mlp_fuser
@@ -22,13 +23,6 @@ K, I, O = 16, 32, 24  # noqa: E741
 def _fresh_dynamo():
     torch._dynamo.reset()
     yield
-
-
-def count_ops(fn) -> int:
-    """Calls of the mlp_fuser:: ops during ``fn()``."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name.startswith("mlp_fuser::"))
 
 
 def assert_fused(module, *inputs, n=1, pattern=None, activation=None):
