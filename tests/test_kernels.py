@@ -185,11 +185,11 @@ def test_fused_mlp_small_m(s, dtype):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("s", SHAPES[:5], ids=str)
-def test_fused_mlp_small_m_v1_finish_outside(s, dtype):
-    """The v1 finish (fill, kernel, cast in torch) still computes the same thing."""
+def test_fused_mlp_small_m_v2_finish_in_kernel(s, dtype):
+    """The v2 finish (arrival counters, one launch) computes the same thing as the default v1."""
     args = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()) + 1)
     with poisoned_empty():
-        y = fused_mlp_small_m(*args, s.act, block_sizes={"FINISH": False})
+        y = fused_mlp_small_m(*args, s.act, block_sizes={"FINISH": True})
     x, wg, bg, wu, bu, wd, bd = _f64(args)
     ideal = F.linear(_gate_up_reference(x, wg, bg, wu, bu, s.act).to(dtype).double(), wd, bd).to(dtype)
     check(y, reference_mlp(x, wg, bg, wu, bu, wd, bd, s.act), reference_mlp(*args, s.act), ideal, dtype)
@@ -201,10 +201,11 @@ def test_small_m_workspace_is_zero_after_each_call():
 
     s = SHAPES[4]
     args = make_inputs(s, torch.float32, seed=7)
-    first = fused_mlp_small_m(*args, s.act)
+    v2 = {"FINISH": True}
+    first = fused_mlp_small_m(*args, s.act, block_sizes=v2)
     y32, cnt = small_m._workspaces[args[0].device]
     assert int(cnt.abs().sum()) == 0 and float(y32.abs().sum()) == 0.0
-    torch.testing.assert_close(fused_mlp_small_m(*args, s.act), first, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_mlp_small_m(*args, s.act, block_sizes=v2), first, rtol=1e-6, atol=1e-6)
 
 
 def _pin_one_config(monkeypatch, s: Shape, dtype):

@@ -7,12 +7,14 @@ Algorithm: split the work over the intermediate dimension I. Program (i, m) owns
      the operand of the next tl.dot);
   3. loop over O in BLOCK_O chunks: partial = h @ w_down[o-block, i-block]ᵀ, tl.atomic_add'ed into an fp32
      workspace y32 (M, O).
-  4. (v2, the default) after adding its partial into an (m-block, o-block) tile, each program counts its arrival
-     (an atomic counter per tile, acq_rel, after a CTA barrier); the last I-block to arrive reads the tile,
+  4. (v2, opt-in with ``block_sizes={"FINISH": True}``) after adding its partial into an (m-block, o-block)
+     tile, each program counts its arrival (an atomic counter per tile, acq_rel, after a CTA barrier); the last I-block to arrive reads the tile,
      adds b_down, casts and stores y, and zeroes the tile and its counter. So y32 is a per-device workspace
      that is zero between calls: one launch in all, no fill and no cast. Calls on one stream are ordered, so
      the workspace is safe to share between them; two calls running at once on different streams are not.
-v1 (``block_sizes={"FINISH": False}``): y32 is filled with b_down before the launch and cast after it (3 launches).
+v1 (the default): y32 is filled with b_down before the launch and cast after it (3 launches). v2 saves two
+launches but puts a CTA barrier and an atomic in every O-block step, which stalls the pipelined w_down
+loads: on the H200 it lost to the two-kernel path (benchmarks/NOTES.md), so v1 stays the default.
 Bytes moved: every weight once (2·I·K + I·O, or I·K + I·O plain) + x read once per I-block (from L2) +
 the reduction: cdiv(I, BLOCK_I) · M · O fp32 atomics. The reduction is negligible at M=1 and grows
 linearly with M: this kernel is for M ≲ 16-64 (dispatch caps it). Blocks of M are the fastest-varying
@@ -156,11 +158,11 @@ def fused_mlp_small_m(
     act = get_activation(activation)
     M, K = x2.shape
     I, O = w_gate.shape[0], w_down.shape[0]  # noqa: E741
-    blocks = {"FINISH": True, **_blocks(M, I, x2.dtype, x2.device), **(block_sizes or {})}
+    blocks = {"FINISH": False, **_blocks(M, I, x2.dtype, x2.device), **(block_sizes or {})}
     y = torch.empty((M, O), dtype=x2.dtype, device=x2.device)
     if y.numel() == 0:
         return y
-    if blocks["FINISH"]:  # v2: one launch; the workspace is zero on entry and on exit
+    if blocks["FINISH"]:  # v2 (opt-in, slower on the H200): one launch; the workspace is zero on entry and exit
         n_tiles = triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(O, blocks["BLOCK_O"])
         y32, cnt = _workspace(x2.device, M * O, n_tiles)
     else:  # v1: fill, kernel, cast
