@@ -10,8 +10,8 @@ Algorithm: split the work over the intermediate dimension I. Program (i, m) owns
   4. (v2, opt-in with ``block_sizes={"FINISH": True}``) after adding its partial into an (m-block, o-block)
      tile, each program counts its arrival (an atomic counter per tile, acq_rel, after a CTA barrier); the
      last I-block to arrive reads the tile, adds b_down, casts and stores y, and zeroes the tile and its
-     counter. So y32 is a per-device workspace that is zero between calls: one launch in all, no fill and no cast. Calls on one stream are ordered, so
-     the workspace is safe to share between them; two calls running at once on different streams are not.
+     counter. y32 is then a per-device workspace that is zero between calls: one launch, no fill, no cast.
+     Calls on one stream are ordered, so they may share it; calls running at once on two streams may not.
 v1 (the default): y32 is filled with b_down before the launch and cast after it (3 launches). v2 saves two
 launches but puts a CTA barrier and an atomic in every O-block step, which stalls the pipelined w_down
 loads: on the H200 it lost to the two-kernel path (benchmarks/NOTES.md), so v1 stays the default.
