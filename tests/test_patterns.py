@@ -377,3 +377,46 @@ def test_backend_by_name_inductor_and_log(caplog):
         assert count_ops(lambda: compiled(x)) == 1
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert any("fused 1 MLP(s) (merged_gate_up/silu: 1)" in r.getMessage() for r in caplog.records)
+
+
+def test_explain_counts_graph_breaks():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Gated(), Plain(F.gelu)
+            self.proj = nn.Linear(O, K)
+
+        def forward(self, x):
+            h = self.proj(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(h)
+
+    report = mlp_fuser.explain(Broken(), x3())
+    assert report.graphs == 2 and report.graph_breaks >= 1 and len(report.fused) == 2, str(report)
+    assert "1 graph break" in str(report)
+
+
+def test_fuse_mlps_on_an_fx_graph_with_get_attr():
+    """The pass also takes a plain torch.fx graph, whose parameters are get_attr nodes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from mlp_fuser.fx_pass import fuse_mlps
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.b1 = nn.Parameter(torch.randn(I, K)), nn.Parameter(torch.randn(I))
+            self.w2 = nn.Parameter(torch.randn(O, I))
+
+        def forward(self, x):
+            return F.linear(F.silu(F.linear(x, self.w1, self.b1)), self.w2)
+
+    m, x = Functional(), x3()
+    gm = torch.fx.symbolic_trace(m)
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(x)
+    report = fuse_mlps(gm)
+    assert [(s.pattern, s.activation, s.K, s.I, s.O) for s in report.fused] == [("plain", "silu", K, I, O)]
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), m(x))
+        assert count_ops(lambda: gm(x)) == 1
