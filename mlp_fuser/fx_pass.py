@@ -78,7 +78,7 @@ def module_path(n: Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']*'\](\.__self__)?\.?|^self\.?", "", path)
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?(\.__self__)?\.?|^self\.?", "", path)  # the root: L['self'], L['args'][0]
     path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip(".")

@@ -10,6 +10,7 @@ graph when dtype, device, shapes or train/eval change, and each capture is check
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -43,7 +44,6 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     if is_patched(model):
         return model
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
-    forward = model.forward
 
     def path_filter(path: str) -> bool:
         try:
@@ -53,14 +53,20 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
         return filter_fn(path, module)
 
     be = make_backend(inductor=False, filter_fn=path_filter if filter_fn else None, **options)
-    compiled = torch.compile(forward, backend=be)
+    if orig is None:
+        # Compile the class's forward and bind it to the model: a deepcopy then rebinds it to the copy.
+        cls_forward = type(model).forward
+        compiled = torch.compile(cls_forward, backend=be)
 
-    @functools.wraps(forward)
-    def fused_forward(*args, **kwargs):
-        return compiled(*args, **kwargs)
+        @functools.wraps(cls_forward)
+        def fused_forward(self, *args, **kwargs):
+            return compiled(self, *args, **kwargs)
 
+        model.forward = types.MethodType(fused_forward, model)
+    else:
+        compiled_orig = torch.compile(orig, backend=be)
+        model.forward = functools.wraps(orig)(lambda *args, **kwargs: compiled_orig(*args, **kwargs))
     model.__dict__[_ORIG] = orig
-    model.forward = fused_forward
     return model
 
 

@@ -5,6 +5,7 @@ Each module is run unfused and through ``mlp_fuser.patch``: the outputs must agr
 name the check that failed.
 """
 
+import copy
 import logging
 import math
 
@@ -358,6 +359,10 @@ def test_patch_idempotent_unpatch_state_dict():
         fresh = Gated(bias=True)
         fresh.load_state_dict(m.state_dict())
         torch.testing.assert_close(fresh(x), out)
+        twin = copy.deepcopy(m)  # the copy's forward runs the copy's weights
+        twin.down.weight.mul_(2)
+        assert count_ops(lambda: twin(x)) == 1
+        torch.testing.assert_close(twin(x), F.linear(F.silu(m.gate(x)) * m.up(x), 2 * m.down.weight, m.down.bias))
     mlp_fuser.unpatch(m)
     assert "forward" not in m.__dict__ and mlp_fuser.unpatch(m) is m
     assert count_ops(lambda: m(x)) == 0
