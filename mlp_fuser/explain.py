@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .fx_pass import CHECKS, NearMiss, Site, fuse_mlps
-from .patch import original_forward
+from .patch import fresh_code, original_forward
 
 
 @dataclass
@@ -79,7 +79,7 @@ def explain(model, *example_inputs, activations=None, patterns=None, **example_k
 
     fn = original_forward(model) if isinstance(model, torch.nn.Module) else model
     breaks = sum(counters["graph_break"].values())
-    torch.compile(fn, backend=record)(*example_inputs, **example_kwargs)
+    torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
     report = Report(graphs=len(graphs), graph_breaks=sum(counters["graph_break"].values()) - breaks)
     for gm in graphs:
         r = fuse_mlps(gm, activations=acts, patterns=set(patterns) if patterns else None, dry_run=True)

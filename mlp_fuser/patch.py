@@ -10,6 +10,7 @@ graph when dtype, device, shapes or train/eval change, and each capture is check
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 from collections.abc import Callable
 
@@ -20,6 +21,22 @@ from .backend import make_backend
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _MISSING = object()
+_ids = itertools.count()
+
+
+def fresh_code(fn):
+    """A function calling ``fn`` through a code object of its own.
+
+    Dynamo keeps its compile cache (and its recompile limit, 8) per code object, and every HF model's forward is
+    the same decorated wrapper; starting Dynamo at a fresh code object gives each patched model, and each explain,
+    a cache of its own instead of exhausting the shared one.
+    """
+
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace(co_name=f"mlp_fuser_{next(_ids)}")
+    return call
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -56,7 +73,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     if orig is None:
         # Compile the class's forward and bind it to the model: a deepcopy then rebinds it to the copy.
         cls_forward = type(model).forward
-        compiled = torch.compile(cls_forward, backend=be)
+        compiled = torch.compile(fresh_code(cls_forward), backend=be)
 
         @functools.wraps(cls_forward)
         def fused_forward(self, *args, **kwargs):
@@ -64,7 +81,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
 
         model.forward = types.MethodType(fused_forward, model)
     else:
-        compiled_orig = torch.compile(orig, backend=be)
+        compiled_orig = torch.compile(fresh_code(orig), backend=be)
         model.forward = functools.wraps(orig)(lambda *args, **kwargs: compiled_orig(*args, **kwargs))
     model.__dict__[_ORIG] = orig
     return model

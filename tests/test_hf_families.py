@@ -135,3 +135,14 @@ def test_generate_patched(family):
         mlp_fuser.patch(model)
         got = model.generate(ids, **kw)
     assert torch.equal(got, ref)
+
+
+def test_many_models_in_one_process():
+    """Every HF forward is one decorated wrapper, so Dynamo's per-code cache (recompile limit 8) is shared by all
+    models; patch and explain start Dynamo at a code object of their own and keep working past that limit."""
+    for family in FAMILIES + ["qwen3", "t5"]:
+        model, inputs, n_mlp = build(family)
+        with torch.no_grad():
+            assert len(mlp_fuser.explain(model, **inputs).fused) == n_mlp, family
+            mlp_fuser.patch(model)
+            assert count_ops(lambda model=model, inputs=inputs: model(**inputs)) == n_mlp, family
