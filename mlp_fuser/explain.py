@@ -15,7 +15,8 @@ class Report:
     fused: list[Site] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     graphs: int = 0
-    graph_breaks: int = 0
+    graph_breaks: int = 0  # distinct graph-break reasons met while capturing
+    break_reasons: list[str] = field(default_factory=list)
     projections: int = 0
 
     def __bool__(self) -> bool:
@@ -35,6 +36,8 @@ class Report:
         if self.near_misses:
             rows = [(m.path or "<root>", m.pattern, m.check, m.reason) for m in self.near_misses]
             lines += ["", "Not fused:", *_table(("module", "resembles", "failed check", "reason"), rows)]
+        if self.break_reasons:
+            lines += ["", "Graph breaks:", *(f"  - {r.splitlines()[0][:200]}" for r in self.break_reasons)]
         if not self.fused:
             lines.append("")
             if self.near_misses:
@@ -78,9 +81,10 @@ def explain(model, *example_inputs, activations=None, patterns=None, **example_k
         return gm.forward
 
     fn = original_forward(model) if isinstance(model, torch.nn.Module) else model
-    breaks = sum(counters["graph_break"].values())
+    before = dict(counters["graph_break"])
     torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
-    report = Report(graphs=len(graphs), graph_breaks=sum(counters["graph_break"].values()) - breaks)
+    reasons = [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
+    report = Report(graphs=len(graphs), graph_breaks=len(reasons), break_reasons=reasons)
     for gm in graphs:
         r = fuse_mlps(gm, activations=acts, patterns=set(patterns) if patterns else None, dry_run=True)
         report.fused += r.fused
