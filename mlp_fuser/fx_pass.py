@@ -16,7 +16,6 @@ the failed check:
 from __future__ import annotations
 
 import logging
-import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,16 +198,6 @@ def _weight_args(g, p) -> tuple[Node, Node | None]:
     return w, b
 
 
-_IN_PLACE_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
-
-
-def _in_place(user: Node, n: Node) -> bool:
-    """``user`` modifies ``n`` in place."""
-    if user.op == "call_function" and user.target in _IN_PLACE_FNS:
-        return user.args[0] is n
-    return user.op == "call_method" and user.target.endswith("_") and user.args[0] is n
-
-
 def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int]) -> Node:
     g = gm.graph
     out = c.down.out
@@ -224,12 +213,6 @@ def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int]) -> Node:
     for key in ("example_value", "nn_module_stack", "stack_trace"):
         if key in out.meta:
             new.meta[key] = out.meta[key]
-    if any(_in_place(u, out) for u in out.users):
-        # The op's output is a view (ops.py reshapes it), and autograd forbids modifying a custom op's view output
-        # in place (Falcon's ``mlp_output += attention_output``): hand those users a copy.
-        with g.inserting_after(new):
-            new = _with_value(g.call_method("clone", (new,)), lambda: val(out).clone())
-        new.meta["nn_module_stack"] = out.meta.get("nn_module_stack", {})
     out.replace_all_uses_with(new)
     dead = set(c.intermediates()) | {out}
     for p in (c.gate, c.up, c.down):

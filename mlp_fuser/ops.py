@@ -113,7 +113,9 @@ def _forward(op, x, wg, bg, wu, bu, wd, bd, activation):
     x2 = x.reshape(p.M, p.K)
     args = (x2, wg, bg, wu, bu, wd, bd, activation)
     impl = dispatch.select(p, args)
-    return impl.fn(*args).view(out_shape)
+    # detach(): the 2-D result reshaped, as a tensor of its own rather than a view, so callers may update it in
+    # place under autograd (Falcon adds the attention output into the MLP output with +=).
+    return impl.fn(*args).view(out_shape).detach()
 
 
 def _fake(op, x, wg, bg, wu, bu, wd, bd, activation):

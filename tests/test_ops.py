@@ -231,3 +231,16 @@ def test_autocast_cuda_bf16():
     assert out.dtype == unfused.dtype == torch.bfloat16
     ref = case.reference64()
     assert rel_err(out, ref) <= 1.25 * rel_err(unfused, ref)
+
+
+def test_output_can_be_updated_in_place_under_autograd():
+    """The op's result is a tensor of its own, not a view: `y += residual` (Falcon) must work in training."""
+    case = make_case(3, 8, 16, 8, lead=(2,), dtype=torch.float64)
+    x = case.x.requires_grad_(True)
+    y = case.op()(x, *case.args()[1:])
+    assert not y._is_view()
+    y += torch.ones_like(y)
+    y.sum().backward()
+    ref_x = case.x.detach().clone().requires_grad_(True)
+    (case.op()(ref_x, *case.args()[1:]) + 1).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
