@@ -8,7 +8,8 @@ the failed check:
 - ``allowed`` / ``filter``: the pattern or activation is not enabled, or the user's filter rejected the site;
 - ``single_use``: an intermediate has a user outside the MLP (returned, stored, captured by a hook);
 - ``same_input``: gate and up read different tensors;
-- ``dtype_device``: the tensors do not share one dtype and device (a cast inside the MLP, mixed weights);
+- ``dtype_device``: the tensors do not share one dtype and device (a cast inside the MLP, mixed weights); under
+  autocast, every value the MLP computes must have the autocast dtype (then the op casts as nn.Linear does);
 - ``dropout_inactive``: a dropout inside the MLP is active (training mode, p > 0);
 - ``shapes``: the weight, bias and output shapes do not chain as one MLP.
 """
@@ -134,6 +135,15 @@ def _check_shapes(c: P.Candidate) -> str | None:
     return None
 
 
+def _autocast_dtype(x) -> torch.dtype | None:
+    """The dtype autocast computes this graph's projections in, when it is on for x's device: the graph was
+    captured under it (Dynamo guards on it), and the op's own autocast kernel casts its inputs the same way
+    ``nn.Linear`` does, so a site whose every computed value has that dtype is the same computation fused."""
+    if not isinstance(x, torch.Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return None
+    return torch.get_autocast_dtype(x.device.type)
+
+
 def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=None) -> tuple[str, str] | None:
     """The first failed check as (name, reason), or None when the site may be fused."""
     if c.act.name is None:
@@ -155,14 +165,20 @@ def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=
     x = val(c.gate.x)
     tensors = [p.weight for p in (c.gate, c.up, c.down) if p is not None]
     tensors += [p.bias for p in (c.gate, c.up, c.down) if p is not None and p.bias is not None]
+    amp = _autocast_dtype(x)
+    computed = set(inter) | {c.down.out}
     for n in tensors + inter + [c.down.out]:
         v = n.meta.get("example_value", n.meta.get("val"))
         vs = list(v) if isinstance(v, (tuple, list)) else [v]
         if x is None or not vs or not all(isinstance(t, torch.Tensor) for t in vs):
             return "dtype_device", f"no dtype/device known for {n.name}"
         for t in vs:
-            if t.dtype != x.dtype or t.device != x.device:
-                return "dtype_device", f"{n.name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}"
+            if t.device != x.device:
+                return "dtype_device", f"{n.name} is on {t.device} but x is on {x.device}"
+            if amp is None and t.dtype != x.dtype:
+                return "dtype_device", f"{n.name} is {t.dtype} but x is {x.dtype}"
+            if amp is not None and n in computed and t.dtype != amp:
+                return "dtype_device", f"{n.name} is {t.dtype} under autocast to {amp}"
     for n in inter:
         if is_dropout(n) and dropout_active(n):
             return "dropout_inactive", f"{n.name} is an active dropout (training mode, p > 0)"

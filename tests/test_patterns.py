@@ -292,6 +292,32 @@ def test_near_miss_dtypes():
     assert_not_fused(m, x3(), check="dtype_device")
 
 
+def test_fused_under_autocast():
+    """Under autocast the projections compute in the autocast dtype; the op's autocast kernel casts the same way,
+    so the site is fused and the output matches the unfused module under the same autocast."""
+    m = Gated(F.silu, bias=True)
+    x = x3()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        ref = m(x)
+        report = mlp_fuser.explain(m, x)
+        mlp_fuser.patch(m)
+        out = m(x)
+        ops = count_ops(lambda: m(x))
+        mlp_fuser.unpatch(m)
+    assert len(report.fused) == 1 and ops == 1, str(report)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+
+
+def test_near_miss_cast_inside_mlp_under_autocast():
+    """A value of another dtype than the autocast dtype inside the MLP is still a near miss."""
+    m = CastsToDouble(F.gelu)
+    m.fc2.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = mlp_fuser.explain(m, x3())
+    assert not report.fused and "dtype_device" in report.checks_failed(), str(report)
+
+
 def test_near_miss_active_dropout():
     assert_not_fused(Plain(F.gelu, drop=nn.Dropout(0.5)), x3(), check="dropout_inactive", train=True)
 
