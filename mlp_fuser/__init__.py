@@ -22,3 +22,8 @@ from .explain import explain  # noqa: E402, F401
 from .patch import patch, unpatch  # noqa: E402, F401
 
 _register_backend()
+
+__all__ = [
+    "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "make_backend", "mlp",
+    "patch", "unpatch",
+]
