@@ -139,8 +139,7 @@ def bench_shape(name, gated, act, biases, K, I, dtype, ms_list, tflops, tbps, ma
             plain_ms = do_bench(run, warmup=10, rep=60, return_mode="median") / n_sets
             times[vname] = (graph_ms * 1e3, plain_ms * 1e3)
         p = dispatch.Problem("cuda", dtype, M, K, I, K, gated)
-        key = ("cuda", torch.cuda.current_device(), dtype, gated, K, I, K, dispatch.m_bucket(M))
-        impl = dispatch._choice_cache.get(key, dispatch.eligible(p)[0].name)
+        impl = dispatch.chosen(p)
         peers = {k: v[0] for k, v in times.items() if k != "fused"}
         best_peer = min(peers, key=peers.get)
         ok = errs["fused"] <= 1.25 * errs["eager"] + 1e-4

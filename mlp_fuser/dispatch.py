@@ -141,7 +141,7 @@ def select(p: Problem, args: tuple | None = None) -> Impl:
             return candidates[0]
     if p.device != "cuda" or not config.autotune or args is None:
         return candidates[0]
-    key = (p.device, torch.cuda.current_device(), p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
+    key = _choice_key(p)
     name = _choice_cache.get(key)
     if name is None:
         if torch.cuda.is_current_stream_capturing():
@@ -149,6 +149,16 @@ def select(p: Problem, args: tuple | None = None) -> Impl:
         name = _time_candidates(candidates, args)
         _choice_cache[key] = name
     return IMPLS_BY_NAME[name]
+
+
+def _choice_key(p: Problem) -> tuple:
+    return (p.device, torch.cuda.current_device(), p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
+
+
+def chosen(p: Problem) -> str:
+    """The name of the implementation ``select`` runs for ``p`` (after its first call on CUDA)."""
+    cached = _choice_cache.get(_choice_key(p)) if p.device == "cuda" else None
+    return cached or select(p).name
 
 
 def _candidates(p: Problem) -> list[Impl]:

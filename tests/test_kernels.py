@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 
 from mlp_fuser.activations import ACTIVATIONS
+from mlp_fuser.dispatch import m_bucket
 from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act, gemm
 from mlp_fuser.reference import reference_mlp
 
@@ -212,7 +213,7 @@ def _pin_one_config(monkeypatch, s: Shape, dtype):
     """On the GPU, run one autotune config per case (each config in turn across the cases), not all of them:
     tuning every case would compile ~6 kernels per case. The interpreter has a single config anyway."""
     kernel = gemm._gate_up_act_kernel
-    fits = [c for c in kernel.configs if gemm.config_fits(c, dtype.itemsize, gemm.m_bucket(s.M))] or kernel.configs
+    fits = [c for c in kernel.configs if gemm.config_fits(c, dtype.itemsize, m_bucket(s.M))] or kernel.configs
     monkeypatch.setattr(kernel, "configs", [fits[zlib.crc32(str(s).encode()) % len(fits)]])
 
 

@@ -174,6 +174,7 @@ def test_compiles_fullgraph_with_dynamic_shapes():
 def test_dispatch_declared_constraints():
     p = dispatch.Problem("cpu", torch.float32, 4, 8, 8, 8, True)
     assert [i.name for i in dispatch.eligible(p)] == ["reference"]
+    assert dispatch.chosen(p) == "reference"
     p = dispatch.Problem("cuda", torch.float64, 4, 8, 8, 8, True)
     assert [i.name for i in dispatch.eligible(p)] == ["reference"]
     p = dispatch.Problem("cuda", torch.bfloat16, 4096, 8, 8, 8, True)

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
+from ..dispatch import m_bucket
 
 
 def _configs() -> list[triton.Config]:
@@ -121,10 +122,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"  # the default; only fp32 operands are affected by it
-
-
-def m_bucket(M: int) -> int:
-    return 1 if M <= 1 else 1 << (M - 1).bit_length()
 
 
 def gate_up_act(

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import dot_precision
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -126,12 +128,11 @@ def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conf
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     parts = torch.empty(split * M * N if split > 1 else 1, device=h.device, dtype=torch.float32)
     counters = _tile_counters(h.device, tiles)
-    precision = "ieee" if h.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
     _linear_splitk_kernel[(tiles, split)](
         h, w, b if b is not None else h, y, parts, counters,
         M, N, K, k_per_split,
         h.stride(0), h.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=precision,
+        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=dot_precision(h.dtype),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
     )
     return y
