@@ -14,6 +14,7 @@ autograd that recomputes the intermediate instead of saving it, and autocast tha
 ``nn.Linear`` does. The compute itself is chosen in ``dispatch.py``.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -47,7 +48,7 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> dispatch.Probl
         ok = False
     if not ok:
         _diagnose(op, x, wg, bg, wu, bu, wd, bd, activation)  # raises, naming what is wrong
-    M = x.numel() // K if K else 0
+    M = math.prod(x.shape[:-1])  # not numel // K, which is 0 rows when K = 0
     return dispatch.Problem(dev.type, dt, M, K, I, O, wu is not None)
 
 
@@ -106,10 +107,8 @@ def _diagnose(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
 def _forward(op, x, wg, bg, wu, bu, wd, bd, activation):
     p = check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
     out_shape = (*x.shape[:-1], p.O)
-    if p.M == 0 or p.K == 0:
-        if p.M == 0:
-            return x.new_empty(out_shape)
-        return dispatch.IMPLS_BY_NAME["reference"].fn(x, wg, bg, wu, bu, wd, bd, activation)
+    if p.M == 0:
+        return x.new_empty(out_shape)
     x2 = x.reshape(p.M, p.K)
     args = (x2, wg, bg, wu, bu, wd, bd, activation)
     impl = dispatch.select(p, args)

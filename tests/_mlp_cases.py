@@ -53,7 +53,7 @@ def make_case(M, K, I, O, *, gated=True, act="silu", dtype=torch.float32, device
         t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale
         return t.to(dtype)
 
-    kx = K**-0.5
+    kx = max(K, 1) ** -0.5
     if layout == "conv1d":
         wg = rnd(K, I, scale=kx).t()
         wu = rnd(K, I, scale=kx).t() if gated else None

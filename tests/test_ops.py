@@ -103,6 +103,14 @@ def test_every_activation_every_impl(force_impl):
             assert rel_err(case.op()(*case.args()), case.reference64()) <= 1e-5, (impl, act)
 
 
+def test_zero_input_features_is_the_bias_path_not_garbage():
+    """K = 0 (an empty input dimension) still has M rows: y = act(b1) @ w2ᵀ + b2, as the unfused module gives."""
+    case = make_case(4, 0, 6, 3, gated=False, act="gelu", lead=(2,))
+    out = case.op()(*case.args())
+    assert out.shape == (2, 4, 3)
+    torch.testing.assert_close(out, case.unfused())
+
+
 def test_cpu_reference_equals_unfused_module_bitwise():
     case = make_case(7, 32, 48, 16, act="silu", lead=(3,))
     assert torch.equal(case.op()(*case.args()), case.unfused())
