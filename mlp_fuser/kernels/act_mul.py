@@ -1,9 +1,12 @@
 """h = act(g) * u, elementwise, in one launch: the glue of the cuBLAS path.
 
-Algorithm: a 2-D grid of (BLOCK_M, BLOCK_N) tiles over h (M, N). Each program loads its tile of g (and u),
-upcasts to fp32, applies the activation and the product in fp32, and stores h in g's dtype.
-Bytes moved: read g and u once, write h once: 3 · M · N · itemsize (2 · M · N · itemsize without u).
-g and u may have any strides (their tile loads use them); h is contiguous.
+Algorithm: each program loads a block of g (and u), upcasts to fp32, applies the activation and the product in
+fp32, and stores h in g's dtype. Two layouts of the same work:
+  - flat (v2, when g and u are contiguous, as cuBLAS writes them): a 1-D grid over M·N elements, BLOCK of them
+    per program, no row/column arithmetic and no ragged row ends: what Inductor generates for this pointwise op;
+  - tiled (v1, any strides): a 2-D grid of (BLOCK_M, BLOCK_N) tiles loaded through the strides.
+Bytes moved: read g and u once, write h once: 3 · M · N · itemsize (2 · M · N · itemsize without u). h is
+contiguous.
 """
 
 from __future__ import annotations
@@ -37,8 +40,23 @@ def _act_mul_kernel(
     tl.store(h_ptr + offs_m[:, None] * N + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def act_mul(g: Tensor, u: Tensor | None, activation: str) -> Tensor:
-    """``act(g) * u`` (or ``act(g)`` when ``u`` is None) computed in fp32, returned contiguous in g's dtype."""
+@triton.jit
+def _act_mul_flat_kernel(g_ptr, u_ptr, h_ptr, n, ACT: tl.constexpr, HAS_U: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    h = ACT(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    if HAS_U:
+        h = h * tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+FLAT = dict(BLOCK=1024, num_warps=4)  # the flat kernel's launch: 8 bf16 elements (16 bytes) per thread
+
+
+def act_mul(g: Tensor, u: Tensor | None, activation: str, *, flat: dict | None = None) -> Tensor:
+    """``act(g) * u`` (or ``act(g)`` when ``u`` is None) computed in fp32, returned contiguous in g's dtype.
+
+    ``flat`` overrides the flat kernel's BLOCK and num_warps (for sweeps)."""
     act = get_activation(activation)
     if g.dim() != 2 or (u is not None and u.shape != g.shape):
         raise ValueError(f"act_mul: g must be 2-D and u None or of g's shape; got {tuple(g.shape)}, "
@@ -46,6 +64,12 @@ def act_mul(g: Tensor, u: Tensor | None, activation: str) -> Tensor:
     M, N = g.shape
     h = torch.empty((M, N), dtype=g.dtype, device=g.device)
     if h.numel() == 0:
+        return h
+    if g.is_contiguous() and (u is None or u.is_contiguous()):
+        launch = {**FLAT, **(flat or {})}
+        grid = (triton.cdiv(h.numel(), launch["BLOCK"]),)
+        _act_mul_flat_kernel[grid](g, u if u is not None else g, h, h.numel(), ACT=act.triton_fn,
+                                   HAS_U=u is not None, **launch)
         return h
     # One row of up to 1024 columns per program when N is wide; several short rows when it is narrow.
     BLOCK_N = min(triton.next_power_of_2(N), 1024)
