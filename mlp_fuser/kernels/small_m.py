@@ -7,14 +7,12 @@ Algorithm: split the work over the intermediate dimension I. Program (i, m) owns
      the operand of the next tl.dot);
   3. loop over O in BLOCK_O chunks: partial = h @ w_down[o-block, i-block]ᵀ, tl.atomic_add'ed into an fp32
      workspace y32 (M, O).
-  4. (v2, opt-in with ``block_sizes={"FINISH": True}``) after adding its partial into an (m-block, o-block)
-     tile, each program counts its arrival (an atomic counter per tile, acq_rel, after a CTA barrier); the
-     last I-block to arrive reads the tile, adds b_down, casts and stores y, and zeroes the tile and its
-     counter. y32 is then a per-device workspace that is zero between calls: one launch, no fill, no cast.
-     Calls on one stream are ordered, so they may share it; calls running at once on two streams may not.
-v1 (the default): y32 is filled with b_down before the launch and cast after it (3 launches). v2 saves two
-launches but puts a CTA barrier and an atomic in every O-block step, which stalls the pipelined w_down
-loads: on the H200 it lost to the two-kernel path (benchmarks/NOTES.md), so v1 stays the default.
+  4. the finish: y32 starts as b_down broadcast (zeros without a bias), filled before the launch, and is
+     cast to the output dtype after it: 3 launches (2 for fp32, which returns y32 itself).
+Two one-launch finishes were built, measured on the H200 and removed (benchmarks/NOTES.md, small_m v2, v3):
+counting arrivals per output tile inside the O loop (v2) stalled the w_down pipeline (2.7x slower), and
+counting once per program with the last program finishing the rows (v3) needed a release fence in every
+thread and a serial finish: 13% slower at M = 1, worse with M. The two extra launches cost ≈ 1 µs each.
 Bytes moved: every weight once (2·I·K + I·O, or I·K + I·O plain) + x read once per I-block (from L2) +
 the reduction: cdiv(I, BLOCK_I) · M · O fp32 atomics. The reduction is negligible at M=1 and grows
 linearly with M: this kernel is for M ≲ 16-64 (dispatch caps it). Blocks of M are the fastest-varying
@@ -35,12 +33,10 @@ from .gemm import dot_precision
 
 @triton.jit
 def _fused_mlp_small_m_kernel(
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, y32_ptr, y_ptr, bd_ptr, cnt_ptr,
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, y32_ptr,
     M, K, I, O,
     stride_xm, stride_xk, stride_wgi, stride_wgk, stride_wui, stride_wuk, stride_wdo, stride_wdi, stride_bg, stride_bu,
-    stride_bd,
-    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    FINISH: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -90,36 +86,8 @@ def _fused_mlp_small_m_kernel(
         partial = tl.dot(h, wd, input_precision=PRECISION)
         mask_y = mask_m[:, None] & mask_o[None, :]
         tl.atomic_add(y_ptrs, partial, mask=mask_y, sem="relaxed")
-        if FINISH:
-            # -- 4. the last I-block to add into this (m-block, o-block) finishes it: y = y32 + b_down, cast,
-            #       then puts y32 and the counter back to zero for the next call (no fill, no cast launch).
-            tl.debug_barrier()  # all of this program's adds are issued before its arrival is counted
-            tile = pid_m * num_o + o
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if arrived == tl.cdiv(I, BLOCK_I) - 1:
-                total = tl.load(y_ptrs, mask=mask_y, other=0.0, cache_modifier=".cg")
-                cols = o * BLOCK_O + offs_o
-                if HAS_BD:
-                    total += tl.load(bd_ptr + cols * stride_bd, mask=mask_o, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + offs_m[:, None] * O + cols[None, :], total.to(y_ptr.dtype.element_ty), mask=mask_y)
-                tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32), mask=mask_y)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
         wd_ptrs += BLOCK_O * stride_wdo
         y_ptrs += BLOCK_O
-
-
-_workspaces: dict[torch.device, tuple[Tensor, Tensor]] = {}
-
-
-def _workspace(device: torch.device, n_y: int, n_tiles: int) -> tuple[Tensor, Tensor]:
-    """The fp32 accumulator and the per-tile arrival counters of the in-kernel finish: one pair per device,
-    all zero between calls (each finishing program zeroes its tile), grown when a call needs more."""
-    y32, cnt = _workspaces.get(device, (None, None))
-    if y32 is None or y32.numel() < n_y or cnt.numel() < n_tiles:
-        y32 = torch.zeros(max(n_y, 1 << 16), device=device, dtype=torch.float32)
-        cnt = torch.zeros(max(n_tiles, 1024), device=device, dtype=torch.int32)
-        _workspaces[device] = (y32, cnt)
-    return y32, cnt
 
 
 def _blocks(M: int, I: int, dtype: torch.dtype, device: torch.device) -> dict:  # noqa: E741
@@ -158,32 +126,24 @@ def fused_mlp_small_m(
     act = get_activation(activation)
     M, K = x2.shape
     I, O = w_gate.shape[0], w_down.shape[0]  # noqa: E741
-    blocks = {"FINISH": False, **_blocks(M, I, x2.dtype, x2.device), **(block_sizes or {})}
-    y = torch.empty((M, O), dtype=x2.dtype, device=x2.device)
-    if y.numel() == 0:
-        return y
-    if blocks["FINISH"]:  # v2 (opt-in, slower on the H200): one launch; the workspace is zero on entry and exit
-        n_tiles = triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(O, blocks["BLOCK_O"])
-        y32, cnt = _workspace(x2.device, M * O, n_tiles)
-    else:  # v1: fill, kernel, cast
-        y32, cnt = torch.empty((M, O), dtype=torch.float32, device=x2.device), y
-        if b_down is not None:
-            y32.copy_(b_down.expand(M, O))  # the bias is the reduction's starting value
-        else:
-            y32.zero_()
+    blocks = {**_blocks(M, I, x2.dtype, x2.device), **(block_sizes or {})}
+    if M == 0 or O == 0:
+        return torch.empty((M, O), dtype=x2.dtype, device=x2.device)
+    y32 = torch.empty((M, O), dtype=torch.float32, device=x2.device)
+    if b_down is not None:
+        y32.copy_(b_down.expand(M, O))  # the bias is the reduction's starting value
+    else:
+        y32.zero_()
     wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
     bg = b_gate if b_gate is not None else y32
     bu = b_up if b_up is not None else y32
-    bd = b_down if b_down is not None else y32
     grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(I, blocks["BLOCK_I"]),)
     _fused_mlp_small_m_kernel[grid](
-        x2, w_gate, bg, wu, bu, w_down, y32, y, bd, cnt,
+        x2, w_gate, bg, wu, bu, w_down, y32,
         M, K, I, O,
         x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1), wu.stride(0), wu.stride(1),
-        w_down.stride(0), w_down.stride(1), bg.stride(0), bu.stride(0), bd.stride(0),
+        w_down.stride(0), w_down.stride(1), bg.stride(0), bu.stride(0),
         ACT=act.triton_fn, HAS_UP=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        HAS_BD=b_down is not None, PRECISION=dot_precision(x2.dtype), **blocks,
+        PRECISION=dot_precision(x2.dtype), **blocks,
     )
-    if blocks["FINISH"]:
-        return y
     return y32 if x2.dtype == torch.float32 else y32.to(x2.dtype)
