@@ -66,6 +66,24 @@ def cuda_time(fn, iters, device):
     return statistics.median(times)
 
 
+def profile(label, fn, iters=5):
+    """Where the GPU time of ``fn`` goes: kernels by total CUDA time per call (``--profile``), to stderr."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) / iters
+    log(f"  profile {label}: {total:.0f} µs of kernels per call, {sum(e.count for e in events) / iters:.0f} launches")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        log(f"    {e.self_device_time_total / iters:9.1f} µs {e.count / iters:6.1f}x  {e.key[:90]}")
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -95,9 +113,11 @@ def run_model(name, cfg_kwargs, args, results):
             results.append(dict(model=name, phase="prefill", tokens=prefill_len, variant=vname, ms=ms,
                                 tokens_per_s=prefill_len / ms * 1e3, logits_rel_err=rel(out, ref)))
             log(f"  {ms:.2f} ms")
+            if args.profile and device == "cuda":
+                profile(f"prefill {vname}", lambda fwd=fwd: fwd(input_ids=ids, use_cache=False))
             write(results, args.out)
         # ---- decode ---------------------------------------------------------------------------------------
-        for batch in (1, 16) if "decode" in args.phases else ():
+        for batch in map(int, args.batches.split(",")) if "decode" in args.phases else ():
             cache_len, pos = 512, 256
             step_ids = torch.randint(0, vocab, (batch, 1), device=device, generator=g)
             cache_position = torch.tensor([pos], device=device)
@@ -127,6 +147,9 @@ def run_model(name, cfg_kwargs, args, results):
                 results.append(dict(model=name, phase=f"decode b={batch}", tokens=batch, variant=vname, ms=ms,
                                     tokens_per_s=batch / ms * 1e3, logits_rel_err=err))
                 log(f"  {ms:.3f} ms/step, {batch / ms * 1e3:.0f} tokens/s")
+                if args.profile and device == "cuda":
+                    profile(f"decode b={batch} {vname} (no graph)", step)
+                    profile(f"decode b={batch} {vname} (graph replay)", fn)
                 write(results, args.out)
     del model
     if device == "cuda":
@@ -140,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
     ap.add_argument("--models", default="", help="comma-separated indexes into CONFIGS (default: all)")
     ap.add_argument("--phases", default="prefill,decode", help="prefill, decode or both (default)")
+    ap.add_argument("--batches", default="1,16", help="decode batch sizes (default: 1,16)")
+    ap.add_argument("--profile", action="store_true", help="also print each variant's kernels by GPU time")
     args = ap.parse_args(argv)
     import logging
 
@@ -156,6 +181,9 @@ def main(argv=None) -> int:
             run_model(name, CONFIGS[name], args, results)
         except Exception as e:  # report, keep the other model's numbers
             log(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}")
+    from mlp_fuser import dispatch
+
+    log("dispatcher's choices:", {k[2:]: v for k, v in dispatch._choice_cache.items()})
     print("\n".join(write(results, args.out)))
     return 0
 

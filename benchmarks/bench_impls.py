@@ -21,7 +21,7 @@ from bench_mlp import L2_BYTES, MS, SHAPES, make_weights, rel_err, unfused  # no
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="0")
+    ap.add_argument("--shapes", default="0", help="indexes into the harness's SHAPES, or KxI for a SwiGLU shape")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--sweep", action="store_true", help="also sweep fused_mlp_small_m block sizes")
     args = ap.parse_args(argv)
@@ -34,8 +34,12 @@ def main(argv=None):
         torch._dynamo.config.recompile_limit = 512
     impls = [i for i in dispatch.IMPLS if i.triton]
     lines = []
-    for si in map(int, args.shapes.split(",")):
-        name, gated, act, biases, K, I, dtype = SHAPES[si]
+    for spec in args.shapes.split(","):
+        if "x" in spec:  # K x I: a SwiGLU shape outside the harness's list, e.g. 2048x5632 (1B class)
+            K, I = map(int, spec.split("x"))  # noqa: E741
+            name, gated, act, biases, dtype = f"SwiGLU {spec}", True, "silu", False, torch.bfloat16
+        else:
+            name, gated, act, biases, K, I, dtype = SHAPES[int(spec)]
         esize = torch.finfo(dtype).bits // 8
         w_bytes = (3 if gated else 2) * K * I * esize
         n_sets = max(1, math.ceil(2.5 * L2_BYTES / w_bytes))

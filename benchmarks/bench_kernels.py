@@ -1,0 +1,139 @@
+"""Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
+
+    python benchmarks/bench_kernels.py [act_mul] [small_m] [overhead]
+
+- act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
+  ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
+- small_m: every candidate of the dispatcher at M = 1-16 (SwiGLU, three sizes), against torch.compile; µs.
+- overhead: the op's CPU cost per call without CUDA graphs (plain eager), and where it goes (cProfile).
+CUDA-graph medians (``triton.testing.do_bench_cudagraph``) unless said; every output is checked.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import functools
+import io
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+
+def _us(fn, rep=50):
+    fn()
+    return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+
+
+def act_mul_sweep():
+    from mlp_fuser.kernels.act_mul import act_mul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    compiled = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
+    variants = [("tiled v1", None)] + [(f"flat {b}/{w}", dict(BLOCK=b, num_warps=w))
+                                       for b in (1024, 2048, 4096) for w in (4, 8)]
+    rows = ["act_mul (silu·mul, bf16): µs (GB/s); 'inductor' = torch.compile of silu(g) * u",
+            f"{'M x I':>14}" + "".join(f"{n:>18}" for n, _ in variants) + f"{'inductor':>18}"]
+    for M, I in ((512, 11008), (2048, 11008), (8192, 11008), (2048, 14336), (8192, 14336)):  # noqa: E741
+        a = torch.randn(M, I, device="cuda", generator=g, dtype=torch.bfloat16)
+        b = torch.randn(M, I, device="cuda", generator=g, dtype=torch.bfloat16)
+        ref = F.silu(a.float()) * b.float()
+        gb = 3 * M * I * 2 / 1e9
+        cells = []
+        for _, flat in variants:
+            if flat is None:  # force the tiled kernel: a column-strided view of the same values
+                a2 = torch.empty(M, 2 * I, device="cuda", dtype=a.dtype)[:, ::2]
+                a2.copy_(a)
+                fn = functools.partial(act_mul, a2, b, "silu")
+            else:
+                fn = functools.partial(act_mul, a, b, "silu", flat=flat)
+            ok = (fn().float() - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
+            us = _us(fn)
+            cells.append(f"{us:8.1f} ({gb / us * 1e6 / 1e3:4.0f}){'' if ok else '!'}")
+        us = _us(functools.partial(compiled, a, b))
+        cells.append(f"{us:8.1f} ({gb / us * 1e6 / 1e3:4.0f})")
+        rows.append(f"{f'{M} x {I}':>14}" + "".join(f"{c:>18}" for c in cells))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def small_m_sweep():
+    from mlp_fuser import dispatch
+    g = torch.Generator(device="cuda").manual_seed(1)
+    impls = [i for i in dispatch.IMPLS if i.triton]
+    names = [i.name for i in impls] + ["compile"]
+    rows = ["the dispatcher's candidates at small M (SwiGLU bf16): µs",
+            f"{'K x I, M':>18}" + "".join(f"{n:>20}" for n in names)]
+    unfused = lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+    compiled = torch.compile(unfused)
+    for K, I in ((4096, 11008), (4096, 14336), (2048, 5632)):  # noqa: E741
+        wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
+        wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
+        for M in (1, 2, 4, 8, 16):
+            x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+            ref = unfused(x.double(), wg.double(), wu.double(), wd.double())
+            bar = 1.25 * ((unfused(x, wg, wu, wd).double() - ref).norm() / ref.norm()).item()
+            cells = []
+            args = (x, wg, None, wu, None, wd, None, "silu")
+            fns = [functools.partial(i.fn, *args) for i in impls]
+            fns += [functools.partial(compiled, x, wg, wu, wd)]
+            for fn in fns:
+                try:
+                    err = ((fn().double() - ref).norm() / ref.norm()).item()
+                    cells.append(f"{_us(fn):.1f}{'' if err <= bar else '!'}")
+                except Exception as e:  # report, go on
+                    cells.append(f"ERR {type(e).__name__}")
+            rows.append(f"{f'{K}x{I}, {M}':>18}" + "".join(f"{c:>20}" for c in cells))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def overhead():
+    import mlp_fuser  # noqa: F401 - registers the ops
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    K, I = 576, 1536  # noqa: E741
+    x = torch.randn(1, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16)
+    op = torch.ops.mlp_fuser.gated_mlp
+    rows = ["op CPU cost per call, plain eager (SwiGLU 576x1536 bf16, M=1): µs"]
+    for label, fn in [("unfused F.linear x3", lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)),
+                      ("mlp_fuser op", lambda: op(x, wg, None, wu, None, wd, None, "silu"))]:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(500):
+            fn()
+        cpu = (time.perf_counter() - t0) / 500 * 1e6
+        torch.cuda.synchronize()
+        rows.append(f"  {label:24} {cpu:7.1f} µs/call")
+        print(rows[-1], flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        op(x, wg, None, wu, None, wd, None, "silu")
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    rows.append(s.getvalue())
+    return rows
+
+
+if __name__ == "__main__":
+    steps = sys.argv[1:] or ["act_mul", "small_m", "overhead"]
+    out = []
+    for step in steps:
+        try:
+            out += {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "overhead": overhead}[step]()
+        except Exception:  # report, keep the other steps' numbers
+            import traceback
+
+            traceback.print_exc()
+            out.append(f"{step}: failed (traceback above)")
+    print("\n".join(out))
