@@ -23,7 +23,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0", help="indexes into the harness's SHAPES, or KxI for a SwiGLU shape")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--sweep", action="store_true", help="also sweep fused_mlp_small_m block sizes")
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
 
@@ -79,39 +78,7 @@ def main(argv=None):
             line = f"M={M}".ljust(30) + "".join(c.rjust(w) for c, w in zip(cells, widths))
             print(line, flush=True)
             lines.append(line)
-    if args.sweep:
-        lines += sweep_small_m()
     print("\n".join(lines))
-
-
-def sweep_small_m():
-    """fused_mlp_small_m over a grid of block sizes, SwiGLU 4096x11008 bf16, M = 1 and 16."""
-    from triton.testing import do_bench_cudagraph
-
-    from mlp_fuser.kernels import fused_mlp_small_m
-
-    K, I = 4096, 11008
-    g = torch.Generator(device="cuda").manual_seed(1)
-    wg, _, wu, _, wd, _ = make_weights(True, False, K, I, torch.bfloat16, 1, g)[0]
-    out = ["small_m sweep (BLOCK_I, BLOCK_K, num_stages, num_warps): µs at M=1, M=16"]
-    for bi in (64, 128):
-        for bk in (64, 128, 256):
-            for st in (3, 5):
-                for nw in (4, 8):
-                    cells = []
-                    for M in (1, 16):
-                        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-                        bs = dict(BLOCK_I=bi, BLOCK_K=bk, num_stages=st, num_warps=nw)
-                        try:
-                            fused_mlp_small_m(x, wg, None, wu, None, wd, None, "silu", block_sizes=bs)
-                            us = do_bench_cudagraph(lambda x=x, bs=bs: fused_mlp_small_m(
-                                x, wg, None, wu, None, wd, None, "silu", block_sizes=bs), rep=30, return_mode="median")
-                            cells.append(f"{us * 1e3:7.1f}")
-                        except Exception as e:
-                            cells.append(f"ERR {type(e).__name__}")
-                    out.append(f"  {bi:4d} {bk:4d} {st} {nw}: " + " ".join(cells))
-                    print(out[-1], flush=True)
-    return out
 
 
 if __name__ == "__main__":

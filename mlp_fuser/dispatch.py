@@ -145,11 +145,22 @@ def select(p: Problem, args: tuple | None = None) -> Impl:
     key = _choice_key(p)
     name = _choice_cache.get(key)
     if name is None:
-        if torch.cuda.is_current_stream_capturing():
-            return candidates[0]
+        if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
+            _warn_capture(p)
+            return IMPLS_BY_NAME["reference"]
         name = _time_candidates(candidates, args)
         _choice_cache[key] = name
     return IMPLS_BY_NAME[name]
+
+
+_warned: set = set()
+
+
+def _warn_capture(p: Problem) -> None:
+    if p not in _warned:
+        _warned.add(p)
+        log.warning("mlp_fuser: first call for %s inside a CUDA-graph capture: running the unfused aten path; "
+                    "call the model once before capturing so the fastest implementation can be chosen", p)
 
 
 def _choice_key(p: Problem) -> tuple:

@@ -63,6 +63,22 @@ def test_gpu_cuda_graph_capture_after_warmup():
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
+def test_gpu_first_call_inside_a_capture_runs_the_aten_path(caplog):
+    """A shape first seen under a caller's CUDA-graph capture cannot be timed or autotuned there: the op runs
+    the unfused aten path, says so, and the captured graph computes the right thing."""
+    case = make_case(3, 640, 1792, 640, dtype=torch.bfloat16, device="cuda")  # a shape no other test uses
+    args = case.args()
+    graph = torch.cuda.CUDAGraph()
+    with caplog.at_level("WARNING", logger="mlp_fuser"), torch.cuda.graph(graph):
+        out = case.op()(*args)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = case.reference64()
+    assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused(), ref)
+    assert any("inside a CUDA-graph capture" in r.getMessage() for r in caplog.records)
+
+
 def test_gpu_backward_matches_unfused():
     case = make_case(33, 256, 704, 256, dtype=torch.float32, device="cuda", bias=(True, True, True))
     leaves = [t.detach().requires_grad_(True) for t in (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)]

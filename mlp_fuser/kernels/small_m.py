@@ -7,8 +7,10 @@ Algorithm: split the work over the intermediate dimension I. Program (i, m) owns
      the operand of the next tl.dot);
   3. loop over O in BLOCK_O chunks: partial = h @ w_down[o-block, i-block]ᵀ, tl.atomic_add'ed into an fp32
      workspace y32 (M, O).
-  4. the finish: y32 starts as b_down broadcast (zeros without a bias), filled before the launch, and is
-     cast to the output dtype after it: 3 launches (2 for fp32, which returns y32 itself).
+  4. the finish: y32 is zeroed before the launch; after it, one small kernel adds b_down and casts to the
+     output dtype: 3 launches (2 for fp32 without a bias, which returns y32 itself).
+Block sizes are autotuned per (M bucket, K, I, O, gated, dtype) over a few configs (BLOCK_I, BLOCK_K, pipeline
+depth); Triton's autotuner zeroes y32 before each trial and before the real run.
 Two one-launch finishes were built, measured on the H200 and removed (benchmarks/NOTES.md, small_m v2, v3):
 counting arrivals per output tile inside the O loop (v2) stalled the w_down pipeline (2.7x slower), and
 counting once per program with the last program finishing the rows (v3) needed a release fence in every
@@ -22,19 +24,56 @@ The atomic order makes the last bits of y32 nondeterministic run to run.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
+from ..dispatch import m_bucket
 from .gemm import dot_precision
 
 
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: one small config, no tuning
+        return [triton.Config(dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=32, BLOCK_O=32), num_warps=4)]
+    configs = []
+    for bm in (16, 32):
+        # fp16/bf16 (BLOCK_K >= 64). The first was the best of a 24-point sweep for SwiGLU 4096x11008 at M=1 on
+        # the H200 (71.8 µs; benchmarks/NOTES.md); the others trade slice width against pipeline depth.
+        for bi, bk, stages in ((128, 64, 5), (128, 128, 3), (64, 128, 5), (64, 64, 6), (128, 128, 5)):
+            configs.append(triton.Config(dict(BLOCK_M=bm, BLOCK_I=bi, BLOCK_K=bk, BLOCK_O=64), num_warps=4,
+                                         num_stages=stages))
+        for bi in (128, 64):  # fp32 (BLOCK_K = 32)
+            configs.append(triton.Config(dict(BLOCK_M=bm, BLOCK_I=bi, BLOCK_K=32, BLOCK_O=32), num_warps=4,
+                                         num_stages=3))
+    return configs
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the configs for this dtype and M whose pipelined K-loop tiles fit in shared memory."""
+    itemsize = named_args["x_ptr"].element_size()
+    block_m = 16 if named_args["M_BUCKET"] <= 16 else 32
+    n_w = 2 if kwargs.get("HAS_UP", True) else 1
+    keep = []
+    for c in configs:
+        k = c.kwargs
+        stage_bytes = (k["BLOCK_M"] * k["BLOCK_K"] + n_w * k["BLOCK_K"] * k["BLOCK_I"]) * itemsize
+        fp32_config = k["BLOCK_K"] == 32
+        if k["BLOCK_M"] == block_m and fp32_config == (itemsize == 4) and c.num_stages * stage_bytes <= 200 * 1024:
+            keep.append(c)
+    return keep or configs[:1]
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "K", "I", "O", "HAS_UP"],
+                 prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["y32_ptr"])
 @triton.jit
 def _fused_mlp_small_m_kernel(
     x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, y32_ptr,
     M, K, I, O,
+    M_BUCKET,  # a power of two >= M: the autotuning key, unused by the kernel
     stride_xm, stride_xk, stride_wgi, stride_wgk, stride_wui, stride_wuk, stride_wdo, stride_wdi, stride_bg, stride_bu,
     ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
@@ -90,20 +129,15 @@ def _fused_mlp_small_m_kernel(
         y_ptrs += BLOCK_O
 
 
-def _blocks(M: int, I: int, dtype: torch.dtype, device: torch.device) -> dict:  # noqa: E741
-    """Block sizes by heuristic (no autotuning: the atomics would need the workspace reset per trial)."""
-    if device.type != "cuda":  # the CPU interpreter: small tiles, few numpy ops
-        return dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=32, BLOCK_O=32, num_warps=4)
-    BLOCK_M = 16 if M <= 16 else 32
-    if dtype == torch.float32:
-        # 128-wide I slices unless that leaves SMs idle (I=11008: 86 slices of 128 for 132 SMs -> 172 of 64).
-        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        BLOCK_I = 128 if triton.cdiv(I, 128) * triton.cdiv(M, BLOCK_M) >= n_sm else 64
-        return dict(BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_K=32, BLOCK_O=32, num_warps=4, num_stages=3)
-    # fp16/bf16: measured on the H200 (benchmarks/NOTES.md, v1 sweep): 128-wide I slices with a deep, short-K
-    # pipeline stream best (4096x11008 M=1: 71.8 µs vs 84.4 µs for BLOCK_I=64, BLOCK_K=64, 3 stages).
-    # Shared memory: 5 stages of (BLOCK_M·64 + 2·64·128)·2 bytes = 170-180 KiB of the H200's 227.
-    return dict(BLOCK_M=BLOCK_M, BLOCK_I=128, BLOCK_K=64, BLOCK_O=64, num_warps=4, num_stages=5)
+@triton.jit
+def _finish_kernel(y32_ptr, b_ptr, y_ptr, n, O, stride_b, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    """y = y32 + b (broadcast over rows), cast to y's dtype; flat over the M·O elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y32_ptr + offs, mask=mask, other=0.0)
+    if HAS_B:
+        y += tl.load(b_ptr + (offs % O) * stride_b, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_mlp_small_m(
@@ -115,35 +149,35 @@ def fused_mlp_small_m(
     w_down: Tensor,
     b_down: Tensor | None,
     activation: str,
-    *,
-    block_sizes: dict | None = None,
 ) -> Tensor:
-    """y (M, O) = down(act(gate(x2)) * up(x2)) (no product when w_up is None), in x2's dtype.
-
-    ``block_sizes`` overrides entries of the heuristic's choice (BLOCK_M/I/K/O, num_warps, num_stages): for
-    benchmarks that sweep them.
-    """
+    """y (M, O) = down(act(gate(x2)) * up(x2)) (no product when w_up is None), in x2's dtype."""
     act = get_activation(activation)
     M, K = x2.shape
     I, O = w_gate.shape[0], w_down.shape[0]  # noqa: E741
-    blocks = {**_blocks(M, I, x2.dtype, x2.device), **(block_sizes or {})}
     if M == 0 or O == 0:
         return torch.empty((M, O), dtype=x2.dtype, device=x2.device)
-    y32 = torch.empty((M, O), dtype=torch.float32, device=x2.device)
-    if b_down is not None:
-        y32.copy_(b_down.expand(M, O))  # the bias is the reduction's starting value
-    else:
-        y32.zero_()
+    y32 = torch.zeros((M, O), dtype=torch.float32, device=x2.device)
     wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
     bg = b_gate if b_gate is not None else y32
     bu = b_up if b_up is not None else y32
-    grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(I, blocks["BLOCK_I"]),)
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_I"]),)
+
     _fused_mlp_small_m_kernel[grid](
         x2, w_gate, bg, wu, bu, w_down, y32,
-        M, K, I, O,
+        M, K, I, O, m_bucket(M),
         x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1), wu.stride(0), wu.stride(1),
         w_down.stride(0), w_down.stride(1), bg.stride(0), bu.stride(0),
         ACT=act.triton_fn, HAS_UP=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        PRECISION=dot_precision(x2.dtype), **blocks,
+        PRECISION=dot_precision(x2.dtype),
     )
-    return y32 if x2.dtype == torch.float32 else y32.to(x2.dtype)
+    if x2.dtype == torch.float32 and b_down is None:
+        return y32
+    y = torch.empty((M, O), dtype=x2.dtype, device=x2.device)
+    BLOCK = 1024
+    _finish_kernel[(triton.cdiv(M * O, BLOCK),)](
+        y32, b_down if b_down is not None else y32, y, M * O, O, b_down.stride(0) if b_down is not None else 0,
+        HAS_B=b_down is not None, BLOCK=BLOCK, num_warps=4,
+    )
+    return y
