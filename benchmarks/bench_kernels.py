@@ -1,10 +1,11 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
-    python benchmarks/bench_kernels.py [act_mul] [small_m] [overhead]
+    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
 - small_m: every candidate of the dispatcher at M = 1-16 (SwiGLU, three sizes), against torch.compile; µs.
+- graph_gap: at large M, the op inside a CUDA graph and with plain launches, beside its kernels without the op.
 - overhead: the op's CPU cost per call without CUDA graphs (plain eager), and where it goes (cProfile).
 CUDA-graph medians (``triton.testing.do_bench_cudagraph``) unless said; every output is checked.
 """
@@ -91,6 +92,43 @@ def small_m_sweep():
     return rows
 
 
+def graph_gap():
+    """Large M: the op timed inside a CUDA graph against plain launches, beside the same kernels called without
+    the op, to see whether the op's wrapper or the graph costs time (SwiGLU 4096x11008 bf16)."""
+    from triton.testing import do_bench
+
+    from mlp_fuser import config, dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    K, I = 4096, 11008  # noqa: E741
+    wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
+    wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
+    unfused = lambda x: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+    compiled = torch.compile(unfused, dynamic=False)
+    rows = ["graph vs plain at large M (SwiGLU 4096x11008 bf16): µs, graph / plain"]
+    old = config.force_impl
+    config.force_impl = "cublas_act_mul"
+    try:
+        for M in (2048, 8192):
+            x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+            variants = {
+                "op (cublas_act_mul)": functools.partial(torch.ops.mlp_fuser.gated_mlp, x, wg, None, wu, None, wd,
+                                                         None, "silu"),
+                "impl fn, no op": functools.partial(dispatch.IMPLS_BY_NAME["cublas_act_mul"].fn, x, wg, None, wu,
+                                                    None, wd, None, "silu"),
+                "eager unfused": functools.partial(unfused, x),
+                "compile unfused": functools.partial(compiled, x),
+            }
+            for name, fn in variants.items():
+                fn()
+                plain = do_bench(fn, rep=100, return_mode="median") * 1e3
+                rows.append(f"  M={M:5d} {name:22} {_us(fn, rep=100):8.1f} / {plain:8.1f}")
+                print(rows[-1], flush=True)
+    finally:
+        config.force_impl = old
+    return rows
+
+
 def overhead():
     import mlp_fuser  # noqa: F401 - registers the ops
 
@@ -122,6 +160,14 @@ def overhead():
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
     rows.append(s.getvalue())
+    # the same calls seen by the torch profiler: aten ops and CUDA runtime calls (a synchronisation would show)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+        for _ in range(100):
+            op(x, wg, None, wu, None, wd, None, "silu")
+        torch.cuda.synchronize()
+    rows.append(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
     return rows
 
 
@@ -130,7 +176,9 @@ if __name__ == "__main__":
     out = []
     for step in steps:
         try:
-            out += {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "overhead": overhead}[step]()
+            steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
+                             "overhead": overhead}
+            out += steps_by_name[step]()
         except Exception:  # report, keep the other steps' numbers
             import traceback
 
