@@ -66,14 +66,16 @@ def cuda_time(fn, iters, device):
     return statistics.median(times)
 
 
-def profile(label, fn, iters=5):
-    """Where the GPU time of ``fn`` goes: kernels by total CUDA time per call (``--profile``), to stderr."""
+def profile(label, fn, iters=5, cpu=False):
+    """Where the GPU time of ``fn`` goes: kernels by total CUDA time per call (``--profile``), to stderr; with
+    ``cpu`` (``--profile-cpu``) also the CPU side: ops and CUDA runtime calls by self CPU time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    with torch_profile(activities=activities) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
@@ -82,6 +84,12 @@ def profile(label, fn, iters=5):
     log(f"  profile {label}: {total:.0f} µs of kernels per call, {sum(e.count for e in events) / iters:.0f} launches")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
         log(f"    {e.self_device_time_total / iters:9.1f} µs {e.count / iters:6.1f}x  {e.key[:90]}")
+    if cpu:
+        log(f"  CPU side of {label}, per call: self CPU µs, CPU total µs, calls")
+        cpu_events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        for e in sorted(cpu_events, key=lambda e: -e.self_cpu_time_total)[:25]:
+            log(f"    {e.self_cpu_time_total / iters:9.1f} {e.cpu_time_total / iters:9.1f} {e.count / iters:7.1f}x  "
+                f"{e.key[:80]}")
 
 
 def rel(a, b):
@@ -113,8 +121,8 @@ def run_model(name, cfg_kwargs, args, results):
             results.append(dict(model=name, phase="prefill", tokens=prefill_len, variant=vname, ms=ms,
                                 tokens_per_s=prefill_len / ms * 1e3, logits_rel_err=rel(out, ref)))
             log(f"  {ms:.2f} ms")
-            if args.profile and device == "cuda":
-                profile(f"prefill {vname}", lambda fwd=fwd: fwd(input_ids=ids, use_cache=False))
+            if (args.profile or args.profile_cpu) and device == "cuda":
+                profile(f"prefill {vname}", lambda fwd=fwd: fwd(input_ids=ids, use_cache=False), cpu=args.profile_cpu)
             write(results, args.out)
         # ---- decode ---------------------------------------------------------------------------------------
         for batch in map(int, args.batches.split(",")) if "decode" in args.phases else ():
@@ -165,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default="prefill,decode", help="prefill, decode or both (default)")
     ap.add_argument("--batches", default="1,16", help="decode batch sizes (default: 1,16)")
     ap.add_argument("--profile", action="store_true", help="also print each variant's kernels by GPU time")
+    ap.add_argument("--profile-cpu", action="store_true", help="with the prefill profile, its CPU side too")
     args = ap.parse_args(argv)
     import logging
 
