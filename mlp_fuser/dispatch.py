@@ -148,7 +148,7 @@ def select(p: Problem, args: tuple | None = None) -> Impl:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
             return IMPLS_BY_NAME["reference"]
-        name = _time_candidates(candidates, args)
+        name = _time_candidates(candidates, args, p)
         _choice_cache[key] = name
     return IMPLS_BY_NAME[name]
 
@@ -160,7 +160,7 @@ def _warn_capture(p: Problem) -> None:
     if p not in _warned:
         _warned.add(p)
         log.warning("mlp_fuser: first call for %s inside a CUDA-graph capture: running the unfused aten path; "
-                    "call the model once before capturing so the fastest implementation can be chosen", p)
+                    "call the model once before capturing so the fastest implementation can be chosen", describe(p))
 
 
 def _choice_key(p: Problem) -> tuple:
@@ -186,7 +186,7 @@ def _candidates(p: Problem) -> list[Impl]:
     return eligible(p)
 
 
-def _time_candidates(candidates: list[Impl], args: tuple) -> str:
+def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
     """The fastest candidate by GPU time: each one captured in a CUDA graph (so that Python and launch
     overheads, which graphs remove, do not decide) and replayed. The GPU is kept busy for a moment first and
     the candidates are timed in interleaved rounds: right after an idle stretch (a model's compilation) the
@@ -198,7 +198,7 @@ def _time_candidates(candidates: list[Impl], args: tuple) -> str:
         try:
             graphs[impl.name] = _capture(impl.fn, args)
         except Exception as e:  # a kernel that cannot compile for this shape is not chosen; say so
-            log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, _shapes(args), type(e).__name__, e)
+            log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, describe(p), type(e).__name__, e)
     if not graphs:
         return candidates[0].name
     t0 = time.perf_counter()
@@ -217,13 +217,16 @@ def _time_candidates(candidates: list[Impl], args: tuple) -> str:
             times[name].append(start.elapsed_time(end))
     ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     best = min(ms, key=ms.get)
-    log.info("mlp_fuser: chose %s for %s (%s)", best, _shapes(args),
+    log.info("mlp_fuser: chose %s for %s (%s)", best, describe(p),
               ", ".join(f"{n} {t / _CALLS * 1e3:.1f} µs" for n, t in ms.items()))
     return best
 
 
-def _shapes(args: tuple) -> str:
-    return " ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else str(a) for a in args)
+def describe(p: Problem) -> str:
+    """One line for logs: the MLP's kind, sizes, dtype and the M bucket a choice is cached for."""
+    dtype = str(p.dtype).removeprefix("torch.")
+    return (f"{'gated' if p.gated else 'plain'} MLP K={p.K} I={p.I} O={p.O} {dtype}, "
+            f"M={p.M} (bucket {m_bucket(p.M)})")
 
 
 _CALLS = 3  # calls per captured graph

@@ -190,6 +190,11 @@ def test_dispatch_declared_constraints():
     assert dispatch.IMPLS_BY_NAME["triton_small_m"].why_not(p).startswith("M=4096")
 
 
+def test_dispatch_describes_a_problem_in_one_line():
+    p = dispatch.Problem("cuda", torch.bfloat16, 3, 4096, 11008, 4096, True)
+    assert dispatch.describe(p) == "gated MLP K=4096 I=11008 O=4096 bfloat16, M=3 (bucket 4)"
+
+
 def test_forcing_an_impl_that_cannot_run_is_an_error(monkeypatch):
     monkeypatch.setattr(config, "force_impl", "triton_gemm")
     monkeypatch.setattr(config, "triton_on_cpu", False)
