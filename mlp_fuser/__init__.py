@@ -19,11 +19,11 @@ def _register_backend() -> None:
 
 from .backend import backend, make_backend  # noqa: E402, F401
 from .explain import explain  # noqa: E402, F401
-from .patch import patch, unpatch  # noqa: E402, F401
+from .patch import is_patched, patch, unpatch  # noqa: E402, F401
 
 _register_backend()
 
 __all__ = [
-    "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "make_backend", "mlp",
-    "patch", "unpatch",
+    "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "is_patched", "make_backend",
+    "mlp", "patch", "unpatch",
 ]

@@ -20,6 +20,7 @@ from torch import nn
 from .backend import make_backend
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
+_FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
 _MISSING = object()
 _ids = itertools.count()
 
@@ -40,7 +41,11 @@ def fresh_code(fn):
 
 
 def is_patched(model: nn.Module) -> bool:
-    return _ORIG in model.__dict__
+    """Whether ``model.forward`` is the fused forward ``patch`` installed. A patched model that went through
+    pickling (``torch.save`` / ``torch.load``) comes back unpatched: its fused forward is a compiled function,
+    not state, and pickle restores the plain bound method in its place."""
+    forward = model.__dict__.get("forward")
+    return _ORIG in model.__dict__ and getattr(getattr(forward, "__func__", forward), _FUSED, False)
 
 
 def original_forward(model: nn.Module):
@@ -60,6 +65,8 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     """
     if is_patched(model):
         return model
+    if _ORIG in model.__dict__:  # unpickled from a patched model: drop the stale entries, then patch afresh
+        _restore(model)
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
 
     def path_filter(path: str) -> bool:
@@ -79,21 +86,31 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
         def fused_forward(self, *args, **kwargs):
             return compiled(self, *args, **kwargs)
 
+        setattr(fused_forward, _FUSED, True)
         model.forward = types.MethodType(fused_forward, model)
     else:
         compiled_orig = torch.compile(fresh_code(orig), backend=be)
-        model.forward = functools.wraps(orig)(lambda *args, **kwargs: compiled_orig(*args, **kwargs))
+
+        @functools.wraps(orig)
+        def fused_instance_forward(*args, **kwargs):
+            return compiled_orig(*args, **kwargs)
+
+        setattr(fused_instance_forward, _FUSED, True)
+        model.forward = fused_instance_forward
     model.__dict__[_ORIG] = orig
     return model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the forward ``patch`` replaced; return ``model``."""
-    if not is_patched(model):
-        return model
+    if _ORIG in model.__dict__:  # patched, or unpickled from a patched model
+        _restore(model)
+    return model
+
+
+def _restore(model: nn.Module) -> None:
     orig = model.__dict__.pop(_ORIG)
     if orig is None:
-        del model.forward
+        model.__dict__.pop("forward", None)
     else:
         model.forward = orig
-    return model

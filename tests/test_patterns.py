@@ -6,6 +6,7 @@ name the check that failed.
 """
 
 import copy
+import io
 import logging
 import math
 
@@ -392,6 +393,28 @@ def test_patch_idempotent_unpatch_state_dict():
     mlp_fuser.unpatch(m)
     assert "forward" not in m.__dict__ and mlp_fuser.unpatch(m) is m
     assert count_ops(lambda: m(x)) == 0
+
+
+def test_patched_model_pickles_unpatched_and_patches_again():
+    """torch.save keeps weights and structure; the fused forward is a compiled function, not state, so the loaded
+    model is unpatched (and says so), and patch fuses it again."""
+    m = mlp_fuser.patch(Gated(bias=True))
+    x = x3()
+    with torch.no_grad():
+        out = m(x)
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert mlp_fuser.is_patched(m) and not mlp_fuser.is_patched(loaded)
+        assert count_ops(lambda: loaded(x)) == 0
+        torch.testing.assert_close(loaded(x), out)
+        assert mlp_fuser.patch(loaded) is loaded and mlp_fuser.is_patched(loaded)
+        assert count_ops(lambda: loaded(x)) == 1
+        torch.testing.assert_close(loaded(x), out)
+        mlp_fuser.unpatch(loaded)
+        assert "forward" not in loaded.__dict__ and not mlp_fuser.is_patched(loaded)
+        assert count_ops(lambda: m(x)) == 1  # the original stays patched
 
 
 # ---- backend -------------------------------------------------------------------------------------------------
