@@ -58,6 +58,46 @@ def _prune(configs, named_args, **kwargs):
     return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
 
 
+@triton.jit
+def gate_up_tile(
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, offs_m, offs_n, mask_m, mask_n, K,
+    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
+    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) tile of h = act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up) in fp32, all of K: the
+    rows offs_m of x and the weight rows offs_n (= columns of h). One x tile feeds both dots per K step; the
+    weight tiles are read transposed, (BLOCK_K, BLOCK_N), through their strides. Shared by gate_up_act and the
+    small-M kernel; inlined into each by Triton."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_n[None, :] * stride_wgn
+    wu_ptrs = wu_ptr + offs_k[:, None] * stride_wuk + offs_n[None, :] * stride_wun
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
+        acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+        if HAS_UP:
+            acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wgk
+        wu_ptrs += BLOCK_K * stride_wuk
+
+    # -- epilogue, all in fp32: bias, act, product ------------------------------------------------------------
+    if HAS_BG:
+        acc_g += tl.load(bg_ptr + offs_n * stride_bg, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    h = ACT(acc_g)
+    if HAS_UP:
+        if HAS_BU:
+            acc_u += tl.load(bu_ptr + offs_n * stride_bu, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        h = h * acc_u
+    return h
+
+
 @triton.autotune(
     configs=_configs(), key=["M_BUCKET", "N", "K", "HAS_UP"], prune_configs_by={"early_config_prune": _prune}
 )
@@ -83,37 +123,14 @@ def _gate_up_act_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and h
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the weights = columns of h
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-
-    # x tile (BLOCK_M, BLOCK_K); weight tiles read transposed, (BLOCK_K, BLOCK_N), through their strides.
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_n[None, :] * stride_wgn
-    wu_ptrs = wu_ptr + offs_k[:, None] * stride_wuk + offs_n[None, :] * stride_wun
-
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
-        acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
-        if HAS_UP:
-            acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wgk
-        wu_ptrs += BLOCK_K * stride_wuk
-
-    # -- epilogue, all in fp32: bias, act, product; h rounded to x's dtype once, at the store -------------
-    if HAS_BG:
-        acc_g += tl.load(bg_ptr + offs_n * stride_bg, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    h = ACT(acc_g)
-    if HAS_UP:
-        if HAS_BU:
-            acc_u += tl.load(bu_ptr + offs_n * stride_bu, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        h = h * acc_u
-    h_ptrs = h_ptr + offs_m[:, None] * N + offs_n[None, :]
+    h = gate_up_tile(
+        x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, offs_m, offs_n, mask_m, mask_n, K,
+        stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
+        ACT, HAS_UP, HAS_BG, HAS_BU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    h_ptrs = h_ptr + offs_m[:, None] * N + offs_n[None, :]  # h rounded to x's dtype once, at the store
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 

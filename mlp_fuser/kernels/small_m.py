@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..activations import get_activation
 from ..dispatch import m_bucket
-from .gemm import dot_precision
+from .gemm import dot_precision, gate_up_tile
 
 
 def _configs() -> list[triton.Config]:
@@ -83,36 +83,17 @@ def _fused_mlp_small_m_kernel(
     pid_i = tl.program_id(0) // num_pid_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    offs_k = tl.arange(0, BLOCK_K)
     offs_o = tl.arange(0, BLOCK_O)
     mask_m = offs_m < M
     mask_i = offs_i < I
 
-    # -- 1. gate and up slices (BLOCK_M, BLOCK_I), all of K -----------------------------------------------
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_i[None, :] * stride_wgi
-    wu_ptrs = wu_ptr + offs_k[:, None] * stride_wuk + offs_i[None, :] * stride_wui
-    acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_k[:, None] < k_left) & mask_i[None, :]
-        acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
-        if HAS_UP:
-            acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wgk
-        wu_ptrs += BLOCK_K * stride_wuk
-
-    # -- 2. h = act(gate + b_gate) * (up + b_up) in fp32, rounded once for the down projection ---------------
-    if HAS_BG:
-        acc_g += tl.load(bg_ptr + offs_i * stride_bg, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-    h = ACT(acc_g)
-    if HAS_UP:
-        if HAS_BU:
-            acc_u += tl.load(bu_ptr + offs_i * stride_bu, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-        h = h * acc_u
+    # -- 1-2. h[m-block, i-block] = act(gate + b_gate) * (up + b_up) in fp32, all of K; rounded once for the down
+    #         projection ------------------------------------------------------------------------------------
+    h = gate_up_tile(
+        x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, offs_m, offs_i, mask_m, mask_i, K,
+        stride_xm, stride_xk, stride_wgi, stride_wgk, stride_wui, stride_wuk, stride_bg, stride_bu,
+        ACT, HAS_UP, HAS_BG, HAS_BU, PRECISION, BLOCK_M, BLOCK_I, BLOCK_K,
+    )
     h = tl.where(mask_i[None, :], h, 0.0).to(wd_ptr.dtype.element_ty)
 
     # -- 3. y32[m-block, :] += h @ w_down[:, i-block]ᵀ, BLOCK_O columns at a time ---------------------------
