@@ -44,11 +44,17 @@ def _configs() -> list[triton.Config]:
     ]
 
 
+def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
+    """Whether ``stages`` pipelined K steps, each one x tile and ``n_weights`` weight tiles, fit in the shared
+    memory budget (200 KiB of the H200's 227, the rest left to the epilogue)."""
+    return stages * (block_m * block_k + n_weights * block_k * block_n) * itemsize <= 200 * 1024
+
+
 def config_fits(config: triton.Config, itemsize: int, m_bucket: int) -> bool:
-    """Whether a config's pipelined tiles fit in shared memory (H200: 227 KiB) and its BLOCK_M suits M."""
+    """Whether a config's pipelined tiles fit in shared memory (both weights counted) and its BLOCK_M suits M."""
     c = config.kwargs
-    stage_bytes = (c["BLOCK_M"] * c["BLOCK_K"] + 2 * c["BLOCK_K"] * c["BLOCK_N"]) * itemsize
-    return config.num_stages * stage_bytes <= 200 * 1024 and c["BLOCK_M"] <= max(32, 2 * m_bucket)
+    return (k_loop_fits(config.num_stages, c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], 2, itemsize)
+            and c["BLOCK_M"] <= max(32, 2 * m_bucket))
 
 
 def _prune(configs, named_args, **kwargs):

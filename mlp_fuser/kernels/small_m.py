@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..activations import get_activation
 from ..dispatch import m_bucket
-from .gemm import dot_precision, gate_up_tile
+from .gemm import dot_precision, gate_up_tile, k_loop_fits
 
 
 def _configs() -> list[triton.Config]:
@@ -60,9 +60,9 @@ def _prune(configs, named_args, **kwargs):
     keep = []
     for c in configs:
         k = c.kwargs
-        stage_bytes = (k["BLOCK_M"] * k["BLOCK_K"] + n_w * k["BLOCK_K"] * k["BLOCK_I"]) * itemsize
         fp32_config = k["BLOCK_K"] == 32
-        if k["BLOCK_M"] == block_m and fp32_config == (itemsize == 4) and c.num_stages * stage_bytes <= 200 * 1024:
+        if k["BLOCK_M"] == block_m and fp32_config == (itemsize == 4) \
+                and k_loop_fits(c.num_stages, k["BLOCK_M"], k["BLOCK_K"], k["BLOCK_I"], n_w, itemsize):
             keep.append(c)
     return keep or configs[:1]
 
