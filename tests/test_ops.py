@@ -190,6 +190,20 @@ def test_dispatch_declared_constraints():
     assert dispatch.IMPLS_BY_NAME["triton_small_m"].why_not(p).startswith("M=4096")
 
 
+def test_dispatch_falls_back_to_reference_when_no_candidate_runs(monkeypatch, caplog):
+    """On CUDA a candidate that cannot be captured (a kernel that fails to compile for a shape) is skipped with a
+    warning; when all fail, the op runs the aten reference rather than a path known to fail."""
+    def broken(fn, args):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(dispatch, "_capture", broken)
+    p = dispatch.Problem("cuda", torch.bfloat16, 3, 8, 16, 8, True)
+    candidates = [i for i in dispatch.IMPLS if i.name != "reference"] + [dispatch.IMPLS_BY_NAME["reference"]]
+    with caplog.at_level("WARNING", logger="mlp_fuser"):
+        assert dispatch._time_candidates(candidates, (), p) == "reference"
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == len(candidates) - 1
+
+
 def test_dispatch_describes_a_problem_in_one_line():
     p = dispatch.Problem("cuda", torch.bfloat16, 3, 4096, 11008, 4096, True)
     assert dispatch.describe(p) == "gated MLP K=4096 I=11008 O=4096 bfloat16, M=3 (bucket 4)"
