@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
+from .common import Launcher, aligned
 
 
 @triton.jit
@@ -50,6 +51,8 @@ def _act_mul_flat_kernel(g_ptr, u_ptr, h_ptr, n, ACT: tl.constexpr, HAS_U: tl.co
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_act_mul = Launcher(_act_mul_kernel)
+_launch_act_mul_flat = Launcher(_act_mul_flat_kernel)
 FLAT = dict(BLOCK=1024, num_warps=4)  # the flat kernel's launch: 8 bf16 elements (16 bytes) per thread
 
 
@@ -65,20 +68,23 @@ def act_mul(g: Tensor, u: Tensor | None, activation: str, *, flat: dict | None =
     h = torch.empty((M, N), dtype=g.dtype, device=g.device)
     if h.numel() == 0:
         return h
+    uu = u if u is not None else g  # a valid pointer, never read
+    key = (g.get_device(), g.dtype, M, N, aligned(g, uu), act.name, u is not None)
     if g.is_contiguous() and (u is None or u.is_contiguous()):
-        launch = {**FLAT, **(flat or {})}
+        launch = FLAT if flat is None else {**FLAT, **flat}
         grid = (triton.cdiv(h.numel(), launch["BLOCK"]),)
-        _act_mul_flat_kernel[grid](g, u if u is not None else g, h, h.numel(), ACT=act.triton_fn,
-                                   HAS_U=u is not None, **launch)
+        _launch_act_mul_flat((*key, *launch.items()), grid,
+                             g, uu, h, h.numel(), ACT=act.triton_fn, HAS_U=u is not None, **launch)
         return h
     # One row of up to 1024 columns per program when N is wide; several short rows when it is narrow.
     BLOCK_N = min(triton.next_power_of_2(N), 1024)
     BLOCK_M = min(max(1024 // BLOCK_N, 1), triton.next_power_of_2(M))
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    uu = u if u is not None else g  # a valid pointer, never read
-    _act_mul_kernel[grid](
+    (sgm, sgn), (sum_, sun) = g.stride(), uu.stride()
+    _launch_act_mul(
+        (*key, sgm, sgn, sum_, sun), grid,
         g, uu, h, M, N,
-        g.stride(0), g.stride(1), uu.stride(0), uu.stride(1),
+        sgm, sgn, sum_, sun,
         ACT=act.triton_fn, HAS_U=u is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4,
     )

@@ -14,19 +14,17 @@ the unfused path's extra write and re-read of gate and up (4·M·I) and one more
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from ..dispatch import m_bucket
+from .common import INTERPRET, Launcher, aligned, dot_precision, k_loop_fits, m_bucket
 
 
 def _configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: one small config, no tuning
+    if INTERPRET:  # the CPU interpreter: one small config, no tuning
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
     c = triton.Config
     return [  # two accumulators per program, so the tiles are half the usual single-GEMM size in N
@@ -44,17 +42,12 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
-    """Whether ``stages`` pipelined K steps, each one x tile and ``n_weights`` weight tiles, fit in the shared
-    memory budget (200 KiB of the H200's 227, the rest left to the epilogue)."""
-    return stages * (block_m * block_k + n_weights * block_k * block_n) * itemsize <= 200 * 1024
-
-
-def config_fits(config: triton.Config, itemsize: int, m_bucket: int) -> bool:
-    """Whether a config's pipelined tiles fit in shared memory (both weights counted) and its BLOCK_M suits M."""
+def config_fits(config: triton.Config, itemsize: int, bucket: int) -> bool:
+    """Whether a config's pipelined tiles fit in shared memory (both weights counted) and its BLOCK_M suits M
+    (``bucket``: M rounded up to a power of two)."""
     c = config.kwargs
     return (k_loop_fits(config.num_stages, c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], 2, itemsize)
-            and c["BLOCK_M"] <= max(32, 2 * m_bucket))
+            and c["BLOCK_M"] <= max(32, 2 * bucket))
 
 
 def _prune(configs, named_args, **kwargs):
@@ -140,11 +133,7 @@ def _gate_up_act_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: IEEE fp32 unless the user allowed TF32, as for torch's own matmuls."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"  # the default; only fp32 operands are affected by it
+_launch_gate_up_act = Launcher(_gate_up_act_kernel)
 
 
 def gate_up_act(
@@ -164,12 +153,16 @@ def gate_up_act(
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _gate_up_act_kernel[grid](
+    (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
+    sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
+    has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None
+    key = (x2.get_device(), x2.dtype, M, N, K, sxm, sxk, sgn, sgk, sun, suk, sbg, sbu, aligned(x2, w_gate, bg, wu, bu),
+           act.name, has_up, has_bg, has_bu, precision)
+    _launch_gate_up_act(
+        key, grid,
         x2, w_gate, bg, wu, bu, h,
         M, N, K, m_bucket(M),
-        x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1), wu.stride(0), wu.stride(1),
-        bg.stride(0), bu.stride(0),
-        ACT=act.triton_fn, HAS_UP=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        PRECISION=dot_precision(x2.dtype),
+        sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
+        ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision,
     )
     return h

@@ -24,20 +24,18 @@ The atomic order makes the last bits of y32 nondeterministic run to run.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from ..dispatch import m_bucket
-from .gemm import dot_precision, gate_up_tile, k_loop_fits
+from .common import INTERPRET, Launcher, aligned, dot_precision, k_loop_fits, m_bucket
+from .gemm import gate_up_tile
 
 
 def _configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: one small config, no tuning
+    if INTERPRET:  # the CPU interpreter: one small config, no tuning
         return [triton.Config(dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=32, BLOCK_O=32), num_warps=4)]
     configs = []
     for bm in (16, 32):
@@ -121,6 +119,10 @@ def _finish_kernel(y32_ptr, b_ptr, y_ptr, n, O, stride_b, HAS_B: tl.constexpr, B
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_small_m = Launcher(_fused_mlp_small_m_kernel)
+_launch_finish = Launcher(_finish_kernel)
+
+
 def fused_mlp_small_m(
     x2: Tensor,
     w_gate: Tensor,
@@ -134,7 +136,7 @@ def fused_mlp_small_m(
     """y (M, O) = down(act(gate(x2)) * up(x2)) (no product when w_up is None), in x2's dtype."""
     act = get_activation(activation)
     M, K = x2.shape
-    I, O = w_gate.shape[0], w_down.shape[0]  # noqa: E741
+    I, O = w_gate.shape[0], w_down.shape[0]
     if M == 0 or O == 0:
         return torch.empty((M, O), dtype=x2.dtype, device=x2.device)
     y32 = torch.zeros((M, O), dtype=torch.float32, device=x2.device)
@@ -145,20 +147,29 @@ def fused_mlp_small_m(
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_I"]),)
 
-    _fused_mlp_small_m_kernel[grid](
+    (sxm, sxk), (sgi, sgk), (sui, suk), (sdo, sdi) = x2.stride(), w_gate.stride(), wu.stride(), w_down.stride()
+    sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
+    has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None
+    device = x2.get_device()
+    key = (device, x2.dtype, M, K, I, O, sxm, sxk, sgi, sgk, sui, suk, sdo, sdi, sbg, sbu,
+           aligned(x2, w_gate, bg, wu, bu, w_down), act.name, has_up, has_bg, has_bu, precision)
+    _launch_small_m(
+        key, grid,
         x2, w_gate, bg, wu, bu, w_down, y32,
         M, K, I, O, m_bucket(M),
-        x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1), wu.stride(0), wu.stride(1),
-        w_down.stride(0), w_down.stride(1), bg.stride(0), bu.stride(0),
-        ACT=act.triton_fn, HAS_UP=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        PRECISION=dot_precision(x2.dtype),
+        sxm, sxk, sgi, sgk, sui, suk, sdo, sdi, sbg, sbu,
+        ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision,
     )
     if x2.dtype == torch.float32 and b_down is None:
         return y32
     y = torch.empty((M, O), dtype=x2.dtype, device=x2.device)
     BLOCK = 1024
-    _finish_kernel[(triton.cdiv(M * O, BLOCK),)](
-        y32, b_down if b_down is not None else y32, y, M * O, O, b_down.stride(0) if b_down is not None else 0,
-        HAS_B=b_down is not None, BLOCK=BLOCK, num_warps=4,
+    has_b = b_down is not None
+    b = b_down if has_b else y32
+    sb = b.stride(0) if has_b else 0
+    _launch_finish(
+        (device, x2.dtype, M, O, sb, aligned(b), has_b), (triton.cdiv(M * O, BLOCK),),
+        y32, b, y, M * O, O, sb,
+        HAS_B=has_b, BLOCK=BLOCK, num_warps=4,
     )
     return y

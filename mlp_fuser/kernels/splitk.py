@@ -7,24 +7,22 @@ dimension K is split in SPLIT_K ranges; each program owns one (output tile, K ra
     acc[BLOCK_M, BLOCK_N] = h[m-block, k-range] @ w[n-block, k-range]ᵀ        (fp32)
     partials[split, m-block, n-block] = acc                                   (plain store, fp32)
     the last of the SPLIT_K programs of a tile (an atomic counter per tile says which) sums the
-    partials in split order, adds the bias, casts and stores y, and resets the counter to 0.
+    partials in split order, adds the bias, casts and stores y.
 
-One launch, no memset, and the sum order is fixed, so results are deterministic. The workspace
-(partials and counters) belongs to one (device, stream): calls on one stream are ordered, so it is reused.
+One GEMM launch (after a memset of the counters), and the sum order is fixed, so results are deterministic.
+The workspace (partials and counters) is allocated per call.
 Extra bytes: SPLIT_K · M · N · 4 written and read, small next to w at small M.
 """
 
 from __future__ import annotations
 
-import os
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-from .gemm import dot_precision
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from .common import INTERPRET, Launcher, aligned, dot_precision, num_sms
 
 
 @triton.jit
@@ -74,31 +72,9 @@ def _linear_splitk_kernel(
             if HAS_BIAS:
                 total += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call on this stream
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
-    """Per-tile arrival counters, zero between calls (the last program of each tile resets its own).
-
-    One buffer per device, grown when needed; if it is first needed during a CUDA-graph capture it comes
-    from the graph's pool, which outlives the capture. Two launches running concurrently on different
-    streams would share it: mlp_fuser runs each op on the caller's current stream, in order."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < n_tiles:
-        counters = torch.zeros(max(n_tiles, 1024), device=device, dtype=torch.int32)
-        _counters[device] = counters
-    return counters
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
+@cache
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for this shape: enough programs to keep
     every SM streaming, K ranges no shorter than a few BLOCK_Ks."""
@@ -108,10 +84,13 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, in
     block_n = 64 if block_m <= 64 else 128
     block_k = 128 if block_m <= 64 else 64
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    target = 3 * _num_sms(device)
+    target = 3 * num_sms(device)
     split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(K, 4 * block_k), 16))
     num_warps = 4 if block_m <= 32 else 8
     return block_m, block_n, block_k, split, num_warps, 4
+
+
+_launch_linear_splitk = Launcher(_linear_splitk_kernel)
 
 
 def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None,
@@ -127,12 +106,20 @@ def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conf
     split = triton.cdiv(K, k_per_split)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     parts = torch.empty(split * M * N if split > 1 else 1, device=h.device, dtype=torch.float32)
-    counters = _tile_counters(h.device, tiles)
-    _linear_splitk_kernel[(tiles, split)](
-        h, w, b if b is not None else h, y, parts, counters,
+    # Arrival counters, zeroed per call: a workspace of the call's own, so the op holds no tensor between calls
+    # (a CUDA-graph pool must not see one outlive a warm-up) and concurrent streams never share one.
+    counters = (torch.zeros if split > 1 else torch.empty)(tiles, device=h.device, dtype=torch.int32)
+    bb = b if b is not None else h
+    (shm, shk), (swn, swk), (sym, syn) = h.stride(), w.stride(), y.stride()
+    precision = dot_precision(h.dtype)
+    key = (h.get_device(), h.dtype, M, N, K, k_per_split, shm, shk, swn, swk, sym, syn, aligned(h, w, bb, y),
+           b is not None, split, precision, BM, BN, BK, warps, stages)
+    _launch_linear_splitk(
+        key, (tiles, split),
+        h, w, bb, y, parts, counters,
         M, N, K, k_per_split,
-        h.stride(0), h.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=dot_precision(h.dtype),
+        shm, shk, swn, swk, sym, syn,
+        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=precision,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
     )
     return y

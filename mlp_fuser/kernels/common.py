@@ -1,0 +1,99 @@
+"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule, and
+``Launcher``, which launches a compiled kernel directly once its specialization is known.
+
+Nothing here imports the rest of mlp_fuser: the kernels depend only downward.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from functools import cache
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs kernels on CPU tensors
+
+
+def m_bucket(M: int) -> int:
+    """M rounded up to a power of two: the key of every per-shape choice (implementation, autotuned config)."""
+    return 1 if M <= 1 else 1 << (M - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: IEEE fp32 unless the user allowed TF32, as for torch's own matmuls."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # the default; only fp32 operands are affected by it
+
+
+def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
+    """Whether ``stages`` pipelined K steps, each one x tile and ``n_weights`` weight tiles, fit in the shared
+    memory budget (200 KiB of the H200's 227, the rest left to the epilogue)."""
+    return stages * (block_m * block_k + n_weights * block_k * block_n) * itemsize <= 200 * 1024
+
+
+@cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def aligned(*tensors: torch.Tensor) -> int:
+    """A bit per tensor: its data pointer is 16-byte aligned (Triton specializes kernels on that)."""
+    bits = 0
+    for t in tensors:
+        bits = (bits << 1) | (t.data_ptr() % 16 == 0)
+    return bits
+
+
+def _launch_hooks() -> bool:
+    """Whether something (a profiler such as proton) asked Triton to call it around every launch."""
+    hook = triton.knobs.runtime.launch_enter_hook  # a HookChain in triton 3.6 and 3.7
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launcher:
+    """Launches one Triton kernel (a ``triton.jit`` function, or an autotuner over one) with little host work.
+
+    ``launcher(key, grid, *args, **constexprs)``: the first call of a ``key`` goes through Triton (binding,
+    specialization, compilation, autotuning) and keeps the compiled kernel and its grid; later calls of that key
+    hand the arguments straight to the compiled kernel's launcher. So ``key`` must determine everything Triton
+    specializes on and the grid depends on: every integer argument, the dtypes, each pointer's 16-byte alignment
+    (``aligned``) and the constexprs. ``args`` are the kernel's non-constexpr parameters in order; the constexpr
+    parameters come after them in the kernel's signature. Under the interpreter, or with a Triton launch hook
+    set (a profiler), every call goes through Triton.
+    """
+
+    MAX_KEYS = 4096  # a process that sees endless new shapes starts the cache afresh rather than growing it
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.cache: dict[tuple, tuple] = {}
+        if INTERPRET:  # an InterpretedFunction: nothing compiled to launch directly
+            return
+        jit = kernel if hasattr(kernel, "params") else kernel.fn  # an Autotuner wraps the JITFunction
+        constexpr = [p.is_constexpr for p in jit.params]
+        n_args = constexpr.index(True) if True in constexpr else len(constexpr)
+        assert not any(constexpr[:n_args]) and all(constexpr[n_args:]), f"{jit.__name__}: constexprs must come last"
+        self.pad = (None,) * (len(constexpr) - n_args)  # the compiled launcher skips the constexpr slots
+
+    def __call__(self, key: tuple, grid: Sequence[int] | Callable[[dict], Sequence[int]], *args, **constexprs):
+        hit = self.cache.get(key)
+        if hit is not None and not _launch_hooks():
+            compiled, (gx, gy, gz), device = hit
+            compiled.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *self.pad)
+            return
+        compiled = self.kernel[grid](*args, **constexprs)
+        if INTERPRET or not hasattr(compiled, "packed_metadata"):
+            return
+        if callable(grid):
+            best = getattr(self.kernel, "best_config", None)
+            grid = grid({**constexprs, **(best.all_kwargs() if best is not None else {})})
+        grid = (*grid, 1, 1)[:3]
+        if len(self.cache) >= self.MAX_KEYS:
+            self.cache.clear()
+        self.cache[key] = (compiled, grid, torch.cuda.current_device())
