@@ -1,10 +1,11 @@
 """Which implementation runs a call: chosen from declared constraints, in this one place.
 
-Every implementation declares the devices, dtypes and shapes it supports. ``select`` keeps the eligible
+Every implementation declares the devices, dtypes and shapes it supports. ``resolve`` keeps the eligible
 ones; on CUDA, when several are eligible, each is timed once per shape bucket (M rounded up to a power of
 two) and the fastest is cached, so the op is never slower than the best path it knows, the unfused
-cuBLAS path included. Candidates are timed by GPU time, each captured in a CUDA graph and replayed.
-Under a caller's CUDA-graph capture nothing is timed: run one warm-up call first.
+cuBLAS path included. Candidates are timed by GPU time: the GPU waits on a spin kernel while the calls are
+queued, so launch overhead does not decide. Under a caller's CUDA-graph capture nothing is timed: run one
+warm-up call first (Inductor's CUDA-graph trees and transformers' static cache always do).
 """
 
 from __future__ import annotations
@@ -13,25 +14,30 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import config
+from .kernels import act_mul, fused_mlp_small_m, gate_up_act
+from .kernels.common import m_bucket
+from .kernels.splitk import linear_splitk
 from .reference import reference_mlp
 
 log = logging.getLogger("mlp_fuser")
 ImplFn = Callable[..., Tensor]  # (x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation) -> y2 (M, O)
 
+__all__ = ["IMPLS", "IMPLS_BY_NAME", "Impl", "Problem", "chosen", "describe", "eligible", "m_bucket", "resolve"]
 
-@dataclass(frozen=True)
-class Problem:
+
+class Problem(NamedTuple):
     device: str  # device type: "cuda", "cpu", ...
     dtype: torch.dtype
     M: int
     K: int
-    I: int  # noqa: E741 - the MLP's intermediate size, as in the papers
+    I: int  # the MLP's intermediate size, as in the papers
     O: int
     gated: bool
 
@@ -40,7 +46,7 @@ class Problem:
 class Impl:
     name: str
     fn: ImplFn
-    devices: frozenset[str]
+    devices: frozenset[str] | None  # None: every device aten runs on
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
     max_m: int | None = None  # largest M it supports (or is worth considering for)
     max_o: int | None = None
@@ -49,11 +55,12 @@ class Impl:
 
     def why_not(self, p: Problem) -> str | None:
         """None when this implementation supports the problem, else the constraint that fails."""
-        devices = set(self.devices)
-        if self.triton and config.triton_on_cpu:
-            devices.add("cpu")
-        if p.device not in devices:
-            return f"device {p.device} not in {sorted(devices)}"
+        if self.devices is not None:
+            devices = set(self.devices)
+            if self.triton and config.triton_on_cpu:
+                devices.add("cpu")
+            if p.device not in devices:
+                return f"device {p.device} not in {sorted(devices)}"
         if p.dtype not in self.dtypes:
             return f"dtype {p.dtype} not supported"
         if self.triton and min(p.K, p.I, p.O) < 1:
@@ -68,40 +75,22 @@ class Impl:
 # ---- the implementations ----------------------------------------------------------------------
 
 
-def _reference(x2, wg, bg, wu, bu, wd, bd, act):
-    return reference_mlp(x2, wg, bg, wu, bu, wd, bd, act)
-
-
-def _triton_small_m(x2, wg, bg, wu, bu, wd, bd, act):
-    from .kernels import fused_mlp_small_m
-
-    return fused_mlp_small_m(x2, wg, bg, wu, bu, wd, bd, act)
-
-
 def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
-    from .kernels import gate_up_act
-
     return F.linear(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
 
 
 def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
-    from .kernels import gate_up_act
-    from .kernels.splitk import linear_splitk
-
     return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
 
 
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
-    from .kernels import act_mul
-
     g = F.linear(x2, wg, bg)
     u = F.linear(x2, wu, bu) if wu is not None else None
     return F.linear(act_mul(g, u, act), wd, bd)
 
 
-ALL_DEVICES = frozenset({"cuda", "cpu", "mps", "xpu", "meta", "hpu", "privateuseone"})
 IMPLS: list[Impl] = [
-    Impl("triton_small_m", _triton_small_m, frozenset({"cuda"}), max_m=64, triton=True,
+    Impl("triton_small_m", fused_mlp_small_m, frozenset({"cuda"}), max_m=64, triton=True,
          notes="split over I, intermediate on chip, fp32 atomic reduction of partial outputs (fill, kernel, cast)"),
     Impl("triton_gemm", _triton_gemm, frozenset({"cuda"}), triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
@@ -109,7 +98,7 @@ IMPLS: list[Impl] = [
          notes="gate and up in one GEMM with act*mul in its epilogue, then a split-K GEMM streaming w_down once"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
-    Impl("reference", _reference, ALL_DEVICES,
+    Impl("reference", reference_mlp, None,
          dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
          notes="aten ops, exactly as the unfused module"),
 ]
@@ -122,55 +111,59 @@ def eligible(p: Problem) -> list[Impl]:
     return [i for i in IMPLS if i.why_not(p) is None]
 
 
-def m_bucket(M: int) -> int:
-    return 1 if M <= 1 else 1 << (M - 1).bit_length()
+# ---- choosing ------------------------------------------------------------------------------------
 
-
+_resolved: dict[tuple, Impl] = {}  # every call's key -> its final choice: the op's hot path is one lookup here
 _choice_cache: dict[tuple, str] = {}  # CUDA autotuning: (device, index, dtype, gated, K, I, O, M bucket) -> name
 _eligible_cache: dict[tuple, list[Impl]] = {}
+_MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup afresh rather than growing it
 
 
-def select(p: Problem, args: tuple | None = None) -> Impl:
-    """The implementation to run ``p``; ``args`` (the call's arguments) let CUDA autotuning time candidates."""
+def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,  # noqa: E741
+            args: tuple) -> Impl:
+    """The implementation for one call of the op: a dict lookup once the shape's choice is made.
+
+    ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates."""
+    key = (device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune)
+    impl = _resolved.get(key)
+    if impl is None:
+        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index)
+        if final:
+            if len(_resolved) >= _MAX_RESOLVED:
+                _resolved.clear()
+            _resolved[key] = impl
+    return impl
+
+
+def _select(p: Problem, args: tuple | None, index: int | None) -> tuple[Impl, bool]:
+    """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
     ekey = (p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl, config.triton_on_cpu)
     candidates = _eligible_cache.get(ekey)
-    if candidates is not None and len(candidates) == 1:  # the common cases: CPU, or a forced implementation
-        return candidates[0]
     if candidates is None:
         candidates = _eligible_cache[ekey] = _candidates(p)
-        if len(candidates) == 1:
-            return candidates[0]
-    if p.device != "cuda" or not config.autotune or args is None:
-        return candidates[0]
-    key = _choice_key(p)
+    if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
+        return candidates[0], True
+    key = _choice_key(p, index)
     name = _choice_cache.get(key)
     if name is None:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
-            return IMPLS_BY_NAME["reference"]
-        name = _time_candidates(candidates, args, p)
-        _choice_cache[key] = name
-    return IMPLS_BY_NAME[name]
+            return IMPLS_BY_NAME["reference"], False
+        name = _choice_cache[key] = _time_candidates(candidates, args, p)
+    return IMPLS_BY_NAME[name], True
 
 
-_warned: set = set()
-
-
-def _warn_capture(p: Problem) -> None:
-    if p not in _warned:
-        _warned.add(p)
-        log.warning("mlp_fuser: first call for %s inside a CUDA-graph capture: running the unfused aten path; "
-                    "call the model once before capturing so the fastest implementation can be chosen", describe(p))
-
-
-def _choice_key(p: Problem) -> tuple:
-    return (p.device, torch.cuda.current_device(), p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
+def _choice_key(p: Problem, index: int | None) -> tuple:
+    return (p.device, index, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
 
 
 def chosen(p: Problem) -> str:
-    """The name of the implementation ``select`` runs for ``p`` (after its first call on CUDA)."""
-    cached = _choice_cache.get(_choice_key(p)) if p.device == "cuda" else None
-    return cached or select(p).name
+    """The name of the implementation the op runs for ``p`` (after its first call, on CUDA: the timed choice)."""
+    if p.device == "cuda":
+        cached = _choice_cache.get(_choice_key(p, torch.cuda.current_device()))
+        if cached:
+            return cached
+    return _select(p, None, None)[0].name
 
 
 def _candidates(p: Problem) -> list[Impl]:
@@ -186,40 +179,14 @@ def _candidates(p: Problem) -> list[Impl]:
     return eligible(p)
 
 
-def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
-    """The fastest candidate by GPU time: each one captured in a CUDA graph (so that Python and launch
-    overheads, which graphs remove, do not decide) and replayed. The GPU is kept busy for a moment first and
-    the candidates are timed in interleaved rounds: right after an idle stretch (a model's compilation) the
-    clocks are still ramping up, and timing one candidate after another would favour the last ones."""
-    graphs = {}
-    for impl in candidates:
-        if impl.name == "reference":
-            continue  # the cuBLAS path computes the same thing faster, in fp32 where it matters
-        try:
-            graphs[impl.name] = _capture(impl.fn, args)
-        except Exception as e:  # a kernel that cannot compile for this shape is not chosen; say so
-            log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, describe(p), type(e).__name__, e)
-    if not graphs:  # every fast path failed here (each said why above): the aten path always runs
-        return "reference"
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.02:  # 20 ms of back-to-back work: clocks up before timing
-        for graph in graphs.values():
-            graph.replay()
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(7):
-        for name, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    best = min(ms, key=ms.get)
-    log.info("mlp_fuser: chose %s for %s (%s)", best, describe(p),
-              ", ".join(f"{n} {t / _CALLS * 1e3:.1f} µs" for n, t in ms.items()))
-    return best
+_warned: set = set()
+
+
+def _warn_capture(p: Problem) -> None:
+    if p not in _warned:
+        _warned.add(p)
+        log.warning("mlp_fuser: first call for %s inside a CUDA-graph capture: running the unfused aten path; "
+                    "call the model once before capturing so the fastest implementation can be chosen", describe(p))
 
 
 def describe(p: Problem) -> str:
@@ -229,15 +196,55 @@ def describe(p: Problem) -> str:
             f"M={p.M} (bucket {m_bucket(p.M)})")
 
 
-_CALLS = 3  # calls per captured graph
+# ---- timing -------------------------------------------------------------------------------------
+
+_CALLS = 3  # calls per timed sample
+_SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clocks: longer than the CPU needs to queue _CALLS calls
 
 
-def _capture(fn: ImplFn, args: tuple) -> torch.cuda.CUDAGraph:
+def _warm_up(fn: ImplFn, args: tuple) -> None:
+    """Compile, autotune and run ``fn`` on the call's arguments: what a timed sample must not include."""
     for _ in range(2):
-        fn(*args)  # compile, autotune the kernels, size workspaces: never inside the capture
+        fn(*args)
+
+
+def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
+    """The fastest candidate by GPU time. Each sample queues ``_CALLS`` calls behind a spin kernel, so the GPU
+    runs them back to back whatever the host costs (CUDA-graph replay would show the same, but a capture here
+    would allocate from whatever memory pool the caller has set up). The GPU is kept busy for a moment first
+    and the candidates are timed in interleaved rounds: right after an idle stretch (a model's compilation)
+    the clocks are still ramping up, and timing one candidate after another would favour the last ones."""
+    runnable: dict[str, ImplFn] = {}
+    for impl in candidates:
+        if impl.name == "reference":
+            continue  # the cuBLAS path computes the same thing faster, in fp32 where it matters
+        try:
+            _warm_up(impl.fn, args)
+        except Exception as e:  # a kernel that cannot compile for this shape is not chosen; say so
+            log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, describe(p), type(e).__name__, e)
+            continue
+        runnable[impl.name] = impl.fn
+    if not runnable:  # every fast path failed here (each said why above): the aten path always runs
+        return "reference"
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(_CALLS):
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.02:  # 20 ms of back-to-back work: clocks up before timing
+        for fn in runnable.values():
             fn(*args)
-    return graph
+        torch.cuda.synchronize()
+    events: dict[str, list] = {name: [] for name in runnable}
+    for _ in range(7):
+        for name, fn in runnable.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            start.record()
+            for _ in range(_CALLS):
+                fn(*args)
+            end.record()
+            events[name].append((start, end))
+        torch.cuda.synchronize()
+    ms = {name: sorted(s.elapsed_time(e) for s, e in pairs)[len(pairs) // 2] for name, pairs in events.items()}
+    best = min(ms, key=ms.get)
+    log.info("mlp_fuser: chose %s for %s (%s)", best, describe(p),
+             ", ".join(f"{n} {t / _CALLS * 1e3:.1f} µs" for n, t in ms.items()))
+    return best

@@ -9,13 +9,19 @@ layout is a free view: GPT-2's ``Conv1D`` ``(in, out)`` weight is passed as ``w.
 gate/up weight ``(2I, K)`` as ``w[:I]`` and ``w[I:]``. Nothing is copied or transposed per call.
 ``x`` has any number of leading dimensions; every bias is optional.
 
-Around the compute: a fake implementation (so torch.compile traces the op with no graph break),
-autograd that recomputes the intermediate instead of saving it, and autocast that behaves like
-``nn.Linear`` does. The compute itself is chosen in ``dispatch.py``.
+Registered kernels, from the top of the dispatcher down:
+- autocast (CUDA, CPU): casts the floating inputs to the autocast dtype, as ``nn.Linear`` does;
+- autograd: with gradients needed, an autograd.Function whose backward recomputes the intermediate instead of
+  saving it; without, a plain CPU or CUDA call is computed right there (the hop down the dispatcher would
+  cost more host time than the kernels of a decode step), anything else (fake tensors, functionalization)
+  goes on down;
+- every device (CompositeExplicitAutograd): ``_forward``, which validates and runs what ``dispatch`` chose;
+- fake: shapes only, so torch.compile traces the op with no graph break.
 """
 
+from __future__ import annotations
+
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -23,145 +29,130 @@ from torch import Tensor
 from . import dispatch
 from .activations import ACTIVATIONS, ALIASES, get_activation
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_lib = torch.library.Library("mlp_fuser", "DEF")
+_lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation) -> Tensor")
+_lib.define("gated_mlp(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor w_up, Tensor? b_up, Tensor w_down, "
+            "Tensor? b_down, str activation) -> Tensor")
+
+_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _KNOWN_ACTIVATIONS = frozenset(ACTIVATIONS) | frozenset(ALIASES)
+_NAMES = {True: ("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"), False: ("w1", "b1", None, None, "w2", "b2")}
 
 
-def _shape(t: Optional[Tensor]) -> str:
+# ---- validation: each rule once, the message built only when it fails -----------------------------------
+
+
+def _problem(x, wg, bg, wu, bu, wd, bd, activation) -> tuple[type[Exception], str] | None:
+    """The first rule a call breaks, as (exception type, message), or None. Runs on every call."""
+    if activation not in _KNOWN_ACTIVATIONS:
+        try:
+            get_activation(activation)
+        except (TypeError, ValueError) as e:
+            return type(e), f"argument 'activation': {str(e).removeprefix('mlp_fuser: ')}"
+    dt, dev = x.dtype, x.device
+    if dt not in _FLOAT_DTYPES:
+        return TypeError, f"x has dtype {dt}; expected one of float16, bfloat16, float32, float64"
+    if x.dim() < 1:
+        return ValueError, "x must have at least one dimension (its last is K)"
+    for name, t, dims in zip(_NAMES[wu is not None], (wg, bg, wu, bu, wd, bd), (2, 1, 2, 1, 2, 1)):
+        if t is None:
+            continue
+        if t.dtype != dt:
+            return TypeError, f"{name} has dtype {t.dtype} but x has dtype {dt}"
+        if t.device != dev:
+            return ValueError, f"{name} is on {t.device} but x is on {dev}"
+        if t.dim() != dims:
+            return ValueError, f"{name} must have {dims} dimension(s), got {t.dim()}"
+    names = _NAMES[wu is not None]
+    K, I, O = x.shape[-1], wg.shape[0], wd.shape[0]
+    if wg.shape[1] != K:
+        return ValueError, f"{names[0]} has {wg.shape[1]} input features but x has {K} (its last dimension)"
+    if wu is not None and wu.shape != wg.shape:
+        return ValueError, f"w_up must have the shape of w_gate, {_shape(wg)}"
+    if wd.shape[1] != I:
+        return ValueError, f"{names[4]} has {wd.shape[1]} input features but the intermediate size is {I}"
+    for name, b, size in ((names[1], bg, I), (names[3], bu, I), (names[5], bd, O)):
+        if b is not None and b.shape[0] != size:
+            return ValueError, f"{name} has {b.shape[0]} elements; expected {size}"
+    return None
+
+
+def _shape(t: Tensor | None) -> str:
     return "None" if t is None else f"({', '.join(str(s) for s in t.shape)})"
 
 
-def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> dispatch.Problem:
-    """Validate one call and describe it; bad input raises TypeError/ValueError naming the op, the argument
-    and the shapes. This runs on every call, so the common case is a handful of comparisons."""
-    try:
-        dt, dev, K = x.dtype, x.device, x.shape[-1]
-        I, O = wg.shape[0], wd.shape[0]  # noqa: E741
-        ok = (
-            dt in _FLOAT_DTYPES and activation in _KNOWN_ACTIVATIONS and wg.dim() == 2 and wd.dim() == 2
-            and wg.shape[1] == K and wd.shape[1] == I
-            and all(t.dtype == dt and t.device == dev for t in (wg, wd, bg, wu, bu, bd) if t is not None)
-            and (wu is None or wu.shape == wg.shape)
-            and all(b is None or (b.dim() == 1 and b.shape[0] == n) for b, n in ((bg, I), (bu, I), (bd, O)))
-        )
-    except (AttributeError, IndexError, TypeError):
-        ok = False
-    if not ok:
-        _diagnose(op, x, wg, bg, wu, bu, wd, bd, activation)  # raises, naming what is wrong
-    M = math.prod(x.shape[:-1])  # not numel // K, which is 0 rows when K = 0
-    return dispatch.Problem(dev.type, dt, M, K, I, O, wu is not None)
-
-
-def _diagnose(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
-    """Find what is wrong with a call that failed check_args' quick test, and raise about it."""
-    if wu is None:
-        names = ("w1", "b1", None, None, "w2", "b2")
-    else:
-        names = ("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
-    tensors = dict(zip(names, (wg, bg, wu, bu, wd, bd)))
-    tensors.pop(None, None)
-
-    def fail(exc, msg):  # the message is built only when something is wrong: this runs on every call
-        shapes = ", ".join(f"{n}={_shape(t)}" for n, t in {"x": x, **tensors}.items())
+def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
+    """Raise TypeError/ValueError naming the op, the argument and every shape when a call breaks a rule."""
+    problem = _problem(x, wg, bg, wu, bu, wd, bd, activation)
+    if problem is not None:
+        exc, msg = problem
+        named = zip(("x", *_NAMES[wu is not None]), (x, wg, bg, wu, bu, wd, bd))
+        shapes = ", ".join(f"{n}={_shape(t)}" for n, t in named if n is not None)
         raise exc(f"mlp_fuser::{op}: {msg} (shapes: {shapes})")
 
-    try:
-        get_activation(activation)
-    except (TypeError, ValueError) as e:
-        fail(type(e), f"argument 'activation': {str(e).removeprefix('mlp_fuser: ')}")
-    if not isinstance(x, Tensor):
-        fail(TypeError, f"x must be a Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        fail(TypeError, f"x has dtype {x.dtype}; expected one of float16, bfloat16, float32, float64")
-    if x.dim() < 1:
-        fail(ValueError, "x must have at least one dimension (its last is K)")
-    for n, t in tensors.items():
-        if t is None:
-            if n.startswith("w"):
-                fail(TypeError, f"{n} is required")
-            continue
-        if not isinstance(t, Tensor):
-            fail(TypeError, f"{n} must be a Tensor or None, got {type(t).__name__}")
-        if t.dtype != x.dtype:
-            fail(TypeError, f"{n} has dtype {t.dtype} but x has dtype {x.dtype}")
-        if t.device != x.device:
-            fail(ValueError, f"{n} is on {t.device} but x is on {x.device}")
-        want_dim = 2 if n.startswith("w") else 1
-        if t.dim() != want_dim:
-            fail(ValueError, f"{n} must have {want_dim} dimension(s), got {t.dim()}")
-    K = x.shape[-1]
-    I, O = wg.shape[0], wd.shape[0]  # noqa: E741
-    w_first, w_last = names[0], names[4]
-    if wg.shape[1] != K:
-        fail(ValueError, f"{w_first} has {wg.shape[1]} input features but x has {K} (its last dimension)")
-    if wu is not None and tuple(wu.shape) != tuple(wg.shape):
-        fail(ValueError, f"w_up must have the shape of w_gate, {_shape(wg)}")
-    if wd.shape[1] != I:
-        fail(ValueError, f"{w_last} has {wd.shape[1]} input features but the intermediate size is {I}")
-    for n, b, size in ((names[1], bg, I), ("b_up", bu, I), (names[5], bd, O)):
-        if b is not None and b.shape[0] != size:
-            fail(ValueError, f"{n} has {b.shape[0]} elements; expected {size}")
-    fail(ValueError, "invalid arguments")  # unreachable when the checks above mirror check_args
+
+# ---- forward: every device ----------------------------------------------------------------------
 
 
-def _forward(op, x, wg, bg, wu, bu, wd, bd, activation):
-    p = check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
-    out_shape = (*x.shape[:-1], p.O)
-    if p.M == 0:
-        return x.new_empty(out_shape)
-    x2 = x.reshape(p.M, p.K)
+def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation):
+    check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
+    K, O = x.shape[-1], wd.shape[0]
+    M = math.prod(x.shape[:-1]) if x.dim() != 2 else x.shape[0]  # not numel // K, which is 0 rows when K = 0
+    if M == 0:
+        return x.new_empty((*x.shape[:-1], O))
+    x2 = x if x.dim() == 2 else x.reshape(M, K)
     args = (x2, wg, bg, wu, bu, wd, bd, activation)
-    impl = dispatch.select(p, args)
+    y = dispatch.resolve(x.device, x.dtype, M, K, wg.shape[0], O, wu is not None, args).fn(*args)
+    if x.dim() == 2:
+        return y
     # detach(): the 2-D result reshaped, as a tensor of its own rather than a view, so callers may update it in
     # place under autograd (Falcon adds the attention output into the MLP output with +=).
-    return impl.fn(*args).view(out_shape).detach()
+    return y.view(*x.shape[:-1], O).detach()
 
 
-def _fake(op, x, wg, bg, wu, bu, wd, bd, activation):
-    check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
-    return x.new_empty((*x.shape[:-1], wd.shape[0]))
-
-
-# ---- the ops ----------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("mlp_fuser::mlp", mutates_args=())
-def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str) -> Tensor:
-    """``act(x @ w1ᵀ + b1) @ w2ᵀ + b2``, weights in (out, in) shape."""
+def _mlp(x, w1, b1, w2, b2, activation):
     return _forward("mlp", x, w1, b1, None, None, w2, b2, activation)
 
 
-@mlp.register_fake
-def _mlp_fake(x, w1, b1, w2, b2, activation):
-    return _fake("mlp", x, w1, b1, None, None, w2, b2, activation)
-
-
-@torch.library.custom_op("mlp_fuser::gated_mlp", mutates_args=())
-def gated_mlp(
-    x: Tensor,
-    w_gate: Tensor,
-    b_gate: Optional[Tensor],
-    w_up: Tensor,
-    b_up: Optional[Tensor],
-    w_down: Tensor,
-    b_down: Optional[Tensor],
-    activation: str,
-) -> Tensor:
-    """``(act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down``, weights in (out, in) shape."""
+def _gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
     return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
 
 
-@gated_mlp.register_fake
+_lib.impl("mlp", _mlp, "CompositeExplicitAutograd")
+_lib.impl("gated_mlp", _gated_mlp, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::mlp")
+def _mlp_fake(x, w1, b1, w2, b2, activation):
+    check_args("mlp", x, w1, b1, None, None, w2, b2, activation)
+    return x.new_empty((*x.shape[:-1], w2.shape[0]))
+
+
+@torch.library.register_fake("mlp_fuser::gated_mlp")
 def _gated_mlp_fake(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-    return _fake("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    check_args("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+def mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str) -> Tensor:
+    """``act(x @ w1ᵀ + b1) @ w2ᵀ + b2``, weights in (out, in) shape: ``torch.ops.mlp_fuser.mlp``."""
+    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation)
+
+
+def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
+              b_down: Tensor | None, activation: str) -> Tensor:
+    """``(act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down``, weights in (out, in) shape:
+    ``torch.ops.mlp_fuser.gated_mlp``."""
+    return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
 
 
 # ---- autograd: recompute the intermediate, never save it -----------------------------------------
 
 
-def _backward_core(ctx, dy, x, wg, bg, wu, bu, wd, bd):
-    """Gradients of (x, wg, bg, wu, bu, wd, bd) from dy; the intermediate is recomputed from x."""
-    act = get_activation(ctx.activation)
+def _backward_core(activation, need, dy, x, wg, bg, wu, bu, wd, bd):
+    """Gradients of (x, wg, bg, wu, bu, wd, bd) (those ``need`` asks for) from dy; the intermediate is
+    recomputed from x."""
+    act = get_activation(activation)
     K, O = x.shape[-1], wd.shape[0]
     x2 = x.reshape(-1, K)
     dy2 = dy.reshape(-1, O)
@@ -169,10 +160,8 @@ def _backward_core(ctx, dy, x, wg, bg, wu, bu, wd, bd):
     a = act.fn(g)
     u = torch.nn.functional.linear(x2, wu, bu) if wu is not None else None
     h = a * u if u is not None else a
-    need = ctx.needs_input_grad
-    i_wd, i_bd = (5, 6) if wu is not None else (3, 4)
-    dwd = dy2.t().mm(h) if need[i_wd] else None
-    dbd = dy2.sum(0) if bd is not None and need[i_bd] else None
+    dwd = dy2.t().mm(h) if need[5] else None
+    dbd = dy2.sum(0) if bd is not None and need[6] else None
     dh = dy2.mm(wd)
     dg = dh * act.grad(g)
     du = None
@@ -185,35 +174,60 @@ def _backward_core(ctx, dy, x, wg, bg, wu, bu, wd, bd):
     dx = dx.view(x.shape) if need[0] else None
     dwg = dg.t().mm(x2) if need[1] else None
     dbg = dg.sum(0) if bg is not None and need[2] else None
-    if u is None:
-        return dx, dwg, dbg, dwd, dbd
-    dwu = du.t().mm(x2) if need[3] else None
-    dbu = du.sum(0) if bu is not None and need[4] else None
+    dwu = du.t().mm(x2) if du is not None and need[3] else None
+    dbu = du.sum(0) if du is not None and bu is not None and need[4] else None
     return dx, dwg, dbg, dwu, dbu, dwd, dbd
 
 
-def _setup_context(ctx, inputs, output):
-    *tensors, activation = inputs
-    ctx.activation = activation
-    ctx.save_for_backward(*tensors)
+class _MLPFunction(torch.autograd.Function):
+    """Both ops under autograd: ``apply(keyset, op, *op_args)``; the forward runs the op below autograd."""
+
+    @staticmethod
+    def forward(ctx, keyset, op, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        ctx.activation = args[-1]
+        ctx.gated = len(args) == 8
+        ctx.save_for_backward(*args[:-1])
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad[2:]
+        if ctx.gated:
+            grads = _backward_core(ctx.activation, need, dy, *ctx.saved_tensors)
+        else:
+            x, w1, b1, w2, b2 = ctx.saved_tensors
+            n = need
+            need = (n[0], n[1], n[2], False, False, n[3], n[4])
+            dx, dw1, db1, _, _, dw2, db2 = _backward_core(ctx.activation, need, dy, x, w1, b1, None, None, w2, b2)
+            grads = (dx, dw1, db1, dw2, db2)
+        return (None, None, *grads, None)
 
 
-def _mlp_backward(ctx, dy):
-    x, w1, b1, w2, b2 = ctx.saved_tensors
-    return (*_backward_core(ctx, dy, x, w1, b1, None, None, w2, b2), None)
+_DIRECT = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
 
 
-def _gated_mlp_backward(ctx, dy):
-    return (*_backward_core(ctx, dy, *ctx.saved_tensors), None)
+def _register_autograd(op_name: str, forward) -> None:
+    op = getattr(torch.ops.mlp_fuser, op_name).default
+
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return _MLPFunction.apply(keyset, op, *args)
+        below = keyset & torch._C._after_autograd_keyset
+        if below.highestPriorityTypeId() in _DIRECT:  # plain CPU/CUDA tensors: compute here, no second hop
+            return forward(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(below, *args)
+
+    _lib.impl(op_name, kernel, "Autograd", with_keyset=True)
 
 
-torch.library.register_autograd("mlp_fuser::mlp", _mlp_backward, setup_context=_setup_context)
-torch.library.register_autograd("mlp_fuser::gated_mlp", _gated_mlp_backward, setup_context=_setup_context)
+_register_autograd("mlp", _mlp)
+_register_autograd("gated_mlp", _gated_mlp)
 
 
 # ---- autocast: like nn.Linear, cast floating inputs to the autocast dtype ------------------------
-
-_lib = torch.library.Library("mlp_fuser", "FRAGMENT")
 
 
 def _register_autocast(op_name: str, device_type: str) -> None:

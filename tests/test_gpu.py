@@ -93,3 +93,55 @@ def test_gpu_backward_matches_unfused():
     reference_mlp(x, wg, bg, wu, bu, wd, bd, "silu").backward(dy)
     for a, t in zip(fused_grads, leaves):
         torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
+
+
+# ---- safe inside CUDA graphs, light on the host -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", [i.name for i in dispatch.IMPLS if i.triton])
+def test_gpu_repeated_calls_take_the_direct_launch_and_stay_right(impl, monkeypatch):
+    """After its first call a shape launches its compiled kernels directly (kernels.common.Launcher): later
+    calls, with fresh inputs and a poisoned output buffer pool, compute the same function."""
+    monkeypatch.setattr(config, "force_impl", impl)
+    for M, K, I, O, gated, act, bias in SIZES:
+        p = dispatch.Problem("cuda", torch.bfloat16, M, K, I, O, gated)
+        if dispatch.IMPLS_BY_NAME[impl].why_not(p):
+            continue
+        for _ in range(3):
+            case = make_case(M, K, I, O, gated=gated, act=act, dtype=torch.bfloat16, device="cuda",
+                             bias=(bias,) * 3, lead=(1,))
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory the next outputs may reuse
+            ref = case.reference64()
+            assert rel_err(case.op()(*case.args()), ref) <= 1.25 * rel_err(case.unfused(), ref), (impl, M, K, I)
+
+
+def test_gpu_no_host_synchronisation_in_a_call():
+    case = make_case(8, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
+    case.op()(*case.args())  # the first call of a shape times candidates (and synchronises); later ones must not
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        case.op()(*case.args())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("M", [1, 8, 100])
+def test_gpu_first_calls_inside_inductor_cuda_graph_trees(M):
+    """The op's first call of a shape happens in the trees' warm-up, which allocates from the graph's pool: the op
+    must keep no tensor from it (a workspace that outlives the call fails the trees' pool check), choose its
+    implementation there, and replay the same one."""
+    dispatch._choice_cache.clear()
+    dispatch._resolved.clear()
+    torch._dynamo.reset()
+    case = make_case(M, 512, 1408, 512, dtype=torch.bfloat16, device="cuda")
+    x, *rest = case.args()
+
+    def f(x):
+        return torch.ops.mlp_fuser.gated_mlp.default(x, *rest) * 2
+
+    compiled = torch.compile(f, backend=__import__("mlp_fuser").backend, mode="reduce-overhead")
+    ref = case.reference64() * 2
+    for _ in range(4):  # warm-up, record, replays
+        out = compiled(x).clone()
+        assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused() * 2, ref)
+    torch._dynamo.reset()

@@ -191,12 +191,12 @@ def test_dispatch_declared_constraints():
 
 
 def test_dispatch_falls_back_to_reference_when_no_candidate_runs(monkeypatch, caplog):
-    """On CUDA a candidate that cannot be captured (a kernel that fails to compile for a shape) is skipped with a
+    """On CUDA a candidate that cannot run (a kernel that fails to compile for a shape) is skipped with a
     warning; when all fail, the op runs the aten reference rather than a path known to fail."""
     def broken(fn, args):
         raise RuntimeError("no kernel for this shape")
 
-    monkeypatch.setattr(dispatch, "_capture", broken)
+    monkeypatch.setattr(dispatch, "_warm_up", broken)
     p = dispatch.Problem("cuda", torch.bfloat16, 3, 8, 16, 8, True)
     candidates = [i for i in dispatch.IMPLS if i.name != "reference"] + [dispatch.IMPLS_BY_NAME["reference"]]
     with caplog.at_level("WARNING", logger="mlp_fuser"):
