@@ -2,7 +2,10 @@
 
 The rewrite runs before AOTAutograd, so training works through the op's own autograd, and Inductor
 (``compile_fx``) still does everything else. ``torch.compile(model, backend=mlp_fuser.backend)``, or
-``backend="mlp_fuser"`` once the package is imported.
+``backend="mlp_fuser"`` once the package is imported. ``mode=`` and ``options=`` mean what they mean for
+``backend="inductor"``: torch.compile hands them to the backend, which hands them to Inductor through the very
+wrapper ``backend="inductor"`` uses (``reduce-overhead`` and ``max-autotune`` turn on Inductor's CUDA-graph
+trees), and ``torch._dynamo.reset()`` resets what they created.
 """
 
 from __future__ import annotations
@@ -10,12 +13,21 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
 
 from .activations import get_activation
 from .fx_pass import fuse_mlps
 
 log = logging.getLogger("mlp_fuser")
 _graph_ids = itertools.count()
+
+
+def inductor_compiler(mode: str | None = None, options: dict[str, Any] | None = None):
+    """What ``torch.compile(backend="inductor", mode=mode, options=options)`` compiles a graph with: the config
+    patches of the mode and the options, checked as Inductor checks them (an unknown mode or option raises)."""
+    return torch._TorchCompileInductorWrapper(mode, options, None)
 
 
 def make_backend(
@@ -29,7 +41,8 @@ def make_backend(
 
     ``activations``: registry names or aliases allowed (default: all); ``patterns``: names from
     ``mlp_fuser.patterns.PATTERNS`` allowed (default: all); ``enabled=False``: no fusion at all;
-    ``filter_fn(path) -> bool``: which sites, by module path, may be fused.
+    ``filter_fn(path) -> bool``: which sites, by module path, may be fused. torch.compile's ``mode`` and
+    ``options`` reach Inductor unchanged.
     """
     from . import patterns as registry
 
@@ -38,8 +51,13 @@ def make_backend(
     if pats is not None and pats - set(registry.PATTERNS):
         raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.PATTERNS))}; "
                          f"known: {', '.join(registry.PATTERNS)}")
+    compilers: list = []  # the Inductor wrappers this backend compiled with, for reset()
 
-    def mlp_fuser_backend(gm, example_inputs):
+    def mlp_fuser_backend(gm, example_inputs, *, mode: str | None = None, options: dict[str, Any] | None = None):
+        if not inductor and ((mode and mode != "default") or options):
+            raise ValueError(f"mlp_fuser: mode={mode!r} / options={options!r} configure Inductor, and this backend "
+                             "runs without it (inductor=False, as patch() does)")
+        compiler = inductor_compiler(mode, options) if inductor else None  # a bad mode or option raises here
         gid = next(_graph_ids)
         if enabled:
             report = fuse_mlps(gm, activations=acts, patterns=pats, filter_fn=filter_fn)
@@ -48,12 +66,19 @@ def make_backend(
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)
         else:
             log.info("mlp_fuser: graph %d: fusion disabled", gid)
-        if not inductor:
+        if compiler is None:
             return gm.forward
-        from torch._inductor.compile_fx import compile_fx
+        if compiler not in compilers:
+            compilers.append(compiler)
+        return compiler(gm, example_inputs)
 
-        return compile_fx(gm, example_inputs)
+    def reset() -> None:
+        """Called by ``torch._dynamo.reset()``: drop what the modes created (Inductor's CUDA-graph trees)."""
+        for compiler in [*compilers, inductor_compiler(None, None)]:
+            compiler.reset()
+        compilers.clear()
 
+    mlp_fuser_backend.reset = reset
     return mlp_fuser_backend
 
 

@@ -1,0 +1,157 @@
+"""The torch.compile backend takes every setting torch.compile gives a backend (mode, options), means by each what
+``backend="inductor"`` means, resets what the modes create, and works on transformers' static-cache path."""
+
+import pytest
+import torch
+from _hf_models import count_ops
+from conftest import HAS_CUDA, requires_cuda
+
+import mlp_fuser
+from mlp_fuser.backend import inductor_compiler
+
+MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+def _tiny_llama(device="cpu", layers=1):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+@pytest.fixture
+def compile_fx_spy(monkeypatch):
+    """The config patches every Inductor compilation of the test ran with."""
+    import torch._inductor.compile_fx as cfx
+
+    seen, real = [], cfx.compile_fx
+
+    def spy(gm, example_inputs, *args, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return real(gm, example_inputs, *args, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_matches_eager_and_reaches_inductor(mode, compile_fx_spy):
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend=mlp_fuser.backend, mode=mode)
+        out = compiled(ids).logits
+        assert count_ops(lambda: compiled(ids)) == 1  # the MLP ran as the fused op
+    torch.testing.assert_close(out, expected)
+    # compile_fx applies its patches, then calls itself without them: the outer call carries the mode's config
+    assert compile_fx_spy[0] == inductor_compiler(mode, None).config
+    assert all(p in (compile_fx_spy[0], {}) for p in compile_fx_spy)
+    if mode in ("reduce-overhead", "max-autotune"):
+        assert compile_fx_spy[0]["triton.cudagraphs"] is True
+
+
+def test_options_reach_inductor_and_bad_ones_fail_as_for_inductor(compile_fx_spy):
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 5))
+    options = {"epilogue_fusion": False, "max_autotune": False}
+    with torch.no_grad():
+        out = torch.compile(model, backend=mlp_fuser.backend, options=options)(ids).logits
+        torch.testing.assert_close(out, model(ids).logits)
+    assert compile_fx_spy[0] == {"epilogue_fusion": False, "max_autotune": False}
+    for bad, what in (({"options": {"no_such_option": 1}}, "no_such_option"), ({"mode": "fastest"}, "fastest")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=what):
+            torch.compile(model, backend=mlp_fuser.backend, **bad)(ids)
+        with pytest.raises(Exception, match=what):  # the same error as Inductor's own
+            torch.compile(model, backend="inductor", **bad)(ids)
+
+
+def test_make_backend_keeps_its_own_arguments_beside_a_mode():
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 5))
+    only_plain = mlp_fuser.make_backend(patterns=["plain"])  # LLaMA's MLP is gated: nothing to fuse
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=only_plain, mode="reduce-overhead")
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+        assert count_ops(lambda: compiled(ids)) == 0
+
+
+def test_a_mode_without_inductor_is_an_error():
+    torch._dynamo.reset()
+    eager_only = mlp_fuser.make_backend(inductor=False)
+    with pytest.raises(Exception, match="inductor=False"):
+        torch.compile(torch.nn.Linear(4, 4), backend=eager_only, mode="reduce-overhead")(torch.randn(2, 4))
+
+
+def test_dynamo_reset_resets_the_cuda_graph_trees(monkeypatch):
+    import torch._inductor.cudagraph_trees as trees
+
+    calls = []
+    monkeypatch.setattr(trees, "reset_cudagraph_trees", lambda: calls.append(1))
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    with torch.no_grad():
+        torch.compile(model, backend=mlp_fuser.backend, mode="reduce-overhead")(torch.randint(0, 128, (1, 4)))
+    calls.clear()
+    torch._dynamo.reset()
+    assert calls, "torch._dynamo.reset() did not reach the backend's reset"
+
+
+def _static_generate(model, ids, backend, device_all=True):
+    from transformers import CompileConfig
+
+    cc = CompileConfig(backend=backend)
+    cc._compile_all_devices = device_all  # transformers compiles on CUDA only unless told
+    return model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static", compile_config=cc)
+
+
+def test_transformers_static_cache_compile_config():
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    expected = _static_generate(model, ids, "inductor")
+    fused_calls = []
+    torch._dynamo.reset()
+    got = _static_generate(model, ids, mlp_fuser.backend)
+    fused_calls.append(count_ops(lambda: _static_generate(model, ids, mlp_fuser.backend)))
+    assert torch.equal(got, expected)
+    assert fused_calls[0] >= 7  # every decode step ran the compiled forward with the fused op
+
+
+# ---- on the GPU: reduce-overhead replays CUDA graphs with the op inside ---------------------------
+
+
+@requires_cuda
+def test_gpu_reduce_overhead_replays_cuda_graphs(monkeypatch):
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or real(self))
+    torch._dynamo.reset()
+    model = _tiny_llama("cuda", layers=2)
+    ids = torch.randint(0, 128, (2, 6), device="cuda")
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend=mlp_fuser.backend, mode="reduce-overhead")
+        for _ in range(4):  # warm-up, record, then replays
+            out = compiled(ids).logits.clone()
+    assert replays, "no CUDA graph was replayed"
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gpu_static_cache_bf16_same_tokens_as_inductor(batch):
+    torch._dynamo.reset()
+    model = _tiny_llama("cuda", layers=2).to(torch.float32)
+    ids = torch.randint(1, 128, (batch, 5), device="cuda")
+    expected = _static_generate(model, ids, "inductor", device_all=None)
+    torch._dynamo.reset()
+    got = _static_generate(model, ids, mlp_fuser.backend, device_all=None)
+    assert torch.equal(got, expected)
