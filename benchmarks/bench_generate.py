@@ -1,13 +1,24 @@
-"""End to end: a LLaMA-architecture model with random weights, torch.compile default vs mlp_fuser.backend.
+"""End to end, as people run models: HF ``generate`` on a LLaMA-architecture model with random weights, bf16.
 
-    python benchmarks/bench_generate.py [--out DIR] [--tiny --device cpu]
+    python benchmarks/bench_generate.py --model 1b|8b [--paths ...] [--batches 1,8] [--out DIR]
+    python benchmarks/bench_generate.py --model 1b --tiny --device cpu      # checks the script itself
 
-Models: a 1B-class config (hidden 2048, intermediate 5632, 22 layers) and 4 layers of LLaMA-7B dimensions.
-- Prefill: one forward over 2048 tokens (no cache), median of CUDA-event timings.
-- Decode: one token per sequence against a static KV cache, batch 1 and 16, the whole step captured in a CUDA
-  graph (both variants alike) and replayed; tokens/s = batch / step time.
-Both variants are compiled with Inductor (default mode); mlp_fuser's backend first replaces each MLP by the op.
-Each variant's logits are checked against the eager model's on the same inputs.
+Models: "1b" (hidden 2048, intermediate 5632, 16 layers, 32 query / 4 KV heads, vocabulary 32000) and "8b"
+(LLaMA-3-8B dimensions: 4096, 14336, 32 layers, 32 / 8 heads, vocabulary 128256).
+
+Paths (``--paths``, in this order), each with and without mlp_fuser where it applies:
+- ``eager`` / ``patch``: the model as is, and ``mlp_fuser.patch(model)``;
+- ``compile`` / ``backend``: ``model.forward = torch.compile(model.forward[, backend=mlp_fuser.backend])``, the
+  default dynamic cache;
+- ``static`` / ``static_backend``: ``generate(cache_implementation="static", compile_config=CompileConfig(
+  fullgraph=True[, backend=mlp_fuser.backend]))``: transformers compiles the decode step itself, mode
+  reduce-overhead (Inductor's CUDA-graph trees);
+- ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend.
+
+Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
+32-token prompt, greedy, EOS disabled. Each path's tokens are compared with eager's (bf16 greedy decoding may
+diverge after some tokens; the first divergence is reported). The table is printed last and written to
+OUT/generate.md and OUT/generate.json after every measurement.
 """
 
 from __future__ import annotations
@@ -21,198 +32,249 @@ import time
 
 import torch
 
+MODELS = {
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256)
+DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
+BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
+            "static_backend": "static"}
+
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-CONFIGS = {
-    "llama-1B (2048/5632, 22 layers)": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                                            num_attention_heads=32, num_key_value_heads=4),
-    "llama-7B dims, 4 layers": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
-                                    num_attention_heads=32, num_key_value_heads=32),
-}
-
-
-def build(cfg_kwargs, device, dtype, tiny):
+def build(name, device, dtype, tiny):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if tiny:
-        cfg_kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2)
-    cfg = LlamaConfig(vocab_size=32000 if not tiny else 256, max_position_embeddings=4096, **cfg_kwargs)
+    cfg = LlamaConfig(max_position_embeddings=4096, **(TINY if tiny else MODELS[name]))
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 0
     return model
 
 
-def cuda_time(fn, iters, device):
-    if device != "cuda":
-        times = []
-        for _ in range(iters):
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def generate_fn(model, path, ids):
+    """``n -> tokens`` for one path, and a cleanup to run after it."""
+    import mlp_fuser
+
+    kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids))
+    cleanup = []
+    if path == "patch":
+        mlp_fuser.patch(model)
+        cleanup.append(lambda: mlp_fuser.unpatch(model))
+    elif path in ("compile", "backend"):
+        backend = mlp_fuser.backend if path == "backend" else "inductor"
+        model.forward = torch.compile(model.forward, backend=backend)
+        cleanup.append(lambda: model.__dict__.pop("forward", None))
+    elif path in ("static", "static_backend"):
+        from transformers import CompileConfig
+
+        cc = CompileConfig(fullgraph=True, backend=mlp_fuser.backend if path == "static_backend" else "inductor")
+        cc._compile_all_devices = True  # transformers compiles on CUDA only unless told (for --tiny on the CPU)
+        kwargs.update(cache_implementation="static", compile_config=cc)
+        cleanup.append(lambda: [model.__dict__.pop(k, None) for k in ("_compiled_call", "_last_compile_config")])
+
+    def gen(n):
+        return model.generate(ids, max_new_tokens=n, **kwargs)
+
+    def done():
+        for f in cleanup:
+            f()
+        torch._dynamo.reset()
+
+    return gen, done
+
+
+def time_decode(gen, device, new_tokens):
+    """(ms per decode token, tokens of the long generation, seconds spent in the two warm-ups)."""
+    t0 = time.perf_counter()
+    for _ in range(2):
+        out = gen(new_tokens)
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    best = {}
+    for _ in range(3):
+        for n in (new_tokens, 1):
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+            gen(n)
+            sync(device)
+            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
+    return (best[new_tokens] - best[1]) / (new_tokens - 1) * 1e3, out, warm_s
+
+
+def first_divergence(out, ref, prompt):
+    diff = (out[:, prompt:] != ref[:, prompt:]).any(0).nonzero()
+    return None if diff.numel() == 0 else int(diff[0])
+
+
+def time_prefill(fwd, ids, device, iters=10):
+    for _ in range(2):
+        fwd(ids)
+    sync(device)
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fwd(ids)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fwd(ids)
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def profile(label, fn, iters=5, cpu=False):
-    """Where the GPU time of ``fn`` goes: kernels by total CUDA time per call (``--profile``), to stderr; with
-    ``cpu`` (``--profile-cpu``) also the CPU side: ops and CUDA runtime calls by self CPU time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+def run(args, results):
+    import mlp_fuser
 
-    fn()
-    torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
-    with torch_profile(activities=activities) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events) / iters
-    log(f"  profile {label}: {total:.0f} µs of kernels per call, {sum(e.count for e in events) / iters:.0f} launches")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-        log(f"    {e.self_device_time_total / iters:9.1f} µs {e.count / iters:6.1f}x  {e.key[:90]}")
-    if cpu:
-        log(f"  CPU side of {label}, per call: self CPU µs, CPU total µs, calls")
-        cpu_events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-        for e in sorted(cpu_events, key=lambda e: -e.self_cpu_time_total)[:25]:
-            log(f"    {e.self_cpu_time_total / iters:9.1f} {e.cpu_time_total / iters:9.1f} {e.count / iters:7.1f}x  "
-                f"{e.key[:80]}")
+    device, dtype = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    model = build(args.model, device, dtype, args.tiny)
+    vocab = model.config.vocab_size
+    label = f"{args.model}{' (tiny)' if args.tiny else ''}"
+    g = torch.Generator(device=device).manual_seed(0)
+    prompt, new_tokens = (32, 64) if not args.tiny else (8, 6)
+    paths = args.paths.split(",")
+    with torch.no_grad():
+        for batch in map(int, args.batches.split(",")):
+            ids = torch.randint(3, vocab, (batch, prompt), device=device, generator=g)
+            ref = None
+            for path in [p for p in DECODE_PATHS if p in paths]:
+                gen, done = generate_fn(model, path, ids)
+                try:
+                    ms, out, warm_s = time_decode(gen, device, new_tokens)
+                except Exception as e:  # report, keep the other paths' numbers
+                    log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
+                    results.append(dict(model=label, phase=f"decode b={batch}", path=path, error=type(e).__name__))
+                    continue
+                finally:
+                    done()
+                if path == "eager":
+                    ref = out
+                div = first_divergence(out, ref, prompt) if ref is not None else None
+                results.append(dict(model=label, phase=f"decode b={batch}", path=path, ms=ms, warmup_s=warm_s,
+                                    diverges_at=div))
+                log(f"{label} b={batch} {path}: {ms:.3f} ms/token (warm-ups {warm_s:.0f} s), tokens "
+                    f"{'same as eager' if div is None else f'diverge from eager at new token {div}'}")
+                write(results, args.out)
+        if "prefill" in paths:
+            ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
+            ref_logits = model(ids, use_cache=False).logits.float()
+            for path in ("eager", "patch", "compile", "backend"):
+                fwd = lambda ids: model(ids, use_cache=False).logits  # noqa: E731
+                if path == "patch":
+                    mlp_fuser.patch(model)
+                elif path in ("compile", "backend"):
+                    compiled = torch.compile(model.forward, backend=mlp_fuser.backend if path == "backend" else
+                                             "inductor")
+                    fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
+                try:
+                    t0 = time.perf_counter()
+                    err = rel(fwd(ids), ref_logits)
+                    compile_s = time.perf_counter() - t0
+                    ms = time_prefill(fwd, ids, device)
+                    results.append(dict(model=label, phase="prefill", path=path, ms=ms, logits_rel_err=err))
+                    log(f"{label} prefill {path}: {ms:.2f} ms (first call {compile_s:.0f} s), logits rel err {err:.1e}")
+                    if args.profile_cpu and device == "cuda" and path in ("compile", "backend"):
+                        profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
+                except Exception as e:
+                    log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
+                    results.append(dict(model=label, phase="prefill", path=path, error=type(e).__name__))
+                finally:
+                    mlp_fuser.unpatch(model)
+                    torch._dynamo.reset()
+                write(results, args.out)
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_model(name, cfg_kwargs, args, results):
-    from transformers import StaticCache
+def profile_cpu(label, fn, iters=3):
+    """The CPU side of ``fn``: ops and CUDA runtime calls by self CPU time, per call."""
+    from torch.profiler import ProfilerActivity, profile
 
-    import mlp_fuser
-
-    device, dtype = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
-    model = build(cfg_kwargs, device, dtype, args.tiny)
-    vocab = model.config.vocab_size
-    prefill_len = 2048 if not args.tiny else 64
-    g = torch.Generator(device=device).manual_seed(0)
-    variants = {"compile": "inductor", "mlp_fuser": mlp_fuser.backend}
-    with torch.no_grad():
-        # ---- prefill ------------------------------------------------------------------------------------
-        ids = torch.randint(0, vocab, (1, prefill_len), device=device, generator=g)
-        ref = model(input_ids=ids, use_cache=False).logits if "prefill" in args.phases else None
-        for vname, backend in variants.items() if "prefill" in args.phases else ():
-            torch._dynamo.reset()
-            fwd = torch.compile(model.forward, backend=backend)
-            t0 = time.time()
-            out = fwd(input_ids=ids, use_cache=False).logits
-            log(f"{name} prefill {vname}: compiled in {time.time() - t0:.0f} s, logits rel err {rel(out, ref):.2e}")
-            ms = cuda_time(lambda fwd=fwd: fwd(input_ids=ids, use_cache=False), 10, device)
-            results.append(dict(model=name, phase="prefill", tokens=prefill_len, variant=vname, ms=ms,
-                                tokens_per_s=prefill_len / ms * 1e3, logits_rel_err=rel(out, ref)))
-            log(f"  {ms:.2f} ms")
-            if (args.profile or args.profile_cpu) and device == "cuda":
-                profile(f"prefill {vname}", lambda fwd=fwd: fwd(input_ids=ids, use_cache=False), cpu=args.profile_cpu)
-            write(results, args.out)
-        # ---- decode ---------------------------------------------------------------------------------------
-        for batch in map(int, args.batches.split(",")) if "decode" in args.phases else ():
-            cache_len, pos = 512, 256
-            step_ids = torch.randint(0, vocab, (batch, 1), device=device, generator=g)
-            cache_position = torch.tensor([pos], device=device)
-            eager_cache = StaticCache(config=model.config, max_cache_len=cache_len)
-            ref = model(input_ids=step_ids, past_key_values=eager_cache, cache_position=cache_position).logits
-            for vname, backend in variants.items():
-                torch._dynamo.reset()
-                cache = StaticCache(config=model.config, max_cache_len=cache_len)
-                fwd = torch.compile(model.forward, backend=backend)
-
-                def step(fwd=fwd, cache=cache, step_ids=step_ids, cache_position=cache_position):
-                    return fwd(input_ids=step_ids, past_key_values=cache, cache_position=cache_position).logits
-
-                t0 = time.time()
-                for _ in range(3):
-                    out = step()
-                err = rel(out, ref)
-                log(f"{name} decode b={batch} {vname}: compiled in {time.time() - t0:.0f} s, logits rel err {err:.2e}")
-                if device == "cuda":
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        step()
-                    fn = graph.replay
-                else:
-                    fn = step
-                ms = cuda_time(fn, 50 if device == "cuda" else 3, device)
-                results.append(dict(model=name, phase=f"decode b={batch}", tokens=batch, variant=vname, ms=ms,
-                                    tokens_per_s=batch / ms * 1e3, logits_rel_err=err))
-                log(f"  {ms:.3f} ms/step, {batch / ms * 1e3:.0f} tokens/s")
-                if args.profile and device == "cuda":
-                    profile(f"decode b={batch} {vname} (no graph)", step)
-                    profile(f"decode b={batch} {vname} (graph replay)", fn)
-                write(results, args.out)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
-    ap.add_argument("--models", default="", help="comma-separated indexes into CONFIGS (default: all)")
-    ap.add_argument("--phases", default="prefill,decode", help="prefill, decode or both (default)")
-    ap.add_argument("--batches", default="1,16", help="decode batch sizes (default: 1,16)")
-    ap.add_argument("--profile", action="store_true", help="also print each variant's kernels by GPU time")
-    ap.add_argument("--profile-cpu", action="store_true", help="with the prefill profile, its CPU side too")
-    args = ap.parse_args(argv)
-    import logging
-
-    import mlp_fuser  # noqa: F401
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    logging.getLogger("mlp_fuser").setLevel(logging.INFO)  # one line per compiled graph: how many MLPs fused
-    torch._dynamo.config.cache_size_limit = 64
-    results = []
-    names = list(CONFIGS)
-    chosen = [names[int(i)] for i in args.models.split(",")] if args.models else names
-    for name in chosen:
-        try:
-            run_model(name, CONFIGS[name], args, results)
-        except Exception as e:  # report, keep the other model's numbers
-            log(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}")
-    from mlp_fuser import dispatch
-
-    log("dispatcher's choices:", {k[2:]: v for k, v in dispatch._choice_cache.items()})
-    print("\n".join(write(results, args.out)))
-    return 0
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    log(f"  CPU side of {label}, per call: self CPU µs, calls")
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]:
+        log(f"    {e.self_cpu_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:80]}")
 
 
 def write(results, out):
     """The table so far, to out/generate.md and out/generate.json (rewritten after every measurement)."""
-    lines = ["| model | phase | variant | ms | tokens/s | speed-up vs compile | logits rel err |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager |", "|---|---|---|---|---|---|"]
     for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | |")
+            continue
+        base_path = BASELINE.get(r["path"]) if r["phase"] != "prefill" else {"patch": "eager", "backend": "compile"
+                                                                               }.get(r["path"])
         base = next((b for b in results if b["model"] == r["model"] and b["phase"] == r["phase"]
-                     and b["variant"] == "compile"), None)
-        sp = base["ms"] / r["ms"] if base else float("nan")
-        lines.append(f"| {r['model']} | {r['phase']} | {r['variant']} | {r['ms']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{sp:.3f}x | {r['logits_rel_err']:.1e} |")
+                     and b["path"] == base_path and "ms" in b), None)
+        vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
+        if r["phase"] == "prefill":
+            tok = f"logits rel err {r['logits_rel_err']:.1e}"
+        else:
+            tok = "same" if r.get("diverges_at") is None else f"diverge at {r['diverges_at']}"
+        lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['ms']:.3f} | {vs} | {tok} |")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "generate.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out, "generate.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="1b")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
+    ap.add_argument("--paths", default=",".join(DECODE_PATHS + ["prefill"]))
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
+    ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, compile and backend")
+    args = ap.parse_args(argv)
+    import logging
+
+    import mlp_fuser
+    from mlp_fuser import dispatch
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("mlp_fuser").setLevel(logging.INFO)  # fused counts per graph, and each kernel choice
+    # Every compile of one module class shares its forward's code object, and Dynamo keeps 8 entries per code object
+    # by default: past that it silently runs eager. This benchmark compiles many variants.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 512
+    log(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, mlp_fuser "
+        f"{mlp_fuser.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+    results = []
+    run(args, results)
+    log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3])): v
+                                  for k, v in dispatch._choice_cache.items()})
+    print("\n".join(write(results, args.out)))
+    return 0
 
 
 if __name__ == "__main__":

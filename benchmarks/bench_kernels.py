@@ -130,44 +130,71 @@ def graph_gap():
 
 
 def overhead():
-    import mlp_fuser  # noqa: F401 - registers the ops
+    """Host (CPU) time per call without CUDA graphs, SwiGLU 576x1536 bf16 (SmolLM2), M=1: launch-bound, so a tight
+    loop of calls measures what the host spends on each (the GPU finishes each call's kernels sooner). The op is
+    timed through each implementation and through the dispatcher's choice, beside the unfused module's aten calls
+    and Inductor's generated code for them; then cProfile and torch.profiler show where the op's time goes."""
+    from mlp_fuser import config, dispatch
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    K, I = 576, 1536  # noqa: E741
+    K, I = 576, 1536
     x = torch.randn(1, K, device="cuda", generator=g, dtype=torch.bfloat16)
-    wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16)
-    op = torch.ops.mlp_fuser.gated_mlp
-    rows = ["op CPU cost per call, plain eager (SwiGLU 576x1536 bf16, M=1): µs"]
-    for label, fn in [("unfused F.linear x3", lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)),
-                      ("mlp_fuser op", lambda: op(x, wg, None, wu, None, wd, None, "silu"))]:
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(500):
-            fn()
-        cpu = (time.perf_counter() - t0) / 500 * 1e6
-        torch.cuda.synchronize()
-        rows.append(f"  {label:24} {cpu:7.1f} µs/call")
-        print(rows[-1], flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        op(x, wg, None, wu, None, wd, None, "silu")
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-    rows.append(s.getvalue())
-    # the same calls seen by the torch profiler: aten ops and CUDA runtime calls (a synchronisation would show)
-    from torch.profiler import ProfilerActivity, profile
+    wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
+    wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
+    wg, wu, wd = (torch.nn.Parameter(w) for w in (wg, wu, wd))  # as in a model: the weights require grad
+    op = torch.ops.mlp_fuser.gated_mlp.default
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
-        for _ in range(100):
+    def unfused(x):
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    compiled = torch.compile(unfused, dynamic=False)
+
+    def forced(impl):
+        def call():
+            old, config.force_impl = config.force_impl, impl
+            try:
+                return op(x, wg, None, wu, None, wd, None, "silu")
+            finally:
+                config.force_impl = old
+        return call
+
+    rows = ["host time per call, no CUDA graph (SwiGLU 576x1536 bf16, M=1, weights require grad, no_grad): µs"]
+    with torch.no_grad():
+        op(x, wg, None, wu, None, wd, None, "silu")  # the dispatcher chooses here
+        choice = dispatch.chosen(dispatch.Problem("cuda", x.dtype, 1, K, I, K, True))
+        variants = [("unfused eager (5 aten calls)", lambda: unfused(x)),
+                    ("unfused, torch.compile", lambda: compiled(x)),
+                    (f"op, dispatcher's choice ({choice})", lambda: op(x, wg, None, wu, None, wd, None, "silu"))]
+        variants += [(f"op, forced {i.name}", forced(i.name)) for i in dispatch.IMPLS]
+        for label, fn in variants:
+            for _ in range(100):
+                fn()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(400):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / 400 * 1e6)
+                torch.cuda.synchronize()
+            rows.append(f"  {label:44} {best:7.1f}")
+            print(rows[-1], flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
             op(x, wg, None, wu, None, wd, None, "silu")
+        prof.disable()
         torch.cuda.synchronize()
-    rows.append(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+        rows.append(s.getvalue())
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+            for _ in range(100):
+                op(x, wg, None, wu, None, wd, None, "silu")
+            torch.cuda.synchronize()
+    rows.append(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
     return rows
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: versions, the GPU test suite, then the benchmarks named in $BENCH (default: impls).
-# Usage on the device machine: bash benchmarks/gpu_session.sh [tests|impls|bench|generate ...]
+# One device call: versions, then the steps named on the command line, in order.
+# Usage on the device machine: bash benchmarks/gpu_session.sh [tests|overhead|impls|bench|generate ...]
+#   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 (defaults: 1b, every path, 1,8)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,10 +12,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_gpu.py tests/test_splitk.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    kernels) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -15 ;;
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_gpu.py \
+             tests/test_splitk.py tests/test_backend.py tests/test_ops.py -k "gpu or cuda or splitk" 2>&1 \
+             | tee "$OUT/tests.log" | tail -25 ;;
+    overhead) timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/bench_kernels.py overhead 2>&1 | tee "$OUT/overhead.log" | tail -60 ;;
     impls) timeout ${IMPLS_TIMEOUT:-400} python3 benchmarks/bench_impls.py --shapes ${SHAPES:-0} 2>&1 | tee "$OUT/impls.log" | tail -20 ;;
     bench) timeout ${BENCH_TIMEOUT:-560} python3 -m mlp_fuser bench --out "$OUT" 2>&1 | tail -45 ;;
-    generate) timeout ${GEN_TIMEOUT:-400} python3 benchmarks/bench_generate.py --out "$OUT" --models ${MODELS:-1,0} --phases ${PHASES:-prefill,decode} 2>&1 | tail -30 ;;
+    generate) timeout ${GEN_TIMEOUT:-400} python3 benchmarks/bench_generate.py --out "$OUT" --model ${MODEL:-1b} \
+                --paths ${PATHS:-eager,patch,compile,backend,static,static_backend,prefill} --batches ${BATCHES:-1,8} \
+                ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;
   esac
 done
