@@ -77,7 +77,8 @@ class Launcher:
         jit = kernel if hasattr(kernel, "params") else kernel.fn  # an Autotuner wraps the JITFunction
         constexpr = [p.is_constexpr for p in jit.params]
         n_args = constexpr.index(True) if True in constexpr else len(constexpr)
-        assert not any(constexpr[:n_args]) and all(constexpr[n_args:]), f"{jit.__name__}: constexprs must come last"
+        if any(constexpr[:n_args]) or not all(constexpr[n_args:]):
+            raise ValueError(f"Launcher({getattr(jit, '__name__', jit)}): the constexpr parameters must come last")
         self.pad = (None,) * (len(constexpr) - n_args)  # the compiled launcher skips the constexpr slots
 
     def __call__(self, key: tuple, grid: Sequence[int] | Callable[[dict], Sequence[int]], *args, **constexprs):

@@ -1,0 +1,107 @@
+"""kernels.common.Launcher: the first call of a key goes through Triton, later ones straight to the compiled launcher.
+
+The real direct launch needs a GPU (tests/test_gpu.py checks its results there); here a stand-in kernel records
+what it is asked to do, so the bookkeeping (which calls go where, with which arguments) is checked on the CPU.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mlp_fuser.kernels import common
+
+
+class FakeCompiled:
+    function, packed_metadata = "fn-handle", ("warps", "ctas", "smem")
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *launch):
+        self.runs.append(launch)
+
+
+class FakeKernel:
+    """A triton.jit function of three runtime parameters and two constexprs (BLOCK, ACT)."""
+
+    params = [SimpleNamespace(is_constexpr=c) for c in (False, False, False, True, True)]
+
+    def __init__(self):
+        self.compiled = FakeCompiled()
+        self.slow = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.slow.append((grid, args, constexprs))
+            return self.compiled
+        return launch
+
+
+class FakeAutotuner(FakeKernel):
+    best_config = SimpleNamespace(all_kwargs=lambda: {"BLOCK": 64, "num_warps": 4})
+
+    def __init__(self):
+        super().__init__()
+        self.fn = SimpleNamespace(params=FakeKernel.params)
+
+    params = property(lambda self: (_ for _ in ()).throw(AttributeError("params")))
+
+
+@pytest.fixture
+def gpu_free(monkeypatch):
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+
+
+def test_first_call_through_triton_then_direct(gpu_free):
+    k = FakeKernel()
+    launch = common.Launcher(k)
+    launch(("a",), (5,), "x", "y", 7, BLOCK=32, ACT="silu")
+    assert len(k.slow) == 1 and k.compiled.runs == []
+    launch(("a",), (5,), "x2", "y2", 8, BLOCK=32, ACT="silu")
+    assert len(k.slow) == 1
+    assert k.compiled.runs == [(5, 1, 1, 1003, "fn-handle", FakeCompiled.packed_metadata, None, None, None,
+                                "x2", "y2", 8, None, None)]
+    launch(("b",), (2, 3), "x", "y", 7, BLOCK=32, ACT="silu")  # a new key: through Triton again
+    assert len(k.slow) == 2 and len(k.compiled.runs) == 1
+
+
+def test_autotuned_grid_comes_from_the_chosen_config(gpu_free):
+    k = FakeAutotuner()
+    launch = common.Launcher(k)
+    launch(("a",), lambda meta: (100 // meta["BLOCK"], 2), "x", "y", 7, ACT="silu")
+    launch(("a",), lambda meta: (100 // meta["BLOCK"], 2), "x", "y", 7, ACT="silu")
+    assert k.compiled.runs[0][:3] == (1, 2, 1)
+
+
+def test_a_launch_hook_sends_every_call_through_triton(gpu_free, monkeypatch):
+    import triton
+
+    k = FakeKernel()
+    launch = common.Launcher(k)
+    launch(("a",), (1,), "x", "y", 7, BLOCK=32, ACT="silu")
+    hook = triton.knobs.runtime.launch_enter_hook
+
+    def profiler_hook(metadata):
+        return None
+
+    hook.add(profiler_hook)
+    try:
+        launch(("a",), (1,), "x", "y", 7, BLOCK=32, ACT="silu")
+    finally:
+        hook.remove(profiler_hook)
+    assert len(k.slow) == 2 and k.compiled.runs == []
+
+
+def test_constexprs_must_come_last(gpu_free):
+    k = FakeKernel()
+    k.params = [SimpleNamespace(is_constexpr=c) for c in (False, True, False)]
+    with pytest.raises(ValueError, match="constexpr parameters must come last"):
+        common.Launcher(k)
+
+
+def test_aligned_bits():
+    t = torch.empty(64)
+    assert common.aligned(t, t[1:], t[4:]) == 0b101
