@@ -158,6 +158,8 @@ def run(args, results):
                 gen, done = generate_fn(model, path, ids)
                 try:
                     ms, out, warm_s = time_decode(gen, device, new_tokens)
+                    if args.profile and (batch, path) in PROFILED:
+                        profile_decode(f"{label} b={batch} {path}", gen, device, path in ("eager", "patch"))
                 except Exception as e:  # report, keep the other paths' numbers
                     log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                     results.append(dict(model=label, phase=f"decode b={batch}", path=path, error=type(e).__name__))
@@ -221,6 +223,44 @@ def profile_cpu(label, fn, iters=3):
         log(f"    {e.self_cpu_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:80]}")
 
 
+PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
+
+
+def profile_decode(label, gen, device, python=False, tokens=16):
+    """Where one generate of ``tokens`` new tokens spends its time (after a warm-up generate): GPU kernels by total
+    time and count, the CPU side by self time, and with ``python`` the Python functions by own time (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gen(tokens)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen(tokens)
+        sync(device)
+    ev = prof.key_averages()
+    kernels = [e for e in ev if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kernels)
+    log(f"  profile {label}, one generate of {tokens} tokens: {total / tokens:.0f} µs of kernels per token, "
+        f"{sum(e.count for e in kernels) / tokens:.0f} kernels per token; per token: µs, count, kernel")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:14]:
+        log(f"    {e.self_device_time_total / tokens:9.1f} {e.count / tokens:6.1f}  {e.key[:100]}")
+    log("  CPU by self time, per token: µs, count, op")
+    for e in sorted([e for e in ev if e.self_cpu_time_total > 0], key=lambda e: -e.self_cpu_time_total)[:14]:
+        log(f"    {e.self_cpu_time_total / tokens:9.1f} {e.count / tokens:6.1f}  {e.key[:100]}")
+    if python:
+        pr = cProfile.Profile()
+        pr.enable()
+        gen(tokens)
+        sync(device)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+        log("  Python by own time (cProfile, one generate):\n" + "\n".join(s.getvalue().splitlines()[6:]))
+
+
 def write(results, out):
     """The table so far, to out/generate.md and out/generate.json (rewritten after every measurement)."""
     lines = ["| model | phase | path | ms | vs baseline | tokens vs eager |", "|---|---|---|---|---|---|"]
@@ -255,6 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default=",".join(DECODE_PATHS + ["prefill"]))
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, compile and backend")
+    ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
     args = ap.parse_args(argv)
     import logging
 

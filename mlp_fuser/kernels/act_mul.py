@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import Launcher, aligned
+from .common import Launcher, aligned, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -72,14 +72,14 @@ def act_mul(g: Tensor, u: Tensor | None, activation: str, *, flat: dict | None =
     key = (g.get_device(), g.dtype, M, N, aligned(g, uu), act.name, u is not None)
     if g.is_contiguous() and (u is None or u.is_contiguous()):
         launch = FLAT if flat is None else {**FLAT, **flat}
-        grid = (triton.cdiv(h.numel(), launch["BLOCK"]),)
+        grid = (cdiv(h.numel(), launch["BLOCK"]),)
         _launch_act_mul_flat((*key, *launch.items()), grid,
                              g, uu, h, h.numel(), ACT=act.triton_fn, HAS_U=u is not None, **launch)
         return h
     # One row of up to 1024 columns per program when N is wide; several short rows when it is narrow.
-    BLOCK_N = min(triton.next_power_of_2(N), 1024)
-    BLOCK_M = min(max(1024 // BLOCK_N, 1), triton.next_power_of_2(M))
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    BLOCK_N = min(next_power_of_2(N), 1024)
+    BLOCK_M = min(max(1024 // BLOCK_N, 1), next_power_of_2(M))
+    grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
     (sgm, sgn), (sum_, sun) = g.stride(), uu.stride()
     _launch_act_mul(
         (*key, sgm, sgn, sum_, sun), grid,

@@ -16,6 +16,15 @@ import triton
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs kernels on CPU tensors
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side integers (``triton.cdiv`` is a constexpr function: slow to call from Python)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def m_bucket(M: int) -> int:
     """M rounded up to a power of two: the key of every per-shape choice (implementation, autotuned config)."""
     return 1 if M <= 1 else 1 << (M - 1).bit_length()

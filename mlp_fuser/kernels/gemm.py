@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, dot_precision, k_loop_fits, m_bucket
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket
 
 
 def _configs() -> list[triton.Config]:
@@ -151,7 +151,7 @@ def gate_up_act(
     bu = b_up if b_up is not None else h
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, dot_precision, k_loop_fits, m_bucket
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket
 from .gemm import gate_up_tile
 
 
@@ -145,7 +145,7 @@ def fused_mlp_small_m(
     bu = b_up if b_up is not None else y32
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_I"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(I, meta["BLOCK_I"]),)
 
     (sxm, sxk), (sgi, sgk), (sui, suk), (sdo, sdi) = x2.stride(), w_gate.stride(), wu.stride(), w_down.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
@@ -168,7 +168,7 @@ def fused_mlp_small_m(
     b = b_down if has_b else y32
     sb = b.stride(0) if has_b else 0
     _launch_finish(
-        (device, x2.dtype, M, O, sb, aligned(b), has_b), (triton.cdiv(M * O, BLOCK),),
+        (device, x2.dtype, M, O, sb, aligned(b), has_b), (cdiv(M * O, BLOCK),),
         y32, b, y, M * O, O, sb,
         HAS_B=has_b, BLOCK=BLOCK, num_warps=4,
     )

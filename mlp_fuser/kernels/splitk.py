@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, Launcher, aligned, dot_precision, num_sms
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, num_sms
 
 
 @triton.jit
@@ -79,13 +79,13 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, in
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for this shape: enough programs to keep
     every SM streaming, K ranges no shorter than a few BLOCK_Ks."""
     if INTERPRET:
-        return 16, 32, 32, min(3, triton.cdiv(K, 32)), 4, 1
+        return 16, 32, 32, min(3, cdiv(K, 32)), 4, 1
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     block_n = 64 if block_m <= 64 else 128
     block_k = 128 if block_m <= 64 else 64
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
     target = 3 * num_sms(device)
-    split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(K, 4 * block_k), 16))
+    split = max(1, min(cdiv(target, tiles), cdiv(K, 4 * block_k), 16))
     num_warps = 4 if block_m <= 32 else 8
     return block_m, block_n, block_k, split, num_warps, 4
 
@@ -102,9 +102,9 @@ def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conf
     if M == 0:
         return y
     BM, BN, BK, split, warps, stages = config or splitk_config(M, N, K, h.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
-    split = triton.cdiv(K, k_per_split)
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    k_per_split = cdiv(cdiv(K, split), BK) * BK
+    split = cdiv(K, k_per_split)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
     parts = torch.empty(split * M * N if split > 1 else 1, device=h.device, dtype=torch.float32)
     # Arrival counters, zeroed per call: a workspace of the call's own, so the op holds no tensor between calls
     # (a CUDA-graph pool must not see one outlive a warm-up) and concurrent streams never share one.
