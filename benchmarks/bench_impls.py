@@ -16,7 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_mlp import L2_BYTES, MS, SHAPES, make_weights, rel_err, unfused  # noqa: E402
+from bench_mlp import L2_BYTES, MS, SHAPES, make_weights, unfused  # noqa: E402
+
+from mlp_fuser.reference import rel_err  # noqa: E402
 
 
 def main(argv=None):

@@ -27,6 +27,8 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
+from .reference import rel_err
+
 MS = [1, 16, 64, 128, 512, 2048, 8192]
 # (name, gated, activation, biases, K, I, dtype)
 SHAPES = [
@@ -88,13 +90,6 @@ def make_weights(gated, biases, K, I, dtype, n_sets, g):
         bd = rnd(K, scale=0.1) if biases else None
         sets.append((wg, bg, wu, bu, wd, bd))
     return sets
-
-
-def rel_err(out, ref):
-    out = out.float()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def bench_shape(name, gated, act, biases, K, I, dtype, ms_list, tflops, tbps, max_autotune_ms, rows, on_row):

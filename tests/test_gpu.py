@@ -5,10 +5,11 @@ Skipped where CUDA is absent; run on the H200 with `pytest tests/test_gpu.py tes
 
 import pytest
 import torch
-from _mlp_cases import make_case, rel_err
+from _mlp_cases import make_case
 from conftest import HAS_CUDA
 
 from mlp_fuser import config, dispatch
+from mlp_fuser.reference import rel_err
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (run on the H200)")
 

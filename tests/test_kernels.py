@@ -26,7 +26,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import m_bucket
 from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act, gemm
-from mlp_fuser.reference import reference_mlp
+from mlp_fuser.reference import reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
 SIZES = (1, 3, 5, 127, 130)
@@ -41,12 +41,6 @@ def poisoned_empty():
         yield
     finally:
         torch.use_deterministic_algorithms(old[0], warn_only=old[1])
-
-
-def rel_err(out, ref) -> float:
-    ref_norm = ref.norm().item()
-    diff = (out.double() - ref).norm().item()
-    return diff / ref_norm if ref_norm > 0 else diff
 
 
 def check(out, ref, unfused, ideal, dtype):
