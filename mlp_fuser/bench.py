@@ -25,9 +25,8 @@ import time
 from datetime import datetime, timezone
 
 import torch
-import torch.nn.functional as F
 
-from .reference import rel_err
+from .reference import reference_mlp, rel_err
 
 MS = [1, 16, 64, 128, 512, 2048, 8192]
 # (name, gated, activation, biases, K, I, dtype)
@@ -45,15 +44,6 @@ L2_BYTES = 50e6
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def unfused(x, wg, bg, wu, bu, wd, bd, act):
-    from mlp_fuser.activations import get_activation
-
-    h = get_activation(act).fn(F.linear(x, wg, bg))
-    if wu is not None:
-        h = h * F.linear(x, wu, bu)
-    return F.linear(h, wd, bd)
 
 
 def fused(x, wg, bg, wu, bu, wd, bd, act):
@@ -102,20 +92,20 @@ def bench_shape(name, gated, act, biases, K, I, dtype, ms_list, tflops, tbps, ma
     w_bytes = (3 if gated else 2) * K * I * esize + ((2 * I + K) * esize if biases else 0)
     n_sets = max(1, math.ceil(2.5 * L2_BYTES / w_bytes))
     weights = make_weights(gated, biases, K, I, dtype, n_sets, g)
-    compiled = torch.compile(unfused, dynamic=False)
-    tuned = torch.compile(unfused, dynamic=False, mode="max-autotune-no-cudagraphs")
+    compiled = torch.compile(reference_mlp, dynamic=False)
+    tuned = torch.compile(reference_mlp, dynamic=False, mode="max-autotune-no-cudagraphs")
     for M in ms_list:
         xs = [(torch.randn(M, K, device="cuda", generator=g)).to(dtype) for _ in range(n_sets)]
         flops = 2 * M * K * I * (3 if gated else 2)
         min_bytes = w_bytes + 2 * M * K * esize
         floor_us = max(flops / (tflops * 1e12), min_bytes / (tbps * 1e12)) * 1e6
         bound = "compute" if flops / (tflops * 1e12) > min_bytes / (tbps * 1e12) else "mem"
-        variants = {"fused": fused, "eager": unfused, "compile": compiled}
+        variants = {"fused": fused, "eager": reference_mlp, "compile": compiled}
         if M in max_autotune_ms:
             variants["max-autotune"] = tuned
         # correctness of every variant against an fp32 reference, on set 0
         w0 = weights[0]
-        ref = unfused(xs[0].float(), *[None if t is None else t.float() for t in w0], act)
+        ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in w0], act)
         errs, times = {}, {}
         for vname, fn in variants.items():
             t0 = time.time()
