@@ -228,12 +228,18 @@ def test_act_mul(act, gated, dtype, layout):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_act_mul_matches_torch_fn_fp32(act):
+    """Over the tails of every activation, act_mul in fp32 is as close to float64 as torch's fp32 ``fn(g) * u``:
+    within 1.25 x torch's own error (+ 1e-6, as the op tests). torch's fp32 result differs between processors
+    (its vectorised erf, say), so it is the measure of the bar, never the reference."""
     gen = torch.Generator().manual_seed(3)
     g = (_rand(gen, 5, 1000) * 4).float().to(KERNEL_DEVICE)  # covers the tails of every activation
     u = _rand(gen, 5, 1000).float().to(KERNEL_DEVICE)
     fn = ACTIVATIONS[act].fn
-    torch.testing.assert_close(act_mul(g, None, act), fn(g), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(act_mul(g, u, act), fn(g) * u, rtol=1e-5, atol=1e-6)
+    cases = {"act": (act_mul(g, None, act), fn(g), fn(g.double())),
+             "act*u": (act_mul(g, u, act), fn(g) * u, fn(g.double()) * u.double())}
+    for name, (out, torch_out, ref) in cases.items():
+        err, torch_err = rel_err(out, ref), rel_err(torch_out, ref)
+        assert err <= 1.25 * torch_err + 1e-6, f"{name}: fp32 error {err:.3g} > 1.25 x torch's {torch_err:.3g} + 1e-6"
 
 
 def test_empty_m():
