@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._dynamo_utils import fresh_code
 from .fx_pass import CHECKS, NearMiss, Site, fuse_mlps
-from .patch import fresh_code, original_forward
+from .patch import original_forward
 
 
 @dataclass

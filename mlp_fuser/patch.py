@@ -10,34 +10,18 @@ graph when dtype, device, shapes or train/eval change, and each capture is check
 from __future__ import annotations
 
 import functools
-import itertools
 import types
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ._dynamo_utils import fresh_code
 from .backend import make_backend
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
 _MISSING = object()
-_ids = itertools.count()
-
-
-def fresh_code(fn):
-    """A function calling ``fn`` through a code object of its own.
-
-    Dynamo keeps its compile cache (and its recompile limit, 8) per code object, and every HF model's forward is
-    the same decorated wrapper; starting Dynamo at a fresh code object gives each patched model, and each explain,
-    a cache of its own instead of exhausting the shared one.
-    """
-
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    call.__code__ = call.__code__.replace(co_name=f"mlp_fuser_{next(_ids)}")
-    return call
 
 
 def is_patched(model: nn.Module) -> bool:
