@@ -56,6 +56,9 @@ class PassReport:
     near_misses: list[NearMiss] = field(default_factory=list)
     projections: int = 0  # projections seen (to say why nothing was found)
 
+    def checks_failed(self) -> set[str]:
+        return {m.check for m in self.near_misses}
+
     def summary(self) -> str:
         kinds: dict[str, int] = {}
         for s in self.fused:
@@ -64,8 +67,7 @@ class PassReport:
         what = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
         text = f"fused {len(self.fused)} MLP(s)" + (f" ({what})" if what else "")
         if self.near_misses:
-            checks = sorted({m.check for m in self.near_misses})
-            text += f"; {len(self.near_misses)} near miss(es), failed: {', '.join(checks)}"
+            text += f"; {len(self.near_misses)} near miss(es), failed: {', '.join(sorted(self.checks_failed()))}"
         return text
 
 
