@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import activations
+from . import act_match
 from .common import Candidate, is_mul, strip
 from .projections import Proj, match_projection
 
@@ -19,7 +19,7 @@ def match_gated(down: Proj, proj: Callable[[object], Proj | None], pattern: str)
         up = proj(up_base)
         if up is None:
             continue
-        act = activations.match(act_side, lambda n: proj(n) is not None)
+        act = act_match.match(act_side, lambda n: proj(n) is not None)
         if act is None:
             continue
         gate = proj(act.leaf)

@@ -1,4 +1,4 @@
-"""Recognize an activation subgraph and name it in the activation registry.
+"""Recognize an activation subgraph and name it in the activation registry (``mlp_fuser/activations.py``).
 
 The subgraph is what lies between a projection's output and the node the rest of the MLP reads: a chain of
 elementwise ops of that one tensor and Python constants (``F.silu``, ``nn.GELU``, HF's ``ACT2FN`` classes, or a
