@@ -25,7 +25,7 @@ def match_gated(down: Proj, proj: Callable[[object], Proj | None], pattern: str)
         gate = proj(act.leaf)
         if gate.out is up.out:
             continue
-        return Candidate(pattern, down, gate, up, act, passed + [mul] + up_passed)
+        return Candidate(pattern, down, gate=gate, up=up, act=act, extra=passed + [mul] + up_passed)
     return None
 
 

@@ -16,4 +16,4 @@ def match(down: Proj) -> Candidate | None:
     act = act_match.match(base, is_projection)
     if act is None:
         return None
-    return Candidate("plain", down, match_projection(act.leaf), None, act, passed)
+    return Candidate("plain", down, gate=match_projection(act.leaf), up=None, act=act, extra=passed)
