@@ -2,7 +2,7 @@
 
     python -m mlp_fuser bench [--quick] [--out DIR]        (or: python benchmarks/bench_mlp.py)
 
-Without a CUDA GPU it prints why and exits with status 2.
+Without a CUDA GPU it prints why and exits with status 2 (Triton is imported only after that check).
 
 For every shape and token count M it times, with CUDA-graph medians and plain medians:
   fused        the mlp_fuser op (its dispatcher picks the implementation; the name is reported)
@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from . import dispatch
 from .reference import reference_mlp, rel_err
 
 MS = [1, 16, 64, 128, 512, 2048, 8192]
@@ -84,8 +85,6 @@ def make_weights(gated, biases, K, I, dtype, n_sets, g):
 
 def bench_shape(name, gated, act, biases, K, I, dtype, ms_list, tflops, tbps, max_autotune_ms, rows, on_row):
     from triton.testing import do_bench, do_bench_cudagraph
-
-    from mlp_fuser import dispatch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     esize = torch.finfo(dtype).bits // 8
@@ -165,8 +164,6 @@ def main(argv=None) -> int:
               "fusion on a real model with the CPU reference path.)", file=sys.stderr)
         return 2
     import triton
-
-    import mlp_fuser  # noqa: F401
 
     torch._dynamo.config.cache_size_limit = 512
     if hasattr(torch._dynamo.config, "recompile_limit"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.utils import counters
 
 from ._dynamo_utils import fresh_code
+from .activations import get_activation
 from .fx_pass import CHECKS, PassReport, fuse_mlps
 from .patch import original_forward
 
@@ -66,10 +68,6 @@ def explain(model, *example_inputs, activations=None, patterns=None, **example_k
     Nothing is rewritten or compiled; the model runs once (eagerly, graph by graph). ``model`` may be an
     ``nn.Module`` (patched or not) or a function.
     """
-    from torch._dynamo.utils import counters
-
-    from .activations import get_activation
-
     acts = None if activations is None else {get_activation(a).name for a in activations}
     graphs = []
 

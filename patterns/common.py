@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
 # Nodes that hand their first argument on unchanged (a no-op cast is checked later by the dtype check).
@@ -40,8 +41,6 @@ def same(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
         return bool(statically_known_true(a == b))
     except Exception:
         return False
