@@ -37,7 +37,7 @@ def main(argv=None):
     lines = []
     for spec in args.shapes.split(","):
         if "x" in spec:  # K x I: a SwiGLU shape outside the harness's list, e.g. 2048x5632 (1B class)
-            K, I = map(int, spec.split("x"))  # noqa: E741
+            K, I = map(int, spec.split("x"))
             name, gated, act, biases, dtype = f"SwiGLU {spec}", True, "silu", False, torch.bfloat16
         else:
             name, gated, act, biases, K, I, dtype = SHAPES[int(spec)]

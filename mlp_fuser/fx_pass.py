@@ -38,8 +38,8 @@ class Site:
     pattern: str
     activation: str
     K: object
-    I: object  # noqa: E741
-    O: object  # noqa: E741
+    I: object
+    O: object
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _check_shapes(c: P.Candidate) -> str | None:
         return "a weight is not 2-D, or a shape is unknown"
     if not all(isinstance(d, int) for s in shapes for d in s):
         return "weight shapes are not static"
-    (I, K), *_, (O, I2) = shapes  # noqa: E741
+    (I, K), *_, (O, I2) = shapes
     if not same(x.shape[-1], K):
         return f"x has {x.shape[-1]} features but the first projection takes {K}"
     if c.up is not None and shapes[1] != shapes[0]:
@@ -286,7 +286,7 @@ def fuse_mlps(
         if failed:
             report.near_misses.append(NearMiss(path, c.pattern, *failed))
             continue
-        I, K = c.gate.weight_shape()  # noqa: E741
+        I, K = c.gate.weight_shape()
         report.fused.append(Site(path, c.pattern, c.act.name, K, I, c.down.weight_shape()[0]))
         seen.update(c.intermediates())
         if not dry_run:

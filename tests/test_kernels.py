@@ -84,7 +84,7 @@ def _shapes() -> list[Shape]:
     rng = random.Random(1234)
     layouts = ("linear", "conv1d", "padded", "merged", "mixed")
 
-    def draw(M, K, I, O, act=None, gated=None, w_layout=None, x_layout=None):  # noqa: E741
+    def draw(M, K, I, O, act=None, gated=None, w_layout=None, x_layout=None):
         gated = rng.random() < 0.7 if gated is None else gated
         w_layout = w_layout or rng.choice(layouts if gated else layouts[:3])
         x_layout = x_layout or rng.choice(("contiguous", "strided", "transposed"))
