@@ -37,9 +37,9 @@ class Site:
     path: str  # module path of the MLP (common ancestor of its projections)
     pattern: str
     activation: str
-    K: object
-    I: object
-    O: object
+    K: int
+    I: int
+    O: int
 
 
 @dataclass

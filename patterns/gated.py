@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch.fx import Node
+
 from . import act_match
 from .common import Candidate, is_mul, strip
 from .projections import Proj, match_projection
 
 
-def match_gated(down: Proj, proj: Callable[[object], Proj | None], pattern: str) -> Candidate | None:
+def match_gated(down: Proj, proj: Callable[[Node], Proj | None], pattern: str) -> Candidate | None:
     """The gated site feeding ``down``, with gate and up recognized by ``proj``."""
     mul, passed = strip(down.x)
     if not is_mul(mul):
