@@ -16,7 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_mlp import L2_BYTES, MS, SHAPES, make_weights, rel_err, unfused  # noqa: E402
+from bench_mlp import L2_BYTES, MS, SHAPES, make_weights  # noqa: E402
+
+from mlp_fuser.reference import reference_mlp, rel_err  # noqa: E402
 
 
 def main(argv=None):
@@ -35,7 +37,7 @@ def main(argv=None):
     lines = []
     for spec in args.shapes.split(","):
         if "x" in spec:  # K x I: a SwiGLU shape outside the harness's list, e.g. 2048x5632 (1B class)
-            K, I = map(int, spec.split("x"))  # noqa: E741
+            K, I = map(int, spec.split("x"))
             name, gated, act, biases, dtype = f"SwiGLU {spec}", True, "silu", False, torch.bfloat16
         else:
             name, gated, act, biases, K, I, dtype = SHAPES[int(spec)]
@@ -44,16 +46,16 @@ def main(argv=None):
         n_sets = max(1, math.ceil(2.5 * L2_BYTES / w_bytes))
         g = torch.Generator(device="cuda").manual_seed(0)
         weights = make_weights(gated, biases, K, I, dtype, n_sets, g)
-        compiled = torch.compile(unfused, dynamic=False)
+        compiled = torch.compile(reference_mlp, dynamic=False)
         head = f"{name} {dtype}".ljust(30) + "".join(f"{i.name:>20}" for i in impls) + f"{'eager':>10}{'compile':>10}"
         print(head, flush=True)
         lines.append(head)
         for M in map(int, args.ms.split(",")):
             xs = [torch.randn(M, K, device="cuda", generator=g).to(dtype) for _ in range(n_sets)]
-            ref = unfused(xs[0].float(), *[None if t is None else t.float() for t in weights[0]], act)
-            eager_err = rel_err(unfused(xs[0], *weights[0], act), ref)
+            ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in weights[0]], act)
+            eager_err = rel_err(reference_mlp(xs[0], *weights[0], act), ref)
             cells = []
-            fns = [(i.name, i.fn, i) for i in impls] + [("eager", unfused, None), ("compile", compiled, None)]
+            fns = [(i.name, i.fn, i) for i in impls] + [("eager", reference_mlp, None), ("compile", compiled, None)]
             for vname, fn, impl in fns:
                 p = dispatch.Problem("cuda", dtype, M, K, I, K, gated)
                 if impl is not None and impl.why_not(p):

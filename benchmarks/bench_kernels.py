@@ -38,7 +38,7 @@ def act_mul_sweep():
                                        for b in (1024, 2048, 4096) for w in (4, 8)]
     rows = ["act_mul (silu·mul, bf16): µs (GB/s); 'inductor' = torch.compile of silu(g) * u",
             f"{'M x I':>14}" + "".join(f"{n:>18}" for n, _ in variants) + f"{'inductor':>18}"]
-    for M, I in ((512, 11008), (2048, 11008), (8192, 11008), (2048, 14336), (8192, 14336)):  # noqa: E741
+    for M, I in ((512, 11008), (2048, 11008), (8192, 11008), (2048, 14336), (8192, 14336)):
         a = torch.randn(M, I, device="cuda", generator=g, dtype=torch.bfloat16)
         b = torch.randn(M, I, device="cuda", generator=g, dtype=torch.bfloat16)
         ref = F.silu(a.float()) * b.float()
@@ -70,7 +70,7 @@ def small_m_sweep():
             f"{'K x I, M':>18}" + "".join(f"{n:>20}" for n in names)]
     unfused = lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
     compiled = torch.compile(unfused)
-    for K, I in ((4096, 11008), (4096, 14336), (2048, 5632)):  # noqa: E741
+    for K, I in ((4096, 11008), (4096, 14336), (2048, 5632)):
         wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
         wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
         for M in (1, 2, 4, 8, 16):
@@ -100,7 +100,7 @@ def graph_gap():
     from mlp_fuser import config, dispatch
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    K, I = 4096, 11008  # noqa: E741
+    K, I = 4096, 11008
     wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
     wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
     unfused = lambda x: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ try:  # Triton is a runtime dependency, but keep the registry importable without
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
+if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -33,7 +37,7 @@ class Activation:
     name: str
     fn: Callable[[Tensor], Tensor]  # f(x), in x's dtype, as the unfused module computes it
     grad: Callable[[Tensor], Tensor]  # f'(x)
-    triton_fn: object  # a @triton.jit function of one fp32 block
+    triton_fn: JITFunction | None  # a @triton.jit function of one fp32 block (None without Triton)
 
 
 # ---- torch side -------------------------------------------------------------------------------

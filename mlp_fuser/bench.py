@@ -2,7 +2,7 @@
 
     python -m mlp_fuser bench [--quick] [--out DIR]        (or: python benchmarks/bench_mlp.py)
 
-Without a CUDA GPU it prints why and exits with status 2.
+Without a CUDA GPU it prints why and exits with status 2 (Triton is imported only after that check).
 
 For every shape and token count M it times, with CUDA-graph medians and plain medians:
   fused        the mlp_fuser op (its dispatcher picks the implementation; the name is reported)
@@ -25,7 +25,9 @@ import time
 from datetime import datetime, timezone
 
 import torch
-import torch.nn.functional as F
+
+from . import dispatch
+from .reference import reference_mlp, rel_err
 
 MS = [1, 16, 64, 128, 512, 2048, 8192]
 # (name, gated, activation, biases, K, I, dtype)
@@ -43,15 +45,6 @@ L2_BYTES = 50e6
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def unfused(x, wg, bg, wu, bu, wd, bd, act):
-    from mlp_fuser.activations import get_activation
-
-    h = get_activation(act).fn(F.linear(x, wg, bg))
-    if wu is not None:
-        h = h * F.linear(x, wu, bu)
-    return F.linear(h, wd, bd)
 
 
 def fused(x, wg, bg, wu, bu, wd, bd, act):
@@ -90,37 +83,28 @@ def make_weights(gated, biases, K, I, dtype, n_sets, g):
     return sets
 
 
-def rel_err(out, ref):
-    out = out.float()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
-
-
 def bench_shape(name, gated, act, biases, K, I, dtype, ms_list, tflops, tbps, max_autotune_ms, rows, on_row):
     from triton.testing import do_bench, do_bench_cudagraph
-
-    from mlp_fuser import dispatch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     esize = torch.finfo(dtype).bits // 8
     w_bytes = (3 if gated else 2) * K * I * esize + ((2 * I + K) * esize if biases else 0)
     n_sets = max(1, math.ceil(2.5 * L2_BYTES / w_bytes))
     weights = make_weights(gated, biases, K, I, dtype, n_sets, g)
-    compiled = torch.compile(unfused, dynamic=False)
-    tuned = torch.compile(unfused, dynamic=False, mode="max-autotune-no-cudagraphs")
+    compiled = torch.compile(reference_mlp, dynamic=False)
+    tuned = torch.compile(reference_mlp, dynamic=False, mode="max-autotune-no-cudagraphs")
     for M in ms_list:
         xs = [(torch.randn(M, K, device="cuda", generator=g)).to(dtype) for _ in range(n_sets)]
         flops = 2 * M * K * I * (3 if gated else 2)
         min_bytes = w_bytes + 2 * M * K * esize
         floor_us = max(flops / (tflops * 1e12), min_bytes / (tbps * 1e12)) * 1e6
         bound = "compute" if flops / (tflops * 1e12) > min_bytes / (tbps * 1e12) else "mem"
-        variants = {"fused": fused, "eager": unfused, "compile": compiled}
+        variants = {"fused": fused, "eager": reference_mlp, "compile": compiled}
         if M in max_autotune_ms:
             variants["max-autotune"] = tuned
         # correctness of every variant against an fp32 reference, on set 0
         w0 = weights[0]
-        ref = unfused(xs[0].float(), *[None if t is None else t.float() for t in w0], act)
+        ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in w0], act)
         errs, times = {}, {}
         for vname, fn in variants.items():
             t0 = time.time()
@@ -180,8 +164,6 @@ def main(argv=None) -> int:
               "fusion on a real model with the CPU reference path.)", file=sys.stderr)
         return 2
     import triton
-
-    import mlp_fuser  # noqa: F401
 
     torch._dynamo.config.cache_size_limit = 512
     if hasattr(torch._dynamo.config, "recompile_limit"):

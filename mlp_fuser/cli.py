@@ -14,10 +14,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import mlp_fuser
+
+from . import __version__, _hf, bench, demo
+
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__, demo
-
     ap = argparse.ArgumentParser(
         prog="python -m mlp_fuser",
         description="Find the MLP blocks of transformer models and run each as one fused op.",
@@ -41,10 +43,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def explain(target: str, seq_len: int = 8, dtype: str = "float32") -> str:
     """The explain report of ``target`` (see ``python -m mlp_fuser explain --help``), as text."""
-    import mlp_fuser
-
-    from . import _hf, demo
-
     model = _hf.load_model(target, dtype=demo.DTYPES[dtype])
     inputs = _hf.example_inputs(model, seq_len=seq_len)
     with _hf.step(f"explain: tracing {type(model).__name__}"):
@@ -55,13 +53,9 @@ def explain(target: str, seq_len: int = 8, dtype: str = "float32") -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after `bench` belongs to the benchmark's own parser
-        from . import bench
-
         return int(bench.main(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from . import demo
-
         return demo.run_from_args(args)
     if args.command == "explain":
         try:

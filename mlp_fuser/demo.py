@@ -25,6 +25,8 @@ from typing import Any, TextIO
 
 import torch
 
+import mlp_fuser
+
 from ._hf import load_smollm2, log, step
 
 PROMPT = "Explain in two sentences why the sky is blue."
@@ -140,8 +142,6 @@ def run(
     out: TextIO = sys.stdout,
 ) -> DemoResult:
     """Run the demo, print to ``out`` (progress to stderr) and return what it measured."""
-    import mlp_fuser
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if repeats is None:
         repeats = 5 if dev.type == "cuda" else 2

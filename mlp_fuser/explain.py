@@ -5,25 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.utils import counters
 
-from .fx_pass import CHECKS, NearMiss, Site, fuse_mlps
-from .patch import fresh_code, original_forward
+from ._dynamo_utils import fresh_code
+from .activations import get_activation
+from .fx_pass import CHECKS, PassReport, fuse_mlps
+from .patch import original_forward
 
 
 @dataclass
-class Report:
-    fused: list[Site] = field(default_factory=list)
-    near_misses: list[NearMiss] = field(default_factory=list)
+class Report(PassReport):
+    """What the graph pass reports over every captured graph, and what Dynamo met while capturing them."""
+
     graphs: int = 0
     graph_breaks: int = 0  # distinct graph-break reasons met while capturing
     break_reasons: list[str] = field(default_factory=list)
-    projections: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.fused)
-
-    def checks_failed(self) -> set[str]:
-        return {m.check for m in self.near_misses}
 
     def __str__(self) -> str:
         lines = [
@@ -69,10 +68,6 @@ def explain(model, *example_inputs, activations=None, patterns=None, **example_k
     Nothing is rewritten or compiled; the model runs once (eagerly, graph by graph). ``model`` may be an
     ``nn.Module`` (patched or not) or a function.
     """
-    from torch._dynamo.utils import counters
-
-    from .activations import get_activation
-
     acts = None if activations is None else {get_activation(a).name for a in activations}
     graphs = []
 

@@ -37,9 +37,9 @@ class Site:
     path: str  # module path of the MLP (common ancestor of its projections)
     pattern: str
     activation: str
-    K: object
-    I: object  # noqa: E741
-    O: object  # noqa: E741
+    K: int
+    I: int
+    O: int
 
 
 @dataclass
@@ -56,6 +56,9 @@ class PassReport:
     near_misses: list[NearMiss] = field(default_factory=list)
     projections: int = 0  # projections seen (to say why nothing was found)
 
+    def checks_failed(self) -> set[str]:
+        return {m.check for m in self.near_misses}
+
     def summary(self) -> str:
         kinds: dict[str, int] = {}
         for s in self.fused:
@@ -64,8 +67,7 @@ class PassReport:
         what = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
         text = f"fused {len(self.fused)} MLP(s)" + (f" ({what})" if what else "")
         if self.near_misses:
-            checks = sorted({m.check for m in self.near_misses})
-            text += f"; {len(self.near_misses)} near miss(es), failed: {', '.join(checks)}"
+            text += f"; {len(self.near_misses)} near miss(es), failed: {', '.join(sorted(self.checks_failed()))}"
         return text
 
 
@@ -114,7 +116,7 @@ def _check_shapes(c: P.Candidate) -> str | None:
         return "a weight is not 2-D, or a shape is unknown"
     if not all(isinstance(d, int) for s in shapes for d in s):
         return "weight shapes are not static"
-    (I, K), *_, (O, I2) = shapes  # noqa: E741
+    (I, K), *_, (O, I2) = shapes
     if not same(x.shape[-1], K):
         return f"x has {x.shape[-1]} features but the first projection takes {K}"
     if c.up is not None and shapes[1] != shapes[0]:
@@ -284,7 +286,7 @@ def fuse_mlps(
         if failed:
             report.near_misses.append(NearMiss(path, c.pattern, *failed))
             continue
-        I, K = c.gate.weight_shape()  # noqa: E741
+        I, K = c.gate.weight_shape()
         report.fused.append(Site(path, c.pattern, c.act.name, K, I, c.down.weight_shape()[0]))
         seen.update(c.intermediates())
         if not dry_run:

@@ -10,34 +10,22 @@ graph when dtype, device, shapes or train/eval change, and each capture is check
 from __future__ import annotations
 
 import functools
-import itertools
+import logging
+import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from ._dynamo_utils import fresh_code
 from .backend import make_backend
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
+_HELD = "_mlp_fuser_held_logs"  # set on an exception: the log records held back while it was raised
 _MISSING = object()
-_ids = itertools.count()
-
-
-def fresh_code(fn):
-    """A function calling ``fn`` through a code object of its own.
-
-    Dynamo keeps its compile cache (and its recompile limit, 8) per code object, and every HF model's forward is
-    the same decorated wrapper; starting Dynamo at a fresh code object gives each patched model, and each explain,
-    a cache of its own instead of exhausting the shared one.
-    """
-
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    call.__code__ = call.__code__.replace(co_name=f"mlp_fuser_{next(_ids)}")
-    return call
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -61,7 +49,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
 
     ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
     ancestor of its projections, e.g. ``model.layers.0.mlp``). ``options`` go to ``make_backend``
-    (``activations=``, ``patterns=``).
+    (``activations=``, ``patterns=``). A call that fails raises what the unpatched forward raises.
     """
     if is_patched(model):
         return model
@@ -77,28 +65,66 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
         return filter_fn(path, module)
 
     be = make_backend(inductor=False, filter_fn=path_filter if filter_fn else None, **options)
-    if orig is None:
-        # Compile the class's forward and bind it to the model: a deepcopy then rebinds it to the copy.
-        cls_forward = type(model).forward
-        compiled = torch.compile(fresh_code(cls_forward), backend=be)
-
-        @functools.wraps(cls_forward)
-        def fused_forward(self, *args, **kwargs):
-            return compiled(self, *args, **kwargs)
-
-        setattr(fused_forward, _FUSED, True)
-        model.forward = types.MethodType(fused_forward, model)
-    else:
-        compiled_orig = torch.compile(fresh_code(orig), backend=be)
-
-        @functools.wraps(orig)
-        def fused_instance_forward(*args, **kwargs):
-            return compiled_orig(*args, **kwargs)
-
-        setattr(fused_instance_forward, _FUSED, True)
-        model.forward = fused_instance_forward
+    _hold_back_meta_failure_logs()
+    forward = type(model).forward if orig is None else orig
+    fused_forward = functools.wraps(forward)(_fused(torch.compile(fresh_code(forward), backend=be), eager=forward))
+    # The class's forward is bound to the model: a deepcopy then rebinds it to the copy.
+    model.forward = types.MethodType(fused_forward, model) if orig is None else fused_forward
     model.__dict__[_ORIG] = orig
     return model
+
+
+def _fused(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward ``patch`` installs: ``compiled``; where that raises, ``eager`` runs (see ``_eager_error``)."""
+
+    def fused_forward(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            failure = error
+        raise _eager_error(failure, eager, args, kwargs)  # outside the except: no "during handling" chain
+
+    setattr(fused_forward, _FUSED, True)
+    return fused_forward
+
+
+def _eager_error(error: Exception, eager: Callable[..., Any], args: tuple, kwargs: dict) -> Exception:
+    """Run the forward eagerly where the compiled one raised ``error``, so that a user's mistake (a wrong feature
+    size, float ``input_ids``) raises what the unpatched model raises, not Dynamo's ``TorchRuntimeError`` around
+    it. What the forward did before the error (a KV cache update, say) may be done twice.
+
+    When the eager forward succeeds, the failure is mlp_fuser's or Dynamo's own: the log records held back while
+    it was raised are logged, and ``error`` is returned to be raised.
+    """
+    eager(*args, **kwargs)
+    e, seen = error, set()
+    while e is not None and id(e) not in seen:  # error and the exceptions it wraps
+        seen.add(id(e))
+        for record in getattr(e, _HELD, ()):
+            logging.getLogger(record.name).callHandlers(record)
+        e = e.__cause__ or e.__context__
+    return error
+
+
+def _hold_back(record: logging.LogRecord) -> bool:
+    """A filter on fake tensors' logger, which logs a meta kernel's error with its traceback (``failed while
+    attempting to run meta``) before raising it. Inside a fused forward the error reaches ``_eager_error``, so the
+    record is held on the exception instead, and logged only if the eager forward succeeds. (When Dynamo recovers
+    from the error with a graph break, the record goes with the exception: eager mode prints nothing there.)"""
+    error = record.exc_info[1] if record.exc_info else None
+    frame = sys._getframe(1)
+    while error is not None and frame is not None:
+        if frame.f_code.co_name == "fused_forward" and frame.f_globals is globals():
+            setattr(error, _HELD, [*getattr(error, _HELD, ()), record])
+            return False
+        frame = frame.f_back
+    return True
+
+
+def _hold_back_meta_failure_logs() -> None:
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    if _hold_back not in logger.filters:
+        logger.addFilter(_hold_back)
 
 
 def unpatch(model: nn.Module) -> nn.Module:

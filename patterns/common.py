@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+if TYPE_CHECKING:  # both modules import this one
+    from .act_match import ActMatch
+    from .projections import Proj
 
 DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
 # Nodes that hand their first argument on unchanged (a no-op cast is checked later by the dtype check).
@@ -40,8 +46,6 @@ def same(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
         return bool(statically_known_true(a == b))
     except Exception:
         return False
@@ -83,10 +87,10 @@ class Candidate:
     """One MLP site as a pattern sees it; the checks and the rewrite live in ``mlp_fuser.fx_pass``."""
 
     pattern: str
-    down: object  # projections.Proj
-    gate: object  # projections.Proj (the only first projection of a plain MLP)
-    up: object | None
-    act: object  # activations.ActMatch
+    down: Proj
+    gate: Proj  # the only first projection of a plain MLP
+    up: Proj | None
+    act: ActMatch
     extra: list[Node] = field(default_factory=list)  # mul and pass-through nodes between the pieces
 
     def intermediates(self) -> list[Node]:

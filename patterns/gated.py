@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import activations
+from torch.fx import Node
+
+from . import act_match
 from .common import Candidate, is_mul, strip
 from .projections import Proj, match_projection
 
 
-def match_gated(down: Proj, proj: Callable[[object], Proj | None], pattern: str) -> Candidate | None:
+def match_gated(down: Proj, proj: Callable[[Node], Proj | None], pattern: str) -> Candidate | None:
     """The gated site feeding ``down``, with gate and up recognized by ``proj``."""
     mul, passed = strip(down.x)
     if not is_mul(mul):
@@ -19,13 +21,13 @@ def match_gated(down: Proj, proj: Callable[[object], Proj | None], pattern: str)
         up = proj(up_base)
         if up is None:
             continue
-        act = activations.match(act_side, lambda n: proj(n) is not None)
+        act = act_match.match(act_side, lambda n: proj(n) is not None)
         if act is None:
             continue
         gate = proj(act.leaf)
         if gate.out is up.out:
             continue
-        return Candidate(pattern, down, gate, up, act, passed + [mul] + up_passed)
+        return Candidate(pattern, down, gate=gate, up=up, act=act, extra=passed + [mul] + up_passed)
     return None
 
 

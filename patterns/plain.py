@@ -6,14 +6,14 @@ eval-mode dropout may sit between the activation and the second Linear (T5).
 
 from __future__ import annotations
 
-from . import activations
+from . import act_match
 from .common import Candidate, strip
 from .projections import Proj, is_projection, match_projection
 
 
 def match(down: Proj) -> Candidate | None:
     base, passed = strip(down.x)
-    act = activations.match(base, is_projection)
+    act = act_match.match(base, is_projection)
     if act is None:
         return None
-    return Candidate("plain", down, match_projection(act.leaf), None, act, passed)
+    return Candidate("plain", down, gate=match_projection(act.leaf), up=None, act=act, extra=passed)

@@ -69,8 +69,8 @@ def _matmul(n) -> Proj | None:
         return None
     base = _transposed_weight(w)
     if base is not None:
-        return Proj(n, x, base, None, False, [n], w_nodes=[w])
-    return Proj(n, x, w, None, True, [n])
+        return Proj(n, x, base, bias=None, nodes=[n], w_nodes=[w])
+    return Proj(n, x, w, bias=None, transposed=True, nodes=[n])
 
 
 def match_projection(n) -> Proj | None:
@@ -79,7 +79,7 @@ def match_projection(n) -> Proj | None:
         return None
     if is_fn(n, *LINEAR):
         x, w, b = arg(n, 0, "input"), arg(n, 1, "weight"), arg(n, 2, "bias")
-        return Proj(n, x, w, b, False, [n]) if isinstance(x, Node) and isinstance(w, Node) else None
+        return Proj(n, x, w, bias=b, nodes=[n]) if isinstance(x, Node) and isinstance(w, Node) else None
     if (is_fn(n, *ADD) or is_method(n, "add")) and len(n.args) == 2 and not n.kwargs:
         for mm, b in (n.args, n.args[::-1]):
             p = _matmul(mm)
@@ -97,7 +97,7 @@ def match_projection(n) -> Proj | None:
         if _is_view(x2) and val(x2) is not None and val(x2).dim() == 2:
             x_nodes, x2 = [x2], x2.args[0]
         nodes = [n] if final is None else [n, final]
-        return Proj(final or n, x2, w, b, True, nodes, x_nodes=x_nodes)
+        return Proj(final or n, x2, w, bias=b, transposed=True, nodes=nodes, x_nodes=x_nodes)
     return _matmul(n)
 
 

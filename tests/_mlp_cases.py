@@ -75,10 +75,3 @@ def make_case(M, K, I, O, *, gated=True, act="silu", dtype=torch.float32, device
     else:
         x = rnd(*lead, M, K)
     return Case(x, wg, bg, wu, bu, wd, bd, act)
-
-
-def rel_err(out: Tensor, ref: Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "output has NaN/Inf (unwritten or overflowed elements)"
-    den = ref.norm().item()
-    return (out - ref).norm().item() / (den if den > 0 else 1.0)

@@ -5,10 +5,11 @@ Skipped where CUDA is absent; run on the H200 with `pytest tests/test_gpu.py tes
 
 import pytest
 import torch
-from _mlp_cases import make_case, rel_err
+from _mlp_cases import make_case
 from conftest import HAS_CUDA
 
 from mlp_fuser import config, dispatch
+from mlp_fuser.reference import reference_mlp, rel_err
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (run on the H200)")
 
@@ -79,20 +80,24 @@ def test_gpu_first_call_inside_a_capture_runs_the_aten_path(caplog):
     assert any("inside a CUDA-graph capture" in r.getMessage() for r in caplog.records)
 
 
-def test_gpu_backward_matches_unfused():
-    case = make_case(33, 256, 704, 256, dtype=torch.float32, device="cuda", bias=(True, True, True))
-    leaves = [t.detach().requires_grad_(True) for t in (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)]
-    x, wg, bg, wu, bu, wd, bd = leaves
-    dy = torch.randn(33, 256, device="cuda")
-    torch.ops.mlp_fuser.gated_mlp.default(x, wg, bg, wu, bu, wd, bd, "silu").backward(dy)
-    fused_grads = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    from mlp_fuser.reference import reference_mlp
+def _grads(fn, tensors, dy):
+    leaves = [t.detach().requires_grad_(True) for t in tensors]
+    fn(*leaves, "silu").backward(dy)
+    return [t.grad for t in leaves]
 
-    reference_mlp(x, wg, bg, wu, bu, wd, bd, "silu").backward(dy)
-    for a, t in zip(fused_grads, leaves):
-        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
+
+def test_gpu_backward_matches_unfused():
+    """Every gradient is as close to float64 as the unfused module's fp32 gradient: within 1.25 x its error
+    (+ 1e-6, as the op tests)."""
+    case = make_case(33, 256, 704, 256, dtype=torch.float32, device="cuda", bias=(True, True, True))
+    tensors = (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)
+    dy = torch.randn(33, 256, device="cuda")
+    fused = _grads(torch.ops.mlp_fuser.gated_mlp.default, tensors, dy)
+    unfused = _grads(reference_mlp, tensors, dy)
+    ref = _grads(reference_mlp, [t.double() for t in tensors], dy.double())
+    for name, a, u, r in zip(("x", "wg", "bg", "wu", "bu", "wd", "bd"), fused, unfused, ref):
+        err, unfused_err = rel_err(a, r), rel_err(u, r)
+        assert err <= 1.25 * unfused_err + 1e-6, (name, err, unfused_err)
 
 
 # ---- safe inside CUDA graphs, light on the host -----------------------------------------------------------

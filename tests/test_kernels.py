@@ -26,7 +26,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import m_bucket
 from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act, gemm
-from mlp_fuser.reference import reference_mlp
+from mlp_fuser.reference import reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
 SIZES = (1, 3, 5, 127, 130)
@@ -41,12 +41,6 @@ def poisoned_empty():
         yield
     finally:
         torch.use_deterministic_algorithms(old[0], warn_only=old[1])
-
-
-def rel_err(out, ref) -> float:
-    ref_norm = ref.norm().item()
-    diff = (out.double() - ref).norm().item()
-    return diff / ref_norm if ref_norm > 0 else diff
 
 
 def check(out, ref, unfused, ideal, dtype):
@@ -90,7 +84,7 @@ def _shapes() -> list[Shape]:
     rng = random.Random(1234)
     layouts = ("linear", "conv1d", "padded", "merged", "mixed")
 
-    def draw(M, K, I, O, act=None, gated=None, w_layout=None, x_layout=None):  # noqa: E741
+    def draw(M, K, I, O, act=None, gated=None, w_layout=None, x_layout=None):
         gated = rng.random() < 0.7 if gated is None else gated
         w_layout = w_layout or rng.choice(layouts if gated else layouts[:3])
         x_layout = x_layout or rng.choice(("contiguous", "strided", "transposed"))
@@ -234,12 +228,18 @@ def test_act_mul(act, gated, dtype, layout):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_act_mul_matches_torch_fn_fp32(act):
+    """Over the tails of every activation, act_mul in fp32 is as close to float64 as torch's fp32 ``fn(g) * u``:
+    within 1.25 x torch's own error (+ 1e-6, as the op tests). torch's fp32 result differs between processors
+    (its vectorised erf, say), so it is the measure of the bar, never the reference."""
     gen = torch.Generator().manual_seed(3)
     g = (_rand(gen, 5, 1000) * 4).float().to(KERNEL_DEVICE)  # covers the tails of every activation
     u = _rand(gen, 5, 1000).float().to(KERNEL_DEVICE)
     fn = ACTIVATIONS[act].fn
-    torch.testing.assert_close(act_mul(g, None, act), fn(g), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(act_mul(g, u, act), fn(g) * u, rtol=1e-5, atol=1e-6)
+    cases = {"act": (act_mul(g, None, act), fn(g), fn(g.double())),
+             "act*u": (act_mul(g, u, act), fn(g) * u, fn(g.double()) * u.double())}
+    for name, (out, torch_out, ref) in cases.items():
+        err, torch_err = rel_err(out, ref), rel_err(torch_out, ref)
+        assert err <= 1.25 * torch_err + 1e-6, f"{name}: fp32 error {err:.3g} > 1.25 x torch's {torch_err:.3g} + 1e-6"
 
 
 def test_empty_m():

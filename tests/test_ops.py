@@ -8,12 +8,13 @@ import random
 
 import pytest
 import torch
-from _mlp_cases import make_case, rel_err
+from _mlp_cases import make_case
 from conftest import HAS_CUDA, KERNEL_DEVICE, KERNEL_DTYPES
 
 import mlp_fuser
 from mlp_fuser import config, dispatch
 from mlp_fuser.activations import ACTIVATIONS
+from mlp_fuser.reference import rel_err
 
 TRITON_IMPLS = [i.name for i in dispatch.IMPLS if i.triton]
 ALL_IMPLS = TRITON_IMPLS + ["reference"]

@@ -18,7 +18,7 @@ from torch import nn
 
 import mlp_fuser
 
-K, I, O = 16, 32, 24  # noqa: E741
+K, I, O = 16, 32, 24
 
 
 @pytest.fixture(autouse=True)

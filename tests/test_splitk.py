@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from _mlp_cases import rel_err
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 
 from mlp_fuser.kernels import splitk
+from mlp_fuser.reference import rel_err
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

@@ -1,4 +1,4 @@
-"""Recognize an activation subgraph and name it in the activation registry.
+"""Recognize an activation subgraph and name it in the activation registry (``mlp_fuser/activations.py``).
 
 The subgraph is what lies between a projection's output and the node the rest of the MLP reads: a chain of
 elementwise ops of that one tensor and Python constants (``F.silu``, ``nn.GELU``, HF's ``ACT2FN`` classes, or a
@@ -116,7 +116,7 @@ def match(out: Node, is_leaf: Callable[[Node], bool]) -> ActMatch | None:
 
     if not visit(out) or len(leaves) != 1 or not nodes or not is_leaf(leaves[0]):
         return _opaque(out, is_leaf)
-    return ActMatch(out, leaves[0], nodes, identify(nodes, leaves[0], out))
+    return ActMatch(out, leaves[0], nodes=nodes, name=identify(nodes, leaves[0], out))
 
 
 _SHAPE_OPS = {"view", "reshape", "transpose", "permute", "flatten", "unflatten", "squeeze", "unsqueeze", "expand"}
@@ -135,5 +135,5 @@ def _opaque(out: Node, is_leaf) -> ActMatch | None:
         if is_leaf(n):
             same = val(out) is not None and val(n) is not None and same_shape(val(out).shape, val(n).shape)
             shape_only = all(c.target in _SHAPE_OPS for c in chain)
-            return ActMatch(out, n, chain, None) if same and not shape_only else None
+            return ActMatch(out, n, nodes=chain, name=None) if same and not shape_only else None
     return None
