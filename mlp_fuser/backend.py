@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from . import fx_pass
+from . import patterns as registry
 from .activations import get_activation
-from .fx_pass import fuse_mlps
 
 log = logging.getLogger("mlp_fuser")
 _graph_ids = itertools.count()
@@ -28,6 +29,17 @@ def inductor_compiler(mode: str | None = None, options: dict[str, Any] | None = 
     """What ``torch.compile(backend="inductor", mode=mode, options=options)`` compiles a graph with: the config
     patches of the mode and the options, checked as Inductor checks them (an unknown mode or option raises)."""
     return torch._TorchCompileInductorWrapper(mode, options, None)
+
+
+def pass_options(activations: Iterable[str] | None = None, patterns: Iterable[str] | None = None) -> dict[str, Any]:
+    """``fuse_mlps``'s keyword arguments for the allowed activations (registry names or aliases) and patterns
+    (names from ``mlp_fuser.patterns.PATTERNS``); None allows all. Unknown names raise ValueError."""
+    acts = None if activations is None else {get_activation(a).name for a in activations}
+    pats = None if patterns is None else set(patterns)
+    if pats is not None and pats - set(registry.PATTERNS):
+        raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.PATTERNS))}; "
+                         f"known: {', '.join(registry.PATTERNS)}")
+    return dict(activations=acts, patterns=pats)
 
 
 def make_backend(
@@ -44,13 +56,7 @@ def make_backend(
     ``filter_fn(path) -> bool``: which sites, by module path, may be fused. torch.compile's ``mode`` and
     ``options`` reach Inductor unchanged.
     """
-    from . import patterns as registry
-
-    acts = None if activations is None else {get_activation(a).name for a in activations}
-    pats = None if patterns is None else set(patterns)
-    if pats is not None and pats - set(registry.PATTERNS):
-        raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.PATTERNS))}; "
-                         f"known: {', '.join(registry.PATTERNS)}")
+    allowed = pass_options(activations, patterns)
     compilers: list = []  # the Inductor wrappers this backend compiled with, for reset()
 
     def mlp_fuser_backend(gm, example_inputs, *, mode: str | None = None, options: dict[str, Any] | None = None):
@@ -60,7 +66,7 @@ def make_backend(
         compiler = inductor_compiler(mode, options) if inductor else None  # a bad mode or option raises here
         gid = next(_graph_ids)
         if enabled:
-            report = fuse_mlps(gm, activations=acts, patterns=pats, filter_fn=filter_fn)
+            report = fx_pass.fuse_mlps(gm, filter_fn=filter_fn, **allowed)
             log.info("mlp_fuser: graph %d: %s", gid, report.summary())
             for m in report.near_misses:
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)

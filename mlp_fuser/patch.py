@@ -1,10 +1,16 @@
-"""Eager-mode fusion: ``patch(model)`` runs the model's forward through Dynamo with the fusing pass and no Inductor.
+"""Eager-mode fusion: ``patch(model)``, in one of two ways.
 
-Working from the captured graph (not from class names) is what finds MLPs split across modules (BERT's
-``BertIntermediate.dense → GELU`` then ``BertOutput.dense``) and sees HF's control flow resolved. The rewritten
-graph runs op by op, like eager mode. Nothing in the module tree changes: ``state_dict()`` keys and tensors stay
-the same, so save/load, ``.to()``, ``.half()`` and ``generate()`` keep working; Dynamo's guards re-capture the
-graph when dtype, device, shapes or train/eval change, and each capture is checked afresh (dropout included).
+- Per module (the default, where it applies): every submodule that *is* an MLP (LLaMA's ``LlamaMLP``, GPT-NeoX's,
+  Falcon's, ...) gets a forward that runs the fused op, proven equal by capturing that module alone with Dynamo
+  and the graph pass (``patch_modules.py``). The rest of the model runs eagerly, untouched.
+- Whole model (where no submodule is an MLP, or ``per_module=False``): the model's forward runs through Dynamo
+  with the fusing pass and no Inductor. Working from the captured graph (not from class names) is what finds MLPs
+  split across modules (BERT's ``BertIntermediate.dense → GELU`` then ``BertOutput.dense``) and sees HF's control
+  flow resolved. The rewritten graph runs op by op, like eager mode; Dynamo's guards re-capture the graph when
+  dtype, device, shapes or train/eval change, and each capture is checked afresh (dropout included).
+
+Either way nothing in the module tree changes: ``state_dict()`` keys and tensors stay the same, so save/load,
+``.to()``, ``.half()`` and ``generate()`` keep working.
 """
 
 from __future__ import annotations
@@ -20,18 +26,23 @@ import torch
 from torch import nn
 
 from ._dynamo_utils import fresh_code
-from .backend import make_backend
+from .backend import make_backend, pass_options
+from .patch_modules import FusedModuleForward, fuse_module
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
 _HELD = "_mlp_fuser_held_logs"  # set on an exception: the log records held back while it was raised
+_MODULES = "_mlp_fuser_fused_modules"  # per-module patching: the paths of the modules given a fused forward
 _MISSING = object()
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether ``model.forward`` is the fused forward ``patch`` installed. A patched model that went through
-    pickling (``torch.save`` / ``torch.load``) comes back unpatched: its fused forward is a compiled function,
-    not state, and pickle restores the plain bound method in its place."""
+    """Whether ``patch`` fused ``model`` (its MLP modules' forwards, or its own forward). A patched model that went
+    through pickling (``torch.save`` / ``torch.load``) comes back unpatched: a fused forward is a compiled
+    function, not state, and pickle restores the plain bound method in its place."""
+    paths = model.__dict__.get(_MODULES)
+    if paths is not None:
+        return all(isinstance(model.get_submodule(p).__dict__.get("forward"), FusedModuleForward) for p in paths)
     forward = model.__dict__.get("forward")
     return _ORIG in model.__dict__ and getattr(getattr(forward, "__func__", forward), _FUSED, False)
 
@@ -44,17 +55,29 @@ def original_forward(model: nn.Module):
     return orig
 
 
-def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None, **options) -> nn.Module:
+def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None, *,
+          per_module: bool = True, **options) -> nn.Module:
     """Fuse ``model``'s MLP blocks in place (eager mode); return ``model``. Idempotent; undone by ``unpatch``.
 
     ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
     ancestor of its projections, e.g. ``model.layers.0.mlp``). ``options`` go to ``make_backend``
-    (``activations=``, ``patterns=``). A call that fails raises what the unpatched forward raises.
+    (``activations=``, ``patterns=``). ``per_module=False`` runs the whole forward through Dynamo even where the
+    MLPs are modules of their own. A call that fails raises what the unpatched forward raises.
     """
     if is_patched(model):
         return model
-    if _ORIG in model.__dict__:  # unpickled from a patched model: drop the stale entries, then patch afresh
-        _restore(model)
+    unpatch(model)  # unpickled from a patched model: drop the stale entries, then patch afresh
+    if per_module:
+        fused = {}
+        for path, module in model.named_modules():
+            forward = fuse_module(module, **pass_options(**options))
+            if forward is not None and (filter_fn is None or filter_fn(path, module)):
+                fused[path] = forward
+        if fused:
+            for path, forward in fused.items():
+                model.get_submodule(path).forward = forward
+            model.__dict__[_MODULES] = list(fused)
+            return model
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
 
     def path_filter(path: str) -> bool:
@@ -128,8 +151,13 @@ def _hold_back_meta_failure_logs() -> None:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Restore the forward ``patch`` replaced; return ``model``."""
-    if _ORIG in model.__dict__:  # patched, or unpickled from a patched model
+    """Restore the forwards ``patch`` replaced; return ``model``."""
+    for path in model.__dict__.pop(_MODULES, ()):  # patched per module, or unpickled from such a model
+        module = model.get_submodule(path)
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, FusedModuleForward) or getattr(forward, "__func__", None) is type(module).forward:
+            del module.__dict__["forward"]
+    if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model
         _restore(model)
     return model
 

@@ -134,8 +134,8 @@ def _break_the_pass(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the graph pass")
 
-    monkeypatch.setattr(importlib.import_module("mlp_fuser.backend"), "fuse_mlps", broken)
-    return _sequential()[0], torch._dynamo.exc.BackendCompilerFailed, "a bug in the graph pass", ""
+    monkeypatch.setattr(importlib.import_module("mlp_fuser.fx_pass"), "fuse_mlps", broken)
+    return _sequential()[0], torch._dynamo.exc.BackendCompilerFailed, "a bug in the graph pass", "", {}
 
 
 def _break_the_op(monkeypatch):
@@ -143,20 +143,23 @@ def _break_the_op(monkeypatch):
         raise ValueError(f"mlp_fuser::{op}: broken validation")
 
     monkeypatch.setattr(importlib.import_module("mlp_fuser.ops"), "check_args", broken)
-    return _sequential()[0], ValueError, "broken validation", ""
+    return _sequential()[0], ValueError, "broken validation", "", {}
 
 
 def _break_dynamo(monkeypatch):
-    return _BrokenUnderDynamo(), torch._dynamo.exc.TorchRuntimeError, "fake tensor", "failed while attempting"
+    # Dynamo runs the whole forward only when patching it whole: per module, the MLP alone is captured
+    return (_BrokenUnderDynamo(), torch._dynamo.exc.TorchRuntimeError, "fake tensor", "failed while attempting",
+            dict(per_module=False))
 
 
 @pytest.mark.parametrize("broken", [_break_the_pass, _break_the_op, _break_dynamo], ids=["pass", "op", "dynamo"])
 def test_a_failure_of_mlp_fuser_or_dynamo_is_not_hidden(broken, monkeypatch, torch_logs):
     """Where the eager forward succeeds after the patched one failed, the failure is not the user's: it is raised
-    as it was, and what torch logged for it is logged."""
-    model, exc, match, logged = broken(monkeypatch)
-    mlp_fuser.patch(model)
+    as it was (by patch itself where it proves a module's MLP, else by the call), and what torch logged for it is
+    logged."""
+    model, exc, match, logged, kwargs = broken(monkeypatch)
     with torch.no_grad(), pytest.raises(exc, match=match):
+        mlp_fuser.patch(model, **kwargs)
         model(torch.randn(2, 16))
     assert logged in torch_logs.getvalue()
 

@@ -1,0 +1,199 @@
+"""``patch`` for a module that *is* an MLP: its forward replaced by the fused op, the rest of the model left eager.
+
+A module qualifies when its parameters all belong to two or three projection children (``nn.Linear``, GPT-2's
+``Conv1D``) and its forward, captured alone with Dynamo on a sample input, rewrites to exactly one fused op that
+reads the input and returns the output, every other node a view of a weight. The rewritten graph then runs in
+place of the forward, with the module's current parameters, for calls like the captured one: one tensor
+argument and the same train/eval mode; any other call runs the original forward. A call the op rejects runs the
+original forward too, so a mistake raises what the unpatched module raises.
+
+Compared with running the whole model through Dynamo, nothing but the MLP changes: no guards evaluated per call,
+no graph of the attention and the cache to replay op by op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import operator
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import fx_pass
+from ._dynamo_utils import fresh_code
+from .patterns.common import dropout_active, is_dropout
+
+OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
+
+
+class FusedModuleForward:
+    """The forward ``patch`` installs on an MLP module (an instance attribute, so hooks and ``__call__`` stay).
+
+    ``graphs[training]``: for each train/eval mode the module was proven an MLP in, the rewritten graph's forward
+    (inputs in placeholder order, returns a tuple) and, per placeholder, None for the input or a getter of the
+    module's tensor (read on every call, so replaced or converted weights are the ones used)."""
+
+    def __init__(self, module: nn.Module, graphs: dict[bool, tuple[Callable[..., Any], list]], arg_name: str):
+        self.module = module
+        self.graphs = graphs
+        self.arg_name = arg_name  # the forward's input parameter, for a call that names it
+
+    def original(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        if len(args) == 1 and not kwargs:
+            x = args[0]
+        elif not args and len(kwargs) == 1 and self.arg_name in kwargs:
+            x = kwargs[self.arg_name]
+        else:
+            return self.original(*args, **kwargs)
+        graph = self.graphs.get(module.training)
+        if graph is None or not isinstance(x, Tensor):
+            return self.original(*args, **kwargs)
+        forward, getters = graph
+        try:
+            return forward(*[x if g is None else g(module) for g in getters])[0]
+        except Exception as e:
+            failure = e
+        # Outside the except (no "during handling" chain): what the op rejected, the original forward runs, so a
+        # mistake raises eager's own error; where the original succeeds, the failure was mlp_fuser's: raise it.
+        self.original(*args, **kwargs)
+        raise failure
+
+    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
+        return _plain_forward, (self.module,)
+
+    def __deepcopy__(self, memo):  # a deepcopy of the model is patched too, with the copy's weights
+        twin = memo.get(id(self.module))
+        if twin is None:
+            return _plain_forward(self.module)
+        return FusedModuleForward(twin, self.graphs, self.arg_name)
+
+
+@contextlib.contextmanager
+def _quiet(*loggers: str):
+    """No records from these loggers meanwhile: a sample input of the wrong width fails tracing, which is logged."""
+    def drop(record):
+        return False
+
+    for name in loggers:
+        logging.getLogger(name).addFilter(drop)
+    try:
+        yield
+    finally:
+        for name in loggers:
+            logging.getLogger(name).removeFilter(drop)
+
+
+def _plain_forward(module: nn.Module):
+    return types.MethodType(type(module).forward, module)
+
+
+def _projections(module: nn.Module) -> list[nn.Module]:
+    """Children holding a 2-D weight (Linear, Conv1D); empty unless every parameter belongs to them."""
+    projs = [c for c in module.children() if isinstance(getattr(c, "weight", None), Tensor) and c.weight.dim() == 2
+             and not isinstance(c, nn.Embedding)]
+    owned = {id(p) for c in projs for p in c.parameters()}
+    if len(projs) not in (2, 3) or any(id(p) not in owned for p in module.parameters()):
+        return []
+    return projs
+
+
+def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
+    """The fused forward for ``module`` when it is one MLP in eval or train mode (each proven on its own: a dropout
+    inside is inactive in one and active in the other), else None."""
+    projs = _projections(module)
+    if not projs or "forward" in module.__dict__:
+        return None
+    modes = {m: m.training for m in module.modules()}
+    graphs = {}
+    try:
+        for training in (False, True):
+            module.train(training)
+            graph = _prove(module, projs, options)
+            if graph is not None:
+                graphs[training] = graph
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if not graphs:
+        return None
+    params = list(inspect.signature(type(module).forward).parameters)
+    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "")
+
+
+def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple[Callable[..., Any], list] | None:
+    """Capture ``module``'s forward on a sample input; the rewritten graph's forward and its input getters when it
+    is exactly one fused MLP."""
+    first = next(module.parameters())
+    widths = [getattr(projs[0], "in_features", None), getattr(projs[0], "nx", None)]  # Linear, Conv1D
+    widths += [d for p in projs for d in p.weight.shape]  # else the input width is one of the weight sides
+    for K in dict.fromkeys(w for w in widths if isinstance(w, int)):
+        x = torch.randn(2, 3, K, dtype=first.dtype, device=first.device)
+        captured: list = []
+
+        def capture(gm, example_inputs, captured=captured):
+            captured.append((gm, list(example_inputs), fx_pass.fuse_mlps(gm, **options)))
+            return gm.forward
+
+        try:
+            with torch.no_grad(), _quiet("torch._subclasses.fake_tensor", "torch._dynamo"):
+                torch.compile(fresh_code(type(module).forward), backend=capture, fullgraph=True)(module, x)
+        except torch._dynamo.exc.BackendCompilerFailed:
+            raise  # the graph pass failed: a bug to see, not a sample input of the wrong width
+        except Exception:
+            continue
+        if len(captured) == 1:
+            return _graph(module, x, *captured[0])
+    return None
+
+
+def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> tuple[Callable[..., Any], list] | None:
+    if len(report.fused) != 1 or report.near_misses:
+        return None
+    g = gm.graph
+    g.eliminate_dead_code()
+    if any(n.op == "get_attr" for n in g.nodes):  # a tensor held by the graph, not read from the module per call
+        return None
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return None
+    names = {id(t): name for name, t in [*module.named_parameters(remove_duplicate=False),
+                                         *module.named_buffers(remove_duplicate=False)]}
+    getters, x_node = [], None
+    for node, value in zip(placeholders, example_inputs):
+        if value is x:
+            getters.append(None)
+            x_node = node
+        elif id(value) in names:
+            getters.append(operator.attrgetter(names[id(value)]))
+        else:  # a value the graph read from elsewhere (a global tensor, a size): not a plain MLP forward
+            return None
+    ops = [n for n in g.nodes if n.op == "call_function" and n.target in OPS]
+    output = next(n for n in g.nodes if n.op == "output")
+    if x_node is None or len(ops) != 1 or ops[0].args[0] is not x_node or len(output.args[0]) != 1:
+        return None
+    result, passed = output.args[0][0], {ops[0], output}
+    while is_dropout(result) and not dropout_active(result):  # GPT-2's dropout after the MLP, inactive in eval
+        passed.add(result)
+        result = result.args[0]
+    if result is not ops[0] or any(n not in passed for n in _dependents(x_node)):
+        return None  # the graph does more with the input than the MLP
+    return gm.forward, getters
+
+
+def _dependents(node) -> set:
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen

@@ -1,0 +1,180 @@
+"""patch per module: where a model's MLPs are modules of their own, each gets a fused forward and the rest of the
+model stays eager (mlp_fuser/patch_modules.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _hf_models import count_ops
+from torch import nn
+
+import mlp_fuser
+from mlp_fuser.patch import _MODULES
+from mlp_fuser.patch_modules import FusedModuleForward, fuse_module
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+def _llama(layers=3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_llama_mlps_are_patched_one_by_one_and_the_rest_stays_eager():
+    model = _llama()
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        mlp_fuser.patch(model)
+        assert model.__dict__[_MODULES] == [f"model.layers.{i}.mlp" for i in range(3)]
+        assert "forward" not in model.__dict__  # the model's own forward is untouched
+        assert all(isinstance(layer.mlp.forward, FusedModuleForward) for layer in model.model.layers)
+        assert mlp_fuser.is_patched(model)
+        assert torch.equal(model(ids).logits, ref)  # on the CPU the op computes what the modules compute
+        assert count_ops(lambda: model(ids)) == 3
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+    mlp_fuser.unpatch(model)
+    assert not mlp_fuser.is_patched(model) and _MODULES not in model.__dict__
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+    assert count_ops(lambda: model(ids)) == 0
+
+
+def test_training_mode_is_fused_too_with_gradients():
+    model = _llama(2).train()
+    ids = torch.randint(1, 128, (2, 5))
+    ref = model(ids, labels=ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    mlp_fuser.patch(model)
+    assert count_ops(lambda: model(ids)) == 2
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class DropoutMLP(nn.Module):
+    """GPT-2's shape: a dropout after the down projection."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+
+
+def test_an_active_dropout_is_left_to_the_original_forward():
+    m = DropoutMLP(0.5)
+    forward = fuse_module(m)
+    assert set(forward.graphs) == {False}  # eval: the dropout is the identity; train: it is not
+    mlp_fuser.patch(m)
+    x = torch.randn(3, 8)
+    m.eval()
+    assert count_ops(lambda: m(x)) == 1
+    m.train()
+    torch.manual_seed(3)
+    out = m(x)
+    torch.manual_seed(3)
+    assert torch.equal(out, DropoutMLP.forward(m, x))
+    assert count_ops(lambda: m(x)) == 0
+
+
+def test_weights_are_read_on_every_call():
+    m = DropoutMLP(0.0).eval()
+    mlp_fuser.patch(m)
+    x = torch.randn(3, 8)
+    m.fc2.weight = nn.Parameter(torch.randn(8, 16))  # a new Parameter object
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), DropoutMLP.forward(m, x))
+        m.double()
+        torch.testing.assert_close(m(x.double()), DropoutMLP.forward(m, x.double()))
+        assert count_ops(lambda: m(x.double())) == 1
+
+
+def test_calls_unlike_the_proven_one_run_the_original_forward():
+    m = DropoutMLP(0.0).eval()
+    mlp_fuser.patch(m)
+    x = torch.randn(3, 8)
+    assert count_ops(lambda: m(x=x)) == 1  # the input by name
+    for args, kwargs in (((x, x), {}), ((), {"input": x})):  # the original forward's own errors
+        with pytest.raises(TypeError, match="DropoutMLP.forward"):
+            m(*args, **kwargs)
+
+
+def test_not_an_mlp_module():
+    class NormInside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.norm(self.fc1(x))))
+
+    class TwoOutputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = F.gelu(self.fc1(x))
+            return self.fc2(h), h
+
+    class AddsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x))) + x
+
+    for cls in (NormInside, TwoOutputs, AddsInput):
+        assert fuse_module(cls()) is None, cls.__name__
+    assert fuse_module(AddsInput().fc1) is None  # one projection
+
+
+def test_per_module_false_runs_the_whole_forward_through_dynamo():
+    model = _llama(2)
+    ids = torch.randint(1, 128, (1, 5))
+    with torch.no_grad():
+        ref = model(ids).logits
+        mlp_fuser.patch(model, per_module=False)
+        assert _MODULES not in model.__dict__ and "forward" in model.__dict__
+        torch.testing.assert_close(model(ids).logits, ref)
+        assert count_ops(lambda: model(ids)) == 2
+    mlp_fuser.unpatch(model)
+
+
+def test_deepcopy_and_pickle_of_a_model_patched_per_module():
+    import io
+
+    model = _llama(2)
+    ids = torch.randint(1, 128, (1, 5))
+    mlp_fuser.patch(model)
+    with torch.no_grad():
+        twin = copy.deepcopy(model)
+        assert mlp_fuser.is_patched(twin) and count_ops(lambda: twin(ids)) == 2
+        twin.model.layers[0].mlp.down_proj.weight.mul_(2)  # the copy's forward reads the copy's weights
+        assert not torch.equal(twin(ids).logits, model(ids).logits)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert not mlp_fuser.is_patched(loaded) and count_ops(lambda: loaded(ids)) == 0
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+        mlp_fuser.patch(loaded)
+        assert mlp_fuser.is_patched(loaded) and count_ops(lambda: loaded(ids)) == 2
+        mlp_fuser.unpatch(loaded)
+        assert all("forward" not in layer.mlp.__dict__ for layer in loaded.model.layers)
