@@ -273,3 +273,37 @@ def test_output_can_be_updated_in_place_under_autograd():
     ref_x = case.x.detach().clone().requires_grad_(True)
     (case.op()(ref_x, *case.args()[1:]) + 1).sum().backward()
     torch.testing.assert_close(x.grad, ref_x.grad)
+
+
+def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
+    """Candidates within 2% of the fastest GPU time are a tie, won by the one that costs the host least; a clear
+    GPU win stands whatever the host cost. GPU and host time come from stand-in clocks here."""
+    clock = {"gpu": 0.0, "host": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock["gpu"]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: (clock.__setitem__("host", clock["host"] + 1e-9)
+                                                                  or clock["host"]))
+
+    def impl(name, gpu_ms, host_s):
+        def fn(*args):
+            clock["gpu"] += gpu_ms
+            clock["host"] += host_s
+        return dispatch.Impl(name, fn, frozenset({"cuda"}))
+
+    p = dispatch.Problem("cuda", torch.bfloat16, 1, 8, 8, 8, True)
+    tie = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.01, 1e-5), impl("slow_gpu", 1.10, 1e-7)]
+    assert dispatch._time_candidates(tie, (), p) == "light_host"
+    clear = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.05, 1e-5)]
+    assert dispatch._time_candidates(clear, (), p) == "heavy_host"
