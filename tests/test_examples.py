@@ -15,6 +15,7 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 # name: (arguments, what the output must contain, slow)
 EXPECT = {
     "compile_backend.py": ([], ["compiled with mlp_fuser.backend: OK"], False),
+    "static_cache_generate.py": ([], ["both backends generated the same 12 tokens", "ms/token decode"], False),
     "training_step.py": ([], ["gradients match the unfused model", "mlp_fuser.patch (eager)"], False),
     "explain_models.py": ([], ["llama", "gpt2", "qwen3", "summary"], True),
     "generate_smollm2.py": (["--tokens", "12"], ["all variants generated the same 12 tokens", "ms/token"], True),

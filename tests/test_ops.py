@@ -307,3 +307,16 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     assert dispatch._time_candidates(tie, (), p) == "light_host"
     clear = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.05, 1e-5)]
     assert dispatch._time_candidates(clear, (), p) == "heavy_host"
+
+
+def test_reference_runs_on_any_device_type():
+    """The aten reference declares no device list: a device type mlp_fuser has never heard of (xla, npu, mtia, a
+    PrivateUse1 backend) gets it, not an empty candidate list."""
+    for device in ("xla", "npu", "mtia", "privateuseone", "meta"):
+        p = dispatch.Problem(device, torch.float32, 4, 8, 8, 8, True)
+        assert [i.name for i in dispatch.eligible(p)] == ["reference"]
+        assert dispatch.chosen(p) == "reference"
+    case = make_case(3, 8, 16, 4, lead=(2,))
+    meta = [None if t is None else t.to("meta") for t in case.args()[:-1]]
+    out = case.op()(*meta, case.act)
+    assert out.device.type == "meta" and out.shape == (2, 3, 4)
