@@ -68,9 +68,9 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
         return model
     unpatch(model)  # unpickled from a patched model: drop the stale entries, then patch afresh
     if per_module:
-        fused = {}
+        fused, allowed = {}, pass_options(**options)
         for path, module in model.named_modules():
-            forward = fuse_module(module, **pass_options(**options))
+            forward = fuse_module(module, **allowed)
             if forward is not None and (filter_fn is None or filter_fn(path, module)):
                 fused[path] = forward
         if fused:
