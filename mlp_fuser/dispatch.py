@@ -119,7 +119,7 @@ _eligible_cache: dict[tuple, list[Impl]] = {}
 _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup afresh rather than growing it
 
 
-def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,  # noqa: E741
+def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
             args: tuple) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 

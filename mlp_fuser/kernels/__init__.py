@@ -1,12 +1,21 @@
-"""Triton kernels of the fused MLP (design, byte counts and predictions: benchmarks/NOTES.md).
+"""Triton kernels of the fused MLP (design, byte counts and the history of each: benchmarks/NOTES.md).
 
-- ``act_mul(g, u, activation)``: h = act(g) * u elementwise, one launch (the cuBLAS path's glue).
-- ``gate_up_act(x2, w_gate, b_gate, w_up, b_up, activation)``: gate and up in one autotuned GEMM, act·mul in
-  its epilogue; h (M, I) in x's dtype.
-- ``fused_mlp_small_m(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)``: the whole MLP for small M,
-  split over I, each weight byte read once, fp32 atomic reduction of the partial outputs; y (M, O).
+- ``act_mul`` (act_mul.py): ``act_mul(g, u, activation)``, h = act(g) * u elementwise in one launch (the cuBLAS
+  path's glue): a flat kernel for contiguous g and u, a tiled one for any strides.
+- ``gate_up_act`` (gemm.py): ``gate_up_act(x2, w_gate, b_gate, w_up, b_up, activation)``, gate and up in one
+  autotuned GEMM with act·mul in its epilogue; h (M, I) in x's dtype. ``gate_up_tile``, the tile it computes, is
+  shared with the small-M kernel.
+- ``fused_mlp_small_m`` (small_m.py): ``fused_mlp_small_m(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
+  activation)``, the whole MLP for small M, split over I, each weight byte read once, fp32 atomic reduction of
+  the partial outputs, then a finish kernel (b_down, cast; none for fp32 without b_down); y (M, O).
+- ``splitk.linear_splitk(h, w, b)``: y = h @ wᵀ + b, a split-K GEMM streaming w once (the down projection at
+  small M), reduced in a fixed order by the last program of each tile; ``splitk_config`` picks its blocks.
+- ``common``: what they share: ``Launcher`` (launches a compiled kernel directly once its specialization is
+  known), ``m_bucket``, ``cdiv``, ``next_power_of_2``, ``dot_precision``, ``k_loop_fits``, ``aligned``,
+  ``num_sms`` and ``INTERPRET``.
 
 Weights are (out, in) tensors with any strides; ``w_up=None`` means a plain (ungated) MLP; biases are optional.
+The package exports the first three; ``splitk`` and ``common`` are imported as modules.
 """
 
 from .act_mul import act_mul

@@ -2,9 +2,10 @@
 
 Algorithm: each program loads a block of g (and u), upcasts to fp32, applies the activation and the product in
 fp32, and stores h in g's dtype. Two layouts of the same work:
-  - flat (v2, when g and u are contiguous, as cuBLAS writes them): a 1-D grid over M·N elements, BLOCK of them
-    per program, no row/column arithmetic and no ragged row ends: what Inductor generates for this pointwise op;
-  - tiled (v1, any strides): a 2-D grid of (BLOCK_M, BLOCK_N) tiles loaded through the strides.
+  - flat (``_act_mul_flat_kernel``, when g and u are contiguous, as cuBLAS writes them): a 1-D grid over M·N
+    elements, BLOCK of them per program, no row/column arithmetic and no ragged row ends: what Inductor
+    generates for this pointwise op;
+  - tiled (``_act_mul_kernel``, any strides): a 2-D grid of (BLOCK_M, BLOCK_N) tiles loaded through the strides.
 Bytes moved: read g and u once, write h once: 3 · M · N · itemsize (2 · M · N · itemsize without u). h is
 contiguous.
 """

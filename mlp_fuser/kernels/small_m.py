@@ -11,10 +11,8 @@ Algorithm: split the work over the intermediate dimension I. Program (i, m) owns
      output dtype: 3 launches (2 for fp32 without a bias, which returns y32 itself).
 Block sizes are autotuned per (M bucket, K, I, O, gated, dtype) over a few configs (BLOCK_I, BLOCK_K, pipeline
 depth); Triton's autotuner zeroes y32 before each trial and before the real run.
-Two one-launch finishes were built, measured on the H200 and removed (benchmarks/NOTES.md, small_m v2, v3):
-counting arrivals per output tile inside the O loop (v2) stalled the w_down pipeline (2.7x slower), and
-counting once per program with the last program finishing the rows (v3) needed a release fence in every
-thread and a serial finish: 13% slower at M = 1, worse with M. The two extra launches cost ≈ 1 µs each.
+The finish stays a separate launch: finishing inside this kernel (arrival counters, the last program adds
+b_down) is slower (benchmarks/NOTES.md, fused_mlp_small_m v2 and v3).
 Bytes moved: every weight once (2·I·K + I·O, or I·K + I·O plain) + x read once per I-block (from L2) +
 the reduction: cdiv(I, BLOCK_I) · M · O fp32 atomics. The reduction is negligible at M=1 and grows
 linearly with M: this kernel is for M ≲ 16-64 (dispatch caps it). Blocks of M are the fastest-varying
@@ -39,8 +37,7 @@ def _configs() -> list[triton.Config]:
         return [triton.Config(dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=32, BLOCK_O=32), num_warps=4)]
     configs = []
     for bm in (16, 32):
-        # fp16/bf16 (BLOCK_K >= 64). The first was the best of a 24-point sweep for SwiGLU 4096x11008 at M=1 on
-        # the H200 (71.8 µs; benchmarks/NOTES.md); the others trade slice width against pipeline depth.
+        # fp16/bf16 (BLOCK_K >= 64): (BLOCK_I, BLOCK_K, stages), slice width traded against pipeline depth
         for bi, bk, stages in ((128, 64, 5), (128, 128, 3), (64, 128, 5), (64, 64, 6), (128, 128, 5)):
             configs.append(triton.Config(dict(BLOCK_M=bm, BLOCK_I=bi, BLOCK_K=bk, BLOCK_O=64), num_warps=4,
                                          num_stages=stages))

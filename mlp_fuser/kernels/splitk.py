@@ -27,51 +27,51 @@ from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, num_sms
 
 @triton.jit
 def _linear_splitk_kernel(
-    H, W, B, Y, PARTIALS, COUNTERS,
+    h_ptr, w_ptr, b_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, K_PER_SPLIT,
     stride_hm, stride_hk, stride_wn, stride_wk, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tile // num_n
-    pid_n = tile % num_n
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    tile = tl.program_id(0)  # the output tile, row-major over (M blocks, N blocks)
+    split = tl.program_id(1)  # the K range
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tile // num_pid_n
+    pid_n = tile % num_pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of h and y
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of w = columns of y
+    offs_k = tl.arange(0, BLOCK_K)
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        kk = k + rk
-        h = tl.load(H + rm[:, None] * stride_hm + kk[None, :] * stride_hk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
-        w = tl.load(W + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
+        kk = k + offs_k  # the K indices of this step
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + kk[None, :] * stride_hk,
+                    mask=(offs_m[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(offs_n[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
         acc = tl.dot(h, w, acc, input_precision=PRECISION)
 
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    mask_y = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # the tile's valid elements, in y and in the partials
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
     else:
         # partials are laid out [split, M, N], contiguous
-        p_ptrs = PARTIALS + rm[:, None] * N + rn[None, :]
-        tl.store(p_ptrs + split * M * N, acc, mask=mask)
+        partial_ptrs = partials_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptrs + split * M * N, acc, mask=mask_y)
         tl.debug_barrier()  # every thread's partial is issued before the counter moves
-        done = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel")
+        done = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last program of this tile: reduce in split order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):
-                total += tl.load(p_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(partial_ptrs + s * M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                total += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
+                total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 @cache

@@ -1,0 +1,147 @@
+"""Compile mlp_fuser's Triton kernels for sm_90 from two source trees, without a GPU, and compare the PTX.
+
+    python benchmarks/ptx_compare.py BASE_DIR NEW_DIR
+
+BASE_DIR and NEW_DIR are checkouts of this repository (e.g. ``git worktree add --detach /tmp/base HEAD`` made
+before a change, and the working tree). For a change meant to alter no kernel (renames, comments), every line
+should say "identical". Each tree is loaded in a child process (``PYTHONPATH=DIR``, TRITON_INTERPRET unset).
+
+How: each variant below calls a public kernel function on small CPU tensors, with ``Launcher.__call__``
+replaced by a recorder, so the call site's own positional arguments and constexprs are captured instead of
+launched. Each recorded launch is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90,
+32))`` under the specialization Triton derives from those arguments (dtypes, 16-byte alignment, integers equal
+to 1 or divisible by 16), once per autotuner config that the kernel's own prune keeps for them.
+
+Compared: the PTX without debug info (``.loc``/``.file`` lines and ``.debug_*`` sections: line numbers move
+when only comments do). PTX names kernel parameters ``<kernel>_param_<index>``, so renamed Python parameters
+need no further normalisation; a kernel renamed in Python would show as DIFFERENT. Prints one line per
+(variant, kernel, config); exits 1 if any is DIFFERENT or missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# variant -> a call of the public functions (k: mlp_fuser.kernels; randn: a bf16 CPU tensor; splitk config given)
+VARIANTS = {
+    "act_mul flat silu*u": "k.act_mul(randn(16, 1024), randn(16, 1024), 'silu')",
+    "act_mul tiled silu*u (strided)": "k.act_mul(randn(1024, 16).t(), randn(1024, 16).t(), 'silu')",
+    "act_mul tiled gelu (strided)": "k.act_mul(randn(1024, 16).t(), None, 'gelu')",
+    "gate_up_act SwiGLU no bias": "k.gate_up_act(randn(16, 512), randn(1024, 512), None, randn(1024, 512), None, "
+                                  "'silu')",
+    "gate_up_act GELU + bias": "k.gate_up_act(randn(16, 512), randn(1024, 512), randn(1024), None, None, 'gelu')",
+    "small_m SwiGLU no bias": "k.fused_mlp_small_m(randn(4, 512), randn(1024, 512), None, randn(1024, 512), None, "
+                              "randn(512, 1024), None, 'silu')",
+    "small_m GELU + biases": "k.fused_mlp_small_m(randn(4, 512), randn(1024, 512), randn(1024), None, None, "
+                             "randn(512, 1024), randn(512), 'gelu')",
+    "splitk SPLIT_K=1 no bias": "linear_splitk(randn(16, 2048), randn(512, 2048), None, (16, 64, 128, 1, 4, 4))",
+    "splitk SPLIT_K=1 + bias": "linear_splitk(randn(16, 2048), randn(512, 2048), randn(512), (16, 64, 128, 1, 4, 4))",
+    "splitk SPLIT_K=4 no bias": "linear_splitk(randn(16, 2048), randn(512, 2048), None, (16, 64, 128, 4, 4, 4))",
+    "splitk SPLIT_K=4 + bias": "linear_splitk(randn(16, 2048), randn(512, 2048), randn(512), (16, 64, 128, 4, 4, 4))",
+}
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def strip_debug(ptx: str) -> str:
+    ptx = ptx.split("\t.section\t.debug_")[0]
+    return "\n".join(line for line in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", line)).strip()
+
+
+def compile_launch(kernel, args, kwargs) -> dict[str, str]:
+    """{config description: PTX} for one recorded launch."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    jit = kernel if hasattr(kernel, "params") else kernel.fn
+    if jit is kernel:
+        configs = [None]
+    else:  # an Autotuner: the configs it would try for these arguments
+        kernel.nargs = dict(zip(kernel.arg_names, args))
+        configs = kernel.prune_configs({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    out = {}
+    for config in configs:
+        values = {**kwargs, **(config.all_kwargs() if config is not None else {})}
+        signature, constexprs, attrs = {}, {}, {}
+        for i, p in enumerate(jit.params):
+            if p.is_constexpr:
+                signature[p.name], constexprs[p.name] = "constexpr", values[p.name]
+                continue
+            ty, attr = native_specialize_impl(BaseBackend, args[i], False, True, True)
+            signature[p.name] = ty
+            if ty == "constexpr":  # an integer equal to 1
+                constexprs[p.name] = args[i]
+            elif "D" in attr:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        options = {k: values[k] for k in OPTIONS if k in values}
+        src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=target, options=backend.parse_options(options).__dict__)
+        desc = "" if config is None else " " + ",".join(f"{k}={v}" for k, v in config.all_kwargs().items())
+        out[jit.__name__ + desc] = strip_debug(compiled.asm["ptx"])
+    return out
+
+
+def dump(tree: str) -> dict[str, str]:
+    """{variant | kernel config: PTX} for the source tree on sys.path (run in a child process)."""
+    import torch
+
+    import mlp_fuser
+    from mlp_fuser import kernels as k
+    from mlp_fuser.kernels import common
+    from mlp_fuser.kernels.splitk import linear_splitk
+
+    if not os.path.realpath(mlp_fuser.__file__).startswith(os.path.realpath(tree) + os.sep):
+        raise SystemExit(f"imported {mlp_fuser.__file__}, not the tree {tree}")
+    launches = []
+    common.Launcher.__call__ = lambda self, key, grid, *args, **kw: launches.append((self.kernel, args, kw))
+    env = {"k": k, "linear_splitk": linear_splitk,
+           "randn": lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)}
+    out = {}
+    for name, code in VARIANTS.items():
+        launches.clear()
+        eval(code, env)
+        for kernel, args, kwargs in list(launches):
+            for desc, ptx in compile_launch(kernel, args, kwargs).items():
+                out[f"{name} | {desc}"] = ptx
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--dump":  # the child: python ptx_compare.py --dump TREE OUT
+        with open(sys.argv[3], "w") as f:
+            json.dump(dump(sys.argv[2]), f)
+        return 0
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, tree in enumerate(sys.argv[1:]):
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            env.update(PYTHONPATH=os.path.abspath(tree), TRITON_CACHE_DIR=os.path.join(tmp, f"cache{n}"))
+            path = os.path.join(tmp, f"{n}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--dump", tree, path], env=env, check=True)
+            with open(path) as f:
+                results.append(json.load(f))
+    base, new = results
+    bad = 0
+    for key in sorted(base.keys() | new.keys(), key=lambda k: (list(base) + list(new)).index(k)):
+        if key not in base or key not in new:
+            verdict = "only in " + ("NEW" if key not in base else "BASE")
+        else:
+            verdict = "identical" if base[key] == new[key] else "DIFFERENT"
+        bad += verdict != "identical"
+        print(f"{verdict:10s} {key}")
+    print(f"{len(base.keys() | new.keys()) - bad} identical, {bad} not")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
