@@ -91,7 +91,7 @@ def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
 
 IMPLS: list[Impl] = [
     Impl("triton_small_m", fused_mlp_small_m, frozenset({"cuda"}), max_m=64, triton=True,
-         notes="split over I, intermediate on chip, fp32 atomic reduction of partial outputs (fill, kernel, cast)"),
+         notes="split over I, intermediate on chip, fp32 atomic reduction of partial outputs (zero, kernel, finish)"),
     Impl("triton_gemm", _triton_gemm, frozenset({"cuda"}), triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
