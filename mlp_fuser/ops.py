@@ -54,7 +54,8 @@ def _problem(x, wg, bg, wu, bu, wd, bd, activation) -> tuple[type[Exception], st
         return TypeError, f"x has dtype {dt}; expected one of float16, bfloat16, float32, float64"
     if x.dim() < 1:
         return ValueError, "x must have at least one dimension (its last is K)"
-    for name, t, dims in zip(_NAMES[wu is not None], (wg, bg, wu, bu, wd, bd), (2, 1, 2, 1, 2, 1)):
+    names = _NAMES[wu is not None]
+    for name, t, dims in zip(names, (wg, bg, wu, bu, wd, bd), (2, 1, 2, 1, 2, 1)):
         if t is None:
             continue
         if t.dtype != dt:
@@ -63,7 +64,6 @@ def _problem(x, wg, bg, wu, bu, wd, bd, activation) -> tuple[type[Exception], st
             return ValueError, f"{name} is on {t.device} but x is on {dev}"
         if t.dim() != dims:
             return ValueError, f"{name} must have {dims} dimension(s), got {t.dim()}"
-    names = _NAMES[wu is not None]
     K, I, O = x.shape[-1], wg.shape[0], wd.shape[0]
     if wg.shape[1] != K:
         return ValueError, f"{names[0]} has {wg.shape[1]} input features but x has {K} (its last dimension)"

@@ -27,7 +27,7 @@ def next_power_of_2(n: int) -> int:
 
 def m_bucket(M: int) -> int:
     """M rounded up to a power of two: the key of every per-shape choice (implementation, autotuned config)."""
-    return 1 if M <= 1 else 1 << (M - 1).bit_length()
+    return next_power_of_2(M)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
