@@ -129,23 +129,15 @@ def graph_gap():
     return rows
 
 
-def overhead():
-    """Host (CPU) time per call without CUDA graphs, SwiGLU 576x1536 bf16 (SmolLM2), M=1: launch-bound, so a tight
-    loop of calls measures what the host spends on each (the GPU finishes each call's kernels sooner). The op is
-    timed through each implementation and through the dispatcher's choice, beside the unfused module's aten calls
-    and Inductor's generated code for them; then cProfile and torch.profiler show where the op's time goes."""
+def _host_times(module, patched, w, x):
+    """(label, implementation chosen or "", host µs per call) for each variant of ``overhead`` at one shape and M."""
     from mlp_fuser import config, dispatch
 
-    g = torch.Generator(device="cuda").manual_seed(2)
-    K, I = 576, 1536
-    x = torch.randn(1, K, device="cuda", generator=g, dtype=torch.bfloat16)
-    wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
-    wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
-    wg, wu, wd = (torch.nn.Parameter(w) for w in (wg, wu, wd))  # as in a model: the weights require grad
     op = torch.ops.mlp_fuser.gated_mlp.default
+    M, K, I = x.shape[0], x.shape[-1], w[0].shape[0]
 
     def unfused(x):
-        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[2]), w[4])
 
     compiled = torch.compile(unfused, dynamic=False)
 
@@ -153,49 +145,106 @@ def overhead():
         def call():
             old, config.force_impl = config.force_impl, impl
             try:
-                return op(x, wg, None, wu, None, wd, None, "silu")
+                return op(x, *w, "silu")
             finally:
                 config.force_impl = old
         return call
 
-    rows = ["host time per call, no CUDA graph (SwiGLU 576x1536 bf16, M=1, weights require grad, no_grad): µs"]
+    out = []
     with torch.no_grad():
-        op(x, wg, None, wu, None, wd, None, "silu")  # the dispatcher chooses here
-        choice = dispatch.chosen(dispatch.Problem("cuda", x.dtype, 1, K, I, K, True))
-        variants = [("unfused eager (5 aten calls)", lambda: unfused(x)),
-                    ("unfused, torch.compile", lambda: compiled(x)),
-                    (f"op, dispatcher's choice ({choice})", lambda: op(x, wg, None, wu, None, wd, None, "silu"))]
-        variants += [(f"op, forced {i.name}", forced(i.name)) for i in dispatch.IMPLS]
-        for label, fn in variants:
-            for _ in range(100):
+        op(x, *w, "silu")
+        patched(x)
+        p = dispatch.Problem("cuda", x.dtype, M, K, I, K, True)
+        variants = [("module, unfused (3 nn.Linear, silu, mul)", "", lambda: module(x)),
+                    ("module, patched", dispatch.chosen(p, eager=True), lambda: patched(x)),
+                    ("op via torch.ops", dispatch.chosen(p), lambda: op(x, *w, "silu")),
+                    ("unfused aten calls", "", lambda: unfused(x)),
+                    ("unfused, torch.compile (guards included)", "", lambda: compiled(x))]
+        variants += [(f"op, forced {i.name}", "", forced(i.name)) for i in dispatch.IMPLS]
+        for label, choice, fn in variants:
+            for _ in range(20):
                 fn()
-            torch.cuda.synchronize()
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(400):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / 400 * 1e6)
+            samples = []
+            for _ in range(7):
                 torch.cuda.synchronize()
-            rows.append(f"  {label:44} {best:7.1f}")
-            print(rows[-1], flush=True)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(500):
-            op(x, wg, None, wu, None, wd, None, "silu")
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
-        rows.append(s.getvalue())
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
-            for _ in range(100):
-                op(x, wg, None, wu, None, wd, None, "silu")
+                torch.cuda._sleep(10_000_000)  # ~5 ms: longer than the host needs to queue 20 calls
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                samples.append((time.perf_counter() - t0) / 20 * 1e6)
             torch.cuda.synchronize()
-    rows.append(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
-    return rows
+            out.append((label, choice, sorted(samples)[3]))
+    return out
+
+
+def overhead():
+    """Host (CPU) time per call without CUDA graphs, for SmolLM2's, a 1B-class and LLaMA-3-8B's SwiGLU, bf16, at
+    M = 1 and 8. Each sample queues 20 calls while the GPU sleeps on a spin kernel, so the host's time to issue them
+    is measured whatever the GPU's (the 8B MLP takes the GPU longer than the host). Rows: the unfused module
+    (nn.Linear x3, as in LLaMA), the same module patched (mlp_fuser.patch: the op's eager entry), the op through
+    torch.ops (what torch.compile's code calls) with the dispatcher's choice and each implementation forced, the
+    unfused aten calls and Inductor's code for them (a torch.compile'd function: Dynamo's guards included). Then
+    cProfile and torch.profiler of the patched module at SmolLM2's size, M=1."""
+    from torch import nn
+
+    import mlp_fuser
+
+    class MLP(nn.Module):  # LlamaMLP's forward
+        def __init__(self, K, I):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(K, I, bias=False), nn.Linear(K, I, bias=False)
+            self.down_proj = nn.Linear(I, K, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    op = torch.ops.mlp_fuser.gated_mlp.default
+    shapes = [("SmolLM2 576x1536", 576, 1536), ("1B 2048x5632", 2048, 5632), ("8B 4096x14336", 4096, 14336)]
+    table: dict[str, dict[str, float]] = {}
+    cols = []
+    for name, K, I in shapes:
+        torch.manual_seed(0)
+        module = MLP(K, I).to("cuda", torch.bfloat16)
+        patched = MLP(K, I).to("cuda", torch.bfloat16)
+        patched.load_state_dict(module.state_dict())
+        mlp_fuser.patch(patched)
+        w = (module.gate_proj.weight, None, module.up_proj.weight, None, module.down_proj.weight, None)
+        for M in (1, 8):
+            col = f"{name.split()[0]} M={M}"
+            cols.append(col)
+            x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+            for label, choice, us in _host_times(module, patched, w, x):
+                table.setdefault(label, {})[col] = us
+                if choice:
+                    table[label][col + " choice"] = choice
+                print(f"  {col:12} {label:50} {us:7.1f} µs {choice}", flush=True)
+        if name.startswith("SmolLM2"):
+            x = torch.randn(1, 1, K, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(500):
+                    patched(x)
+                prof.disable()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+                    for _ in range(100):
+                        op(x, *w, "silu")
+                    torch.cuda.synchronize()
+            profiles = [text.getvalue(), tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14,
+                                                                    max_name_column_width=50)]
+    rows = ["host µs per call, no CUDA graph, bf16 SwiGLU, GPU asleep while the calls are queued (median of 7 x 20 "
+            "calls); [the implementation chosen]", "| variant | " + " | ".join(cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    for key, vals in table.items():
+        cells = [f"{vals[c]:.1f}" + (f" [{vals[c + ' choice']}]" if c + " choice" in vals else "") if c in vals
+                 else "" for c in cols]
+        rows.append(f"| {key} | " + " | ".join(cells) + " |")
+    return profiles + rows
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from torch import Tensor
 from . import config
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.common import m_bucket
-from .kernels.splitk import linear_splitk
+from .kernels.splitk import linear_splitk, splitk_counters
 from .reference import reference_mlp
 
 log = logging.getLogger("mlp_fuser")
@@ -80,7 +80,8 @@ def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
 
 
 def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
-    return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
+    counters = splitk_counters(x2.shape[0], wd.shape[0], wd.shape[1], x2.device)  # zeroed by gate_up_act
+    return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, counters=counters)
 
 
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
@@ -95,7 +96,8 @@ IMPLS: list[Impl] = [
     Impl("triton_gemm", _triton_gemm, frozenset({"cuda"}), triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
-         notes="gate and up in one GEMM with act*mul in its epilogue, then a split-K GEMM streaming w_down once"),
+         notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
+               "split-K GEMM streaming w_down once: two launches"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
     Impl("reference", reference_mlp, None,
@@ -114,20 +116,22 @@ def eligible(p: Problem) -> list[Impl]:
 # ---- choosing ------------------------------------------------------------------------------------
 
 _resolved: dict[tuple, Impl] = {}  # every call's key -> its final choice: the op's hot path is one lookup here
-_choice_cache: dict[tuple, str] = {}  # CUDA autotuning: (device, index, dtype, gated, K, I, O, M bucket) -> name
+# CUDA autotuning: (device, index, dtype, gated, K, I, O, M bucket) -> (name for graphs, name for eager calls)
+_choice_cache: dict[tuple, tuple[str, str]] = {}
 _eligible_cache: dict[tuple, list[Impl]] = {}
 _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup afresh rather than growing it
 
 
 def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
-            args: tuple) -> Impl:
+            args: tuple, eager: bool = False) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
-    ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates."""
-    key = (device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune)
+    ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``eager``: the
+    caller runs without CUDA graphs (``patch``), so the choice weighs the host's time per call beside the GPU's."""
+    key = (device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune, eager)
     impl = _resolved.get(key)
     if impl is None:
-        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index)
+        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index, eager)
         if final:
             if len(_resolved) >= _MAX_RESOLVED:
                 _resolved.clear()
@@ -135,7 +139,7 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
     return impl
 
 
-def _select(p: Problem, args: tuple | None, index: int | None) -> tuple[Impl, bool]:
+def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
     ekey = (p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl, config.triton_on_cpu)
     candidates = _eligible_cache.get(ekey)
@@ -144,25 +148,26 @@ def _select(p: Problem, args: tuple | None, index: int | None) -> tuple[Impl, bo
     if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
         return candidates[0], True
     key = _choice_key(p, index)
-    name = _choice_cache.get(key)
-    if name is None:
+    names = _choice_cache.get(key)
+    if names is None:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
             return IMPLS_BY_NAME["reference"], False
-        name = _choice_cache[key] = _time_candidates(candidates, args, p)
-    return IMPLS_BY_NAME[name], True
+        names = _choice_cache[key] = _time_candidates(candidates, args, p)
+    return IMPLS_BY_NAME[names[eager]], True
 
 
 def _choice_key(p: Problem, index: int | None) -> tuple:
     return (p.device, index, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
 
 
-def chosen(p: Problem) -> str:
-    """The name of the implementation the op runs for ``p`` (after its first call, on CUDA: the timed choice)."""
+def chosen(p: Problem, eager: bool = False) -> str:
+    """The name of the implementation the op runs for ``p`` (after its first call, on CUDA: the timed choice;
+    ``eager``: for calls through ``patch``)."""
     if p.device == "cuda":
         cached = _choice_cache.get(_choice_key(p, torch.cuda.current_device()))
         if cached:
-            return cached
+            return cached[eager]
     return _select(p, None, None)[0].name
 
 
@@ -209,8 +214,10 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
         fn(*args)
 
 
-def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
-    """The fastest candidate by GPU time (ties within ``_TIE`` go to the lighter one on the host). Each sample
+def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> tuple[str, str]:
+    """(the choice for CUDA graphs, the choice for eager calls). For graphs: the fastest candidate by GPU time (ties
+    within ``_TIE`` go to the lighter one on the host). For eager calls: the least GPU plus host time per call, as
+    a model run without graphs waits on whichever of the two is longer, mostly the host at small M. Each sample
     queues ``_CALLS`` calls behind a spin kernel, so the GPU runs them back to back whatever the host costs
     (CUDA-graph replay would show the same, but a capture here would allocate from whatever memory pool the
     caller has set up), and the host's time to queue them is measured too. The GPU is kept busy for a moment first
@@ -227,7 +234,7 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
             continue
         runnable[impl.name] = impl.fn
     if not runnable:  # every fast path failed here (each said why above): the aten path always runs
-        return "reference"
+        return "reference", "reference"
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 0.02:  # 20 ms of back-to-back work: clocks up before timing
@@ -254,9 +261,10 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
     # without CUDA graphs waits on the host).
     best_gpu = min(gpu.values())
     best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=cpu.get)
-    log.info("mlp_fuser: chose %s for %s (GPU / host µs per call: %s)", best, describe(p),
-             ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
-    return best
+    best_eager = min(gpu, key=lambda n: gpu[n] + cpu[n])
+    log.info("mlp_fuser: chose %s (eager calls: %s) for %s (GPU / host µs per call: %s)", best, best_eager,
+             describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
+    return best, best_eager
 
 
 def _median(values: list[float]) -> float:

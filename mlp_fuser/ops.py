@@ -94,20 +94,22 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
 # ---- forward: every device ----------------------------------------------------------------------
 
 
-def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation):
+def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False):
+    """Validate, then run what ``dispatch`` chose for the call's shape (``eager``: its choice for calls made
+    without CUDA graphs, where the host's time per call counts too)."""
     check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
-    K, O = x.shape[-1], wd.shape[0]
-    M = math.prod(x.shape[:-1]) if x.dim() != 2 else x.shape[0]  # not numel // K, which is 0 rows when K = 0
+    shape = x.shape
+    K, O = shape[-1], wd.shape[0]
+    if len(shape) == 2:
+        M, x2 = shape[0], x
+    else:
+        M = math.prod(shape[:-1])  # not numel // K, which is 0 rows when K = 0
+        x2 = x.reshape(M, K)
     if M == 0:
-        return x.new_empty((*x.shape[:-1], O))
-    x2 = x if x.dim() == 2 else x.reshape(M, K)
+        return x.new_empty((*shape[:-1], O))
     args = (x2, wg, bg, wu, bu, wd, bd, activation)
-    y = dispatch.resolve(x.device, x.dtype, M, K, wg.shape[0], O, wu is not None, args).fn(*args)
-    if x.dim() == 2:
-        return y
-    # detach(): the 2-D result reshaped, as a tensor of its own rather than a view, so callers may update it in
-    # place under autograd (Falcon adds the attention output into the MLP output with +=).
-    return y.view(*x.shape[:-1], O).detach()
+    y = dispatch.resolve(x.device, x.dtype, M, K, wg.shape[0], O, wu is not None, args, eager).fn(*args)
+    return y if len(shape) == 2 else y.view(*shape[:-1], O)
 
 
 def _mlp(x, w1, b1, w2, b2, activation):
@@ -144,6 +146,45 @@ def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_
     """``(act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down``, weights in (out, in) shape:
     ``torch.ops.mlp_fuser.gated_mlp``."""
     return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+
+
+# ---- eager entry: the op without the dispatcher's hop, for calls that need none of its layers ---------
+
+_PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
+
+
+def _plain_call(args: tuple) -> bool:
+    """Whether computing the op right here is exactly what the dispatcher would do: plain CPU/CUDA tensors, no
+    gradient, no autocast, no torch function or dispatch mode (fake tensors, functionalization), no tracing; and no
+    profiler, which then sees the op's own event."""
+    x = args[0]
+    return (not torch.compiler.is_compiling() and type(x) is Tensor and x.device.type in ("cuda", "cpu")
+            and not torch._C._autograd._profiler_enabled()
+            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+            and not torch.is_autocast_enabled(x.device.type)
+            and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
+            and type(args[1]) in _PLAIN and type(args[2]) in _PLAIN and type(args[3]) in _PLAIN
+            and type(args[4]) in _PLAIN and type(args[5]) in _PLAIN and type(args[6]) in _PLAIN)
+
+
+def eager_mlp(x, w1, b1, w2, b2, activation):
+    """``mlp`` for a caller that runs eagerly (``patch``): what the op computes, minus the dispatcher's host time
+    where nothing needs it, and with the implementation chosen for calls made without CUDA graphs."""
+    args = (x, w1, b1, None, None, w2, b2)
+    if _plain_call(args):
+        return _forward("mlp", *args, activation, eager=True)
+    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation)
+
+
+def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+    """``gated_mlp`` for a caller that runs eagerly: see ``eager_mlp``."""
+    args = (x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    if _plain_call(args):
+        return _forward("gated_mlp", *args, activation, eager=True)
+    return torch.ops.mlp_fuser.gated_mlp.default(*args, activation)
+
+
+EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
 
 
 # ---- autograd: recompute the intermediate, never save it -----------------------------------------
@@ -186,6 +227,8 @@ class _MLPFunction(torch.autograd.Function):
     def forward(ctx, keyset, op, *args):
         with torch._C._AutoDispatchBelowAutograd():
             y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        if y._is_view():  # a view of the 2-D result: returned as a tensor of its own, so callers may update it in
+            y = y.detach()  # place under autograd (Falcon adds the attention output into the MLP output with +=)
         ctx.activation = args[-1]
         ctx.gated = len(args) == 8
         ctx.save_for_backward(*args[:-1])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import operator
 import types
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 
 from . import fx_pass
 from ._dynamo_utils import fresh_code
+from .ops import EAGER
 from .patterns.common import dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
@@ -36,12 +36,15 @@ class FusedModuleForward:
 
     ``graphs[training]``: for each train/eval mode the module was proven an MLP in, the rewritten graph's forward
     (inputs in placeholder order, returns a tuple) and, per placeholder, None for the input or a getter of the
-    module's tensor (read on every call, so replaced or converted weights are the ones used)."""
+    module's tensor (read on every call, so replaced or converted weights are the ones used). The proof holds for
+    the children it saw: once one is replaced (an adapter wrapped around a projection), the original forward runs."""
 
-    def __init__(self, module: nn.Module, graphs: dict[bool, tuple[Callable[..., Any], list]], arg_name: str):
+    def __init__(self, module: nn.Module, graphs: dict[bool, tuple[Callable[..., Any], list]], arg_name: str,
+                 children: dict | None = None):
         self.module = module
         self.graphs = graphs
         self.arg_name = arg_name  # the forward's input parameter, for a call that names it
+        self.children = children  # the module's children when proven (a deepcopy's: taken at its first call)
 
     def original(self, *args, **kwargs):
         return type(self.module).forward(self.module, *args, **kwargs)
@@ -54,8 +57,10 @@ class FusedModuleForward:
             x = kwargs[self.arg_name]
         else:
             return self.original(*args, **kwargs)
+        if self.children is None:
+            self.children = dict(module._modules)
         graph = self.graphs.get(module.training)
-        if graph is None or not isinstance(x, Tensor):
+        if graph is None or not isinstance(x, Tensor) or module._modules != self.children:
             return self.original(*args, **kwargs)
         forward, getters = graph
         try:
@@ -126,7 +131,7 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
     if not graphs:
         return None
     params = list(inspect.signature(type(module).forward).parameters)
-    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "")
+    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
 
 
 def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple[Callable[..., Any], list] | None:
@@ -173,7 +178,7 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> tu
             getters.append(None)
             x_node = node
         elif id(value) in names:
-            getters.append(operator.attrgetter(names[id(value)]))
+            getters.append(_getter(names[id(value)]))
         else:  # a value the graph read from elsewhere (a global tensor, a size): not a plain MLP forward
             return None
     ops = [n for n in g.nodes if n.op == "call_function" and n.target in OPS]
@@ -186,7 +191,23 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> tu
         result = result.args[0]
     if result is not ops[0] or any(n not in passed for n in _dependents(x_node)):
         return None  # the graph does more with the input than the MLP
+    ops[0].target = EAGER[ops[0].target]  # the op minus the dispatcher's hop where nothing needs it
+    gm.recompile()
     return gm.forward, getters
+
+
+def _getter(name: str) -> Callable[[nn.Module], Tensor]:
+    """``module -> module.<name>`` for a parameter or buffer name like ``gate_proj.weight``, read from the modules'
+    own dicts (``getattr`` would go through ``nn.Module.__getattr__`` twice per weight on every call)."""
+    *path, leaf = name.split(".")
+
+    def get(module):
+        for child in path:
+            module = module._modules[child]
+        t = module._parameters.get(leaf)
+        return t if t is not None else module._buffers[leaf]
+
+    return get
 
 
 def _dependents(node) -> set:

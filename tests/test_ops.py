@@ -201,7 +201,7 @@ def test_dispatch_falls_back_to_reference_when_no_candidate_runs(monkeypatch, ca
     p = dispatch.Problem("cuda", torch.bfloat16, 3, 8, 16, 8, True)
     candidates = [i for i in dispatch.IMPLS if i.name != "reference"] + [dispatch.IMPLS_BY_NAME["reference"]]
     with caplog.at_level("WARNING", logger="mlp_fuser"):
-        assert dispatch._time_candidates(candidates, (), p) == "reference"
+        assert dispatch._time_candidates(candidates, (), p) == ("reference", "reference")
     assert sum("skipped" in r.getMessage() for r in caplog.records) == len(candidates) - 1
 
 
@@ -276,8 +276,9 @@ def test_output_can_be_updated_in_place_under_autograd():
 
 
 def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
-    """Candidates within 2% of the fastest GPU time are a tie, won by the one that costs the host least; a clear
-    GPU win stands whatever the host cost. GPU and host time come from stand-in clocks here."""
+    """For CUDA graphs, candidates within 2% of the fastest GPU time are a tie, won by the one that costs the host
+    least, and a clear GPU win stands whatever the host cost; for eager calls (patch) the least GPU plus host time
+    wins. GPU and host time come from stand-in clocks here."""
     clock = {"gpu": 0.0, "host": 0.0}
 
     class Event:
@@ -304,9 +305,11 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
 
     p = dispatch.Problem("cuda", torch.bfloat16, 1, 8, 8, 8, True)
     tie = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.01, 1e-5), impl("slow_gpu", 1.10, 1e-7)]
-    assert dispatch._time_candidates(tie, (), p) == "light_host"
+    assert dispatch._time_candidates(tie, (), p) == ("light_host", "light_host")
     clear = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.05, 1e-5)]
-    assert dispatch._time_candidates(clear, (), p) == "heavy_host"
+    assert dispatch._time_candidates(clear, (), p) == ("heavy_host", "light_host")
+    gpu_bound = [impl("heavy_host", 1.00, 1e-5), impl("light_host", 1.50, 1e-6)]
+    assert dispatch._time_candidates(gpu_bound, (), p) == ("heavy_host", "heavy_host")
 
 
 def test_reference_runs_on_any_device_type():

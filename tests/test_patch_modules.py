@@ -178,3 +178,69 @@ def test_deepcopy_and_pickle_of_a_model_patched_per_module():
         assert mlp_fuser.is_patched(loaded) and count_ops(lambda: loaded(ids)) == 2
         mlp_fuser.unpatch(loaded)
         assert all("forward" not in layer.mlp.__dict__ for layer in loaded.model.layers)
+
+
+def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypatch):
+    """A patched MLP computes the op right in its forward (no dispatcher hop, the implementation chosen for eager
+    calls) for plain tensors without gradients; gradients, autocast, a dispatch mode and torch.compile all get the
+    registered op, and every route gives the module's own result."""
+    from mlp_fuser import ops
+
+    model = _llama(1)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        ref = mlp(x)
+    mlp_fuser.patch(model)
+    routes = []
+    forward = ops._forward
+    monkeypatch.setattr(ops, "_forward", lambda *a, eager=False: routes.append(eager) or forward(*a, eager=eager))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), ref)
+    assert routes == [True]
+    y = mlp(x)  # the weights require grad: the op's autograd
+    y.sum().backward()
+    assert routes == [True, False] and mlp.down_proj.weight.grad is not None
+    torch.testing.assert_close(y, ref)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mlp(x).dtype == torch.bfloat16
+    assert routes[-1] is False
+    with torch.no_grad():
+        assert count_ops(lambda: mlp(x)) == 1  # a dispatch mode sees the op
+        assert routes[-1] is False
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch.testing.assert_close(torch.compile(mlp, backend=capture)(x), ref)
+    ops_in_graph = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.mlp_fuser.gated_mlp.default in ops_in_graph, ops_in_graph
+
+
+class _Adapter(nn.Module):
+    """A LoRA-like wrapper: the base projection plus a low-rank update."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.a, self.b = base, nn.Linear(base.in_features, 2, bias=False), nn.Linear(2, base.out_features,
+                                                                                                   bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+
+def test_a_projection_replaced_after_patching_runs_the_original_forward():
+    """The proof covers the children it saw: an adapter wrapped around a projection later is not fused away."""
+    model = _llama(1)
+    mlp = model.model.layers[0].mlp
+    mlp_fuser.patch(model)
+    mlp.up_proj = _Adapter(mlp.up_proj)
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        got = mlp(x)
+        want = type(mlp).forward(mlp, x)
+        assert count_ops(lambda: mlp(x)) == 0
+    torch.testing.assert_close(got, want)
+    assert (want - mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj.base(x))).abs().max() > 1e-4

@@ -37,3 +37,31 @@ def test_calls_of_different_shapes_interleaved():
         w = torch.randn(N, K, device=KERNEL_DEVICE) * K**-0.5
         y = splitk.linear_splitk(h, w, None, config)
         assert rel_err(y, h.double() @ w.double().t()) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_counters_zeroed_by_gate_up_act(dtype, monkeypatch):
+    """triton_gemm_splitk's two launches: gate_up_act zeroes the split-K kernel's arrival counters, which start as
+    garbage here (poisoned), so a counter left unzeroed leaves tiles unwritten or reduced twice."""
+    from mlp_fuser import dispatch
+
+    M, K, I, O = 5, 48, 160, 40
+    assert splitk._plan(M, O, I, splitk.splitk_config(M, O, I, torch.device(KERNEL_DEVICE)))[1] > 1  # K is split
+    made, real = [], splitk.splitk_counters
+
+    def poisoned(*args):
+        counters = real(*args)
+        counters.fill_(-7)
+        made.append(counters)
+        return counters
+
+    monkeypatch.setattr(dispatch, "splitk_counters", poisoned)
+    x = torch.randn(M, K, device=KERNEL_DEVICE).to(dtype)
+    wg, wu = ((torch.randn(I, K, device=KERNEL_DEVICE) * K**-0.5).to(dtype) for _ in range(2))
+    wd = (torch.randn(O, I, device=KERNEL_DEVICE) * I**-0.5).to(dtype)
+    ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t()) @ wd.double().t()
+    y = dispatch._triton_gemm_splitk(x, wg, None, wu, None, wd, None, "silu")
+    assert len(made) == 1
+    F = torch.nn.functional
+    unfused = F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    assert rel_err(y, ref) <= 1.25 * rel_err(unfused, ref) + 1e-6

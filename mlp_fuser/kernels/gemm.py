@@ -102,8 +102,9 @@ def gate_up_tile(
 )
 @triton.jit
 def _gate_up_act_kernel(
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, h_ptr,
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, h_ptr, zero_ptr,
     M, N, K,
+    n_zero,  # int32 elements at zero_ptr to set to 0 for the next kernel (split-K's counters); 0: none
     M_BUCKET,  # a power of two >= M: the autotuning key, unused by the kernel
     stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
     ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
@@ -119,6 +120,13 @@ def _gate_up_act_kernel(
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # -- a workspace of the next kernel zeroed here, which saves that kernel a memset launch ------------
+    if n_zero > 0:
+        if pid == 0:
+            for start in range(0, n_zero, 256):
+                offs_z = start + tl.arange(0, 256)
+                tl.store(zero_ptr + offs_z, 0, mask=offs_z < n_zero)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and h
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the weights = columns of h
@@ -137,14 +145,18 @@ _launch_gate_up_act = Launcher(_gate_up_act_kernel)
 
 
 def gate_up_act(
-    x2: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor | None, b_up: Tensor | None, activation: str
+    x2: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor | None, b_up: Tensor | None, activation: str,
+    zero: Tensor | None = None,
 ) -> Tensor:
-    """h (M, I) = act(x2 @ w_gateᵀ + b_gate) * (x2 @ w_upᵀ + b_up), in x2's dtype; w_up None: no product."""
+    """h (M, I) = act(x2 @ w_gateᵀ + b_gate) * (x2 @ w_upᵀ + b_up), in x2's dtype; w_up None: no product.
+    ``zero``: a contiguous int32 tensor the kernel sets to 0 on the way (the next kernel's counters)."""
     act = get_activation(activation)
     M, K = x2.shape
     N = w_gate.shape[0]
     h = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
+        if zero is not None:
+            zero.zero_()
         return h
     wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
     bg = b_gate if b_gate is not None else h
@@ -156,12 +168,13 @@ def gate_up_act(
     (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
     has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None
+    n_zero = zero.numel() if zero is not None else 0
     key = (x2.get_device(), x2.dtype, M, N, K, sxm, sxk, sgn, sgk, sun, suk, sbg, sbu, aligned(x2, w_gate, bg, wu, bu),
-           act.name, has_up, has_bg, has_bu, precision)
+           act.name, has_up, has_bg, has_bu, precision, n_zero)
     _launch_gate_up_act(
         key, grid,
-        x2, w_gate, bg, wu, bu, h,
-        M, N, K, m_bucket(M),
+        x2, w_gate, bg, wu, bu, h, zero if zero is not None else h,
+        M, N, K, n_zero, m_bucket(M),
         sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
         ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision,
     )

@@ -9,8 +9,9 @@ dimension K is split in SPLIT_K ranges; each program owns one (output tile, K ra
     the last of the SPLIT_K programs of a tile (an atomic counter per tile says which) sums the
     partials in split order, adds the bias, casts and stores y.
 
-One GEMM launch (after a memset of the counters), and the sum order is fixed, so results are deterministic.
-The workspace (partials and counters) is allocated per call.
+One GEMM launch, and the sum order is fixed, so results are deterministic. The workspace (partials and
+counters) is allocated per call; the counters must be zero: a memset launch, unless the caller had the kernel
+before (gate_up_act) zero them (``splitk_counters``).
 Extra bytes: SPLIT_K · M · N · 4 written and read, small next to w at small M.
 """
 
@@ -93,22 +94,41 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, in
 _launch_linear_splitk = Launcher(_linear_splitk_kernel)
 
 
+@cache
+def _plan(M: int, N: int, K: int, config: tuple) -> tuple[int, int, int]:
+    """(K per split, number of splits, output tiles) for a config."""
+    BM, BN, BK, split = config[:4]
+    k_per_split = cdiv(cdiv(K, split), BK) * BK
+    return k_per_split, cdiv(K, k_per_split), cdiv(M, BM) * cdiv(N, BN)
+
+
+def splitk_counters(M: int, N: int, K: int, device: torch.device) -> torch.Tensor | None:
+    """The arrival counters ``linear_splitk`` will need for this shape (uninitialised: for a kernel that runs
+    before it to zero), or None when its default config does not split K."""
+    _, split, tiles = _plan(M, N, K, splitk_config(M, N, K, device))
+    return torch.empty(tiles, device=device, dtype=torch.int32) if split > 1 else None
+
+
 def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y (or ``out``, (M, N)) in h's dtype."""
+                  out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y (or ``out``, (M, N)) in h's dtype.
+    ``counters``: from ``splitk_counters``, zeroed since (else this call zeroes its own)."""
     M, K = h.shape
     N = w.shape[0]
     y = torch.empty((M, N), device=h.device, dtype=h.dtype) if out is None else out
     if M == 0:
         return y
-    BM, BN, BK, split, warps, stages = config or splitk_config(M, N, K, h.device)
-    k_per_split = cdiv(cdiv(K, split), BK) * BK
-    split = cdiv(K, k_per_split)
-    tiles = cdiv(M, BM) * cdiv(N, BN)
-    parts = torch.empty(split * M * N if split > 1 else 1, device=h.device, dtype=torch.float32)
-    # Arrival counters, zeroed per call: a workspace of the call's own, so the op holds no tensor between calls
-    # (a CUDA-graph pool must not see one outlive a warm-up) and concurrent streams never share one.
-    counters = (torch.zeros if split > 1 else torch.empty)(tiles, device=h.device, dtype=torch.int32)
+    config = config or splitk_config(M, N, K, h.device)
+    BM, BN, BK, _, warps, stages = config
+    k_per_split, split, tiles = _plan(M, N, K, config)
+    if split > 1:
+        parts = torch.empty(split * M * N, device=h.device, dtype=torch.float32)
+        # Arrival counters, zeroed per call: a workspace of the call's own, so the op holds no tensor between calls
+        # (a CUDA-graph pool must not see one outlive a warm-up) and concurrent streams never share one.
+        if counters is None:
+            counters = torch.zeros(tiles, device=h.device, dtype=torch.int32)
+    else:  # never read: any valid pointers
+        parts = counters = y
     bb = b if b is not None else h
     (shm, shk), (swn, swk), (sym, syn) = h.stride(), w.stride(), y.stride()
     precision = dot_precision(h.dtype)
