@@ -177,7 +177,7 @@ def run(args, results):
         if "prefill" in paths:
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
-            for path in ("eager", "patch", "compile", "backend"):
+            for path in args.prefill_paths.split(","):
                 fwd = lambda ids: model(ids, use_cache=False).logits  # noqa: E731
                 if path == "patch":
                     mlp_fuser.patch(model)
@@ -192,7 +192,7 @@ def run(args, results):
                     ms = time_prefill(fwd, ids, device)
                     results.append(dict(model=label, phase="prefill", path=path, ms=ms, logits_rel_err=err))
                     log(f"{label} prefill {path}: {ms:.2f} ms (first call {compile_s:.0f} s), logits rel err {err:.1e}")
-                    if args.profile_cpu and device == "cuda" and path in ("compile", "backend"):
+                    if args.profile_cpu and device == "cuda":
                         profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
                 except Exception as e:
                     log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
@@ -221,6 +221,11 @@ def profile_cpu(label, fn, iters=3):
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]:
         log(f"    {e.self_cpu_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:80]}")
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    log(f"  GPU side of {label}, per call: {sum(e.self_device_time_total for e in kernels) / iters:.0f} µs of "
+        f"kernels, {sum(e.count for e in kernels) / iters:.0f} kernels; µs, count, kernel")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+        log(f"    {e.self_device_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:90]}")
 
 
 PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
@@ -294,7 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
     ap.add_argument("--paths", default=",".join(DECODE_PATHS + ["prefill"]))
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
-    ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, compile and backend")
+    ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")
+    ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
     args = ap.parse_args(argv)
     import logging
