@@ -16,8 +16,10 @@ for step in "$@"; do
              tests/test_splitk.py tests/test_backend.py tests/test_ops.py -k "gpu or cuda or splitk" 2>&1 \
              | tee "$OUT/tests.log" | tail -25 ;;
     overhead) timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/bench_kernels.py overhead 2>&1 | tee "$OUT/overhead.log" | tail -60 ;;
-    impls) timeout ${IMPLS_TIMEOUT:-400} python3 benchmarks/bench_impls.py --shapes ${SHAPES:-0} 2>&1 | tee "$OUT/impls.log" | tail -20 ;;
-    bench) timeout ${BENCH_TIMEOUT:-560} python3 -m mlp_fuser bench --out "$OUT" 2>&1 | tail -45 ;;
+    impls) timeout ${IMPLS_TIMEOUT:-300} python3 benchmarks/bench_impls.py --shapes ${SHAPES:-0,1,2,3,4} \
+             --ms ${MS:-16,32,64,128,256} --budget-s ${IMPLS_BUDGET:-270} 2>&1 | tee "$OUT/impls.log" | tail -45 ;;
+    bench) timeout ${BENCH_TIMEOUT:-560} python3 -m mlp_fuser bench --out "$OUT" --budget-s ${BENCH_BUDGET:-480} 2>&1 \
+             | tee "$OUT/bench.log" | tail -20 ;;
     generate) timeout ${GEN_TIMEOUT:-400} python3 benchmarks/bench_generate.py --out "$OUT" --model ${MODEL:-1b} \
                 --paths ${PATHS:-eager,patch,compile,backend,static,static_backend,prefill} --batches ${BATCHES:-1,8} \
                 ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;

@@ -1,16 +1,20 @@
 """The MLP benchmark: the mlp_fuser op against its peers, side by side, in one run on one GPU.
 
-    python -m mlp_fuser bench [--quick] [--out DIR]        (or: python benchmarks/bench_mlp.py)
+    python -m mlp_fuser bench [--quick] [--out DIR] [--budget-s 480] [--shapes 0,3] [--ms 16,128] [--dtypes bf16]
 
 Without a CUDA GPU it prints why and exits with status 2 (Triton is imported only after that check).
 
-For every shape and token count M it times, with CUDA-graph medians and plain medians:
+For every shape, dtype and token count M it times, with CUDA-graph medians and plain medians:
   fused        the mlp_fuser op (its dispatcher picks the implementation; the name is reported)
   eager        the unfused nn.Linear computation (F.linear, activation, product, F.linear)
   compile      torch.compile of the same, default mode, static shapes
-  max-autotune torch.compile mode="max-autotune-no-cudagraphs", at a few M
-It checks every timed variant against an fp32 reference in the same run, measures the ceilings (a large
-bf16 matmul and a device copy) and reports the floor, % of floor and the speed-up over the best peer.
+  max-autotune torch.compile mode="max-autotune-no-cudagraphs", bf16 at M >= 512 (the rows whose target is a
+               speed-up over every peer), filled in last, as far as the time budget allows
+It checks every timed variant against an fp32 reference in the same run (the fused row must be within 1.25x the
+unfused module's error), measures the ceilings (a large bf16 matmul and a device copy) and reports the floor,
+% of floor and the speed-up over the best peer, then a table of which rows meet each target of issue 10.
+Work runs in priority order (bf16, then fp16, then the max-autotune column) under a time budget: what would not
+fit is skipped and listed, and results.json / results.md in --out are rewritten after every row.
 Weights that fit in L2 are rotated among several copies so that no variant times the cache.
 """
 
@@ -29,18 +33,23 @@ import torch
 from . import dispatch
 from .reference import reference_mlp, rel_err
 
-MS = [1, 16, 64, 128, 512, 2048, 8192]
-# (name, gated, activation, biases, K, I, dtype)
+MS = [1, 16, 32, 64, 128, 256, 512, 2048, 8192]
+# (name, gated, activation, biases, K, I)
 SHAPES = [
-    ("SwiGLU 4096x11008", True, "silu", False, 4096, 11008, torch.bfloat16),
-    ("SwiGLU 4096x14336", True, "silu", False, 4096, 14336, torch.bfloat16),
-    ("SwiGLU 576x1536", True, "silu", False, 576, 1536, torch.bfloat16),
-    ("GELU+bias 4096x11008", False, "gelu", True, 4096, 11008, torch.bfloat16),
-    ("SwiGLU 4096x11008", True, "silu", False, 4096, 11008, torch.float16),
+    ("SwiGLU 4096x11008", True, "silu", False, 4096, 11008),  # LLaMA-2-7B
+    ("SwiGLU 4096x14336", True, "silu", False, 4096, 14336),  # LLaMA-3-8B, Mistral-7B
+    ("GELU+bias 4096x11008", False, "gelu", True, 4096, 11008),
+    ("SwiGLU 3584x18944", True, "silu", False, 3584, 18944),  # Qwen2.5-7B
+    ("SwiGLU 8192x3584", True, "silu", False, 8192, 3584),  # LLaMA-3-70B, one shard of 8-way tensor parallelism
+    ("SwiGLU 576x1536", True, "silu", False, 576, 1536),  # SmolLM2-135M: not in the default run (--shapes 5)
 ]
-MAX_AUTOTUNE = {("SwiGLU 4096x11008", torch.bfloat16): (16, 2048)}
-FP16_MS = (1, 16, 128, 2048)  # the fp16 shape is timed at these M only (device time)
+DEFAULT_SHAPES = 5  # the first five: the shapes of issue 10
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_MS = (1, 16, 64, 128, 256, 2048)  # fp16 is timed at these M only (device time)
+MAX_AUTOTUNE_MS = (2048, 512, 8192)  # bf16 rows that get the max-autotune peer, in this order, as time allows
+QUICK = dict(shapes=[0], dtypes=["bf16"], ms=[1, 16, 128, 2048], max_autotune_ms=(2048,))
 L2_BYTES = 50e6
+CHECK_FACTOR = 1.25  # a fused row is right when its error against fp32 is within 1.25x the unfused module's
 
 
 def log(*a):
@@ -68,11 +77,11 @@ def measure_ceilings():
     return tflops, tbps
 
 
-def make_weights(gated, biases, K, I, dtype, n_sets, g):
+def make_weights(gated, biases, K, I, dtype, n_sets, g, device="cuda"):
     sets = []
     for _ in range(n_sets):
         def rnd(*s, scale):
-            return (torch.randn(*s, device="cuda", generator=g) * scale).to(dtype)
+            return (torch.randn(*s, device=device, generator=g) * scale).to(dtype)
         wg = rnd(I, K, scale=K**-0.5)
         wu = rnd(I, K, scale=K**-0.5) if gated else None
         wd = rnd(K, I, scale=I**-0.5)
@@ -83,80 +92,212 @@ def make_weights(gated, biases, K, I, dtype, n_sets, g):
     return sets
 
 
-def bench_shape(name, gated, act, biases, K, I, dtype, ms_list, tflops, tbps, max_autotune_ms, rows, on_row):
-    from triton.testing import do_bench, do_bench_cudagraph
+# ---- the plan and the time budget (plain Python: tested on CPU) ------------------------------------------
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    esize = torch.finfo(dtype).bits // 8
-    w_bytes = (3 if gated else 2) * K * I * esize + ((2 * I + K) * esize if biases else 0)
-    n_sets = max(1, math.ceil(2.5 * L2_BYTES / w_bytes))
-    weights = make_weights(gated, biases, K, I, dtype, n_sets, g)
-    compiled = torch.compile(reference_mlp, dynamic=False)
-    tuned = torch.compile(reference_mlp, dynamic=False, mode="max-autotune-no-cudagraphs")
-    for M in ms_list:
-        xs = [(torch.randn(M, K, device="cuda", generator=g)).to(dtype) for _ in range(n_sets)]
-        flops = 2 * M * K * I * (3 if gated else 2)
-        min_bytes = w_bytes + 2 * M * K * esize
-        floor_us = max(flops / (tflops * 1e12), min_bytes / (tbps * 1e12)) * 1e6
-        bound = "compute" if flops / (tflops * 1e12) > min_bytes / (tbps * 1e12) else "mem"
-        variants = {"fused": fused, "eager": reference_mlp, "compile": compiled}
-        if M in max_autotune_ms:
-            variants["max-autotune"] = tuned
-        # correctness of every variant against an fp32 reference, on set 0
-        w0 = weights[0]
-        ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in w0], act)
+
+def plan(shapes: list[int], dtypes: list[str], ms: list[int], fp16_ms=FP16_MS, max_autotune_ms=MAX_AUTOTUNE_MS):
+    """The work in priority order: sections (shape index, dtype name, [M, ...]) of rows timed with fused, eager and
+    compile (bf16 first, then fp16 at ``fp16_ms``), then the (shape index, M) pairs that get the max-autotune peer
+    (bf16, every shape at the first M of ``max_autotune_ms``, then the next M)."""
+    sections = []
+    for dt in dtypes:
+        for s in shapes:
+            row_ms = [m for m in ms if dt != "fp16" or m in fp16_ms]
+            if row_ms:
+                sections.append((s, dt, row_ms))
+    tuned = [(s, m) for m in max_autotune_ms if m in ms and "bf16" in dtypes for s in shapes]
+    return sections, tuned
+
+
+class Budget:
+    """Seconds left before ``budget_s`` from ``t0``; a step starts only if its estimate fits in what is left.
+    Skipped steps are listed, never silently dropped."""
+
+    def __init__(self, budget_s: float, t0: float | None = None, clock=time.time):
+        self.budget_s, self.clock = budget_s, clock
+        self.t0 = clock() if t0 is None else t0
+        self.skipped: list[str] = []
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def fits(self, estimate_s: float, what: str) -> bool:
+        if self.elapsed() + estimate_s <= self.budget_s:
+            return True
+        self.skipped.append(what)
+        log(f"[bench] skipped (budget {self.budget_s:.0f} s, {self.elapsed():.0f} s used, needs ~{estimate_s:.0f} s):"
+            f" {what}")
+        return False
+
+
+def estimate(durations: list[float], default: float) -> float:
+    """The next step's estimated seconds: the slowest of the last three of its kind (compile times vary)."""
+    return max(durations[-3:]) if durations else default
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+
+
+class ShapeSetup:
+    """One shape in one dtype: its weights (rotated copies when they fit in L2) and the inputs per M."""
+
+    def __init__(self, index, dtype):
+        self.name, self.gated, self.act, self.biases, self.K, self.I = SHAPES[index]
+        self.dtype = dtype
+        esize = torch.finfo(dtype).bits // 8
+        K, I = self.K, self.I
+        self.w_bytes = (3 if self.gated else 2) * K * I * esize + ((2 * I + K) * esize if self.biases else 0)
+        self.esize = esize
+        self.n_sets = max(1, math.ceil(2.5 * L2_BYTES / self.w_bytes))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.weights = make_weights(self.gated, self.biases, K, I, dtype, self.n_sets, g)
+
+    def inputs(self, M):
+        g = torch.Generator(device="cuda").manual_seed(1000 + M)  # the same x whenever a row is (re)timed
+        return [torch.randn(M, self.K, device="cuda", generator=g).to(self.dtype) for _ in range(self.n_sets)]
+
+    def time(self, M, variants):
+        """{name: rel. error against fp32}, {name: (CUDA-graph µs, plain µs)} for each variant fn(x, *w, act)."""
+        from triton.testing import do_bench, do_bench_cudagraph
+
+        xs = self.inputs(M)
+        w0 = self.weights[0]
+        ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in w0], self.act)
         errs, times = {}, {}
         for vname, fn in variants.items():
             t0 = time.time()
-            out = fn(xs[0], *w0, act)  # compiles / autotunes here, before any graph capture
+            out = fn(xs[0], *w0, self.act)  # compiles / autotunes here, before any graph capture
             torch.cuda.synchronize()
             errs[vname] = rel_err(out, ref)
             if time.time() - t0 > 5:
                 log(f"  {vname}: first call {time.time() - t0:.0f} s")
 
             def run(fn=fn, xs=xs):
-                for s in range(n_sets):
-                    fn(xs[s], *weights[s], act)
+                for s in range(self.n_sets):
+                    fn(xs[s], *self.weights[s], self.act)
 
             run()
-            graph_ms = do_bench_cudagraph(run, rep=60, return_mode="median") / n_sets
-            plain_ms = do_bench(run, warmup=10, rep=60, return_mode="median") / n_sets
+            graph_ms = do_bench_cudagraph(run, rep=60, return_mode="median") / self.n_sets
+            plain_ms = do_bench(run, warmup=10, rep=60, return_mode="median") / self.n_sets
             times[vname] = (graph_ms * 1e3, plain_ms * 1e3)
-        p = dispatch.Problem("cuda", dtype, M, K, I, K, gated)
-        impl = dispatch.chosen(p)
-        peers = {k: v[0] for k, v in times.items() if k != "fused"}
-        best_peer = min(peers, key=peers.get)
-        ok = errs["fused"] <= 1.25 * errs["eager"] + 1e-4
-        row = dict(shape=name, dtype=str(dtype).removeprefix("torch."), M=M, bound=bound, floor_us=floor_us,
-                   impl=impl, errors=errs, fused_ok=ok, n_weight_sets=n_sets,
-                   graph_us={k: v[0] for k, v in times.items()}, plain_us={k: v[1] for k, v in times.items()},
-                   best_peer=best_peer, speedup=peers[best_peer] / times["fused"][0],
-                   pct_floor=100 * floor_us / times["fused"][0])
-        rows.append(row)
-        log(format_row(row))
-        on_row()
+        return errs, times
+
+
+def make_row(setup, M, errs, times, tflops, tbps):
+    flops = 2 * M * setup.K * setup.I * (3 if setup.gated else 2)
+    min_bytes = setup.w_bytes + 2 * M * setup.K * setup.esize
+    t_flops, t_bytes = flops / (tflops * 1e12), min_bytes / (tbps * 1e12)
+    floor_us = max(t_flops, t_bytes) * 1e6
+    p = dispatch.Problem("cuda", setup.dtype, M, setup.K, setup.I, setup.K, setup.gated)
+    row = dict(shape=setup.name, dtype=str(setup.dtype).removeprefix("torch."), M=M,
+               bound="compute" if t_flops > t_bytes else "mem", floor_us=floor_us, impl=dispatch.chosen(p),
+               n_weight_sets=setup.n_sets, errors={}, graph_us={}, plain_us={})
+    return update_row(row, errs, times)
+
+
+def update_row(row, errs, times):
+    """Adds timed variants to a row and recomputes the best peer, the speed-up, % of floor and the check."""
+    row["errors"].update(errs)
+    row["graph_us"].update({k: v[0] for k, v in times.items()})
+    row["plain_us"].update({k: v[1] for k, v in times.items()})
+    e, g = row["errors"], row["graph_us"]
+    peers = {k: v for k, v in g.items() if k != "fused"}
+    row["best_peer"] = min(peers, key=peers.get)
+    row["speedup"] = peers[row["best_peer"]] / g["fused"]
+    row["pct_floor"] = 100 * row["floor_us"] / g["fused"]
+    row["err_ratio"] = e["fused"] / e["eager"]  # the fused error in units of the unfused module's
+    row["fused_ok"] = row["err_ratio"] <= CHECK_FACTOR
+    row["peers_ok"] = {k: e[k] / e["eager"] <= CHECK_FACTOR for k in peers}
+    return row
+
+
+# ---- the targets of issue 10 ------------------------------------------------------------------------------
+
+TARGETS = [  # (label, applies(row), met(row) -> bool or None when it cannot be judged from the row)
+    ("M <= 16: >= 93% of floor", lambda r: r["M"] <= 16, lambda r: r["pct_floor"] >= 93),
+    ("M = 32-256: >= 85% of floor", lambda r: 32 <= r["M"] <= 256, lambda r: r["pct_floor"] >= 85),
+    ("SwiGLU 4096x11008 M=128: <= 75 µs",
+     lambda r: r["shape"] == "SwiGLU 4096x11008" and r["M"] == 128, lambda r: r["graph_us"]["fused"] <= 75),
+    ("M >= 512: >= 1.03x best peer, max-autotune included", lambda r: r["M"] >= 512,
+     lambda r: (r["speedup"] >= 1.03) if "max-autotune" in r["graph_us"] else None),
+    ("every row: fused within 1.25x the unfused error", lambda r: True, lambda r: r["fused_ok"]),
+]
+
+
+def row_label(r):
+    return f"{r['shape']} {r['dtype']} M={r['M']}"
+
+
+def target_table(rows):
+    """One line per target: rows met, missed (with the number that missed) and not judged."""
+    out = ["| target | met | missed | not judged |", "|---|---|---|---|"]
+    for label, applies, met in TARGETS:
+        rs = [r for r in rows if applies(r)]
+        verdicts = [(r, met(r)) for r in rs]
+        hit = sum(v is True for _, v in verdicts)
+        miss = [f"{row_label(r)} ({r['pct_floor']:.0f}%, {r['graph_us']['fused']:.1f} µs, {r['speedup']:.2f}x)"
+                for r, v in verdicts if v is False]
+        unjudged = [f"{row_label(r)} (no max-autotune)" for r, v in verdicts if v is None]
+        out.append(f"| {label} | {hit}/{len(rs)} | {'; '.join(miss) or '–'} | {'; '.join(unjudged) or '–'} |")
+    return out
+
+
+# ---- output -----------------------------------------------------------------------------------------------
 
 
 def format_row(r):
     g = r["graph_us"]
     mat = f"{g['max-autotune']:8.1f}" if "max-autotune" in g else "       –"
+    check = f"{'ok' if r['fused_ok'] else 'WRONG'} {r['errors']['fused']:.1e} ({r['err_ratio']:.2f})"
     return (f"| {r['shape']:<21} | {r['dtype']:<8} | {r['M']:>5} | {r['floor_us']:8.1f} {r['bound']:<7} | "
-            f"{g['fused']:8.1f} | {r['impl']:<15} | {g['eager']:8.1f} | {g['compile']:8.1f} | {mat} | "
+            f"{g['fused']:8.1f} | {r['impl']:<18} | {g['eager']:8.1f} | {g['compile']:8.1f} | {mat} | "
             f"{r['plain_us']['fused']:8.1f} | {r['plain_us']['eager']:8.1f} | {r['speedup']:5.2f}x | "
-            f"{r['pct_floor']:5.1f}% | {'ok' if r['fused_ok'] else 'WRONG'} {r['errors']['fused']:.1e} |")
+            f"{r['pct_floor']:5.1f}% | {check} |")
 
 
 HEADER = ("| shape | dtype | M | floor µs | fused µs | impl | eager µs | compile µs | max-autotune µs | "
-          "fused plain µs | eager plain µs | speed-up vs best peer | % of floor | fused check, rel err |\n"
+          "fused plain µs | eager plain µs | speed-up vs best peer | % of floor | fused check, rel err (/ eager's) |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def write_results(out, meta, rows):
+    """results.json and results.md in out/, rewritten after every row (a cut-short run keeps its rows)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    c = meta["ceilings"]
+    md = [f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · ceilings "
+          f"{c['matmul_tflops']:.0f} TFLOP/s bf16, {c['copy_tbps']:.2f} TB/s · `{meta['command']}` · "
+          f"{meta['seconds']:.0f} s", "", HEADER]
+    md += [format_row(r) for r in rows]
+    if rows:
+        md += ["", "Targets (issue 10):", ""] + target_table(rows)
+    sections = meta.get("sections", [])
+    if sections:
+        md += ["", "Time: " + "; ".join(f"{s['what']} {s['seconds']:.0f} s" for s in sections)]
+    if meta.get("skipped"):
+        md += ["", f"Skipped for the time budget ({meta['budget_s']:.0f} s): " + "; ".join(meta["skipped"])]
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return md
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+
 def main(argv=None) -> int:
+    t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m mlp_fuser bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a few rows only (M=1, 16, 2048 on the first shape)")
+    ap.add_argument("--quick", action="store_true", help="a few rows only (M=1, 16, 128, 2048, first shape, bf16)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for results.json/results.md")
-    ap.add_argument("--shapes", default="", help="comma-separated indexes into SHAPES (default: all)")
+    ap.add_argument("--shapes", default="", help=f"indexes into SHAPES (default: 0-{DEFAULT_SHAPES - 1})")
     ap.add_argument("--ms", default="", help=f"comma-separated token counts (default: {MS})")
+    ap.add_argument("--dtypes", default="bf16,fp16", help="bf16, fp16 or both (fp16 rows at M in FP16_MS)")
+    ap.add_argument("--fp16-ms", default=",".join(map(str, FP16_MS)), help="the M timed in fp16")
+    ap.add_argument("--max-autotune-ms", default=",".join(map(str, MAX_AUTOTUNE_MS)),
+                    help="bf16 M that get the max-autotune peer, in priority order ('' for none)")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="start no step that would end past this many seconds from the start (skipped steps listed)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mlp_fuser bench: no CUDA GPU found. The benchmark times the Triton kernels, which run on CUDA;\n"
@@ -169,42 +310,78 @@ def main(argv=None) -> int:
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 512
     torch.backends.cuda.matmul.allow_tf32 = False
+    budget = Budget(args.budget_s, t0=t_start)
     log("measuring ceilings ...")
     tflops, tbps = measure_ceilings()
-    log(f"ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {tbps:.2f} TB/s")
-    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
-    ms_list = [int(m) for m in args.ms.split(",")] if args.ms else MS
+    log(f"ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {tbps:.2f} TB/s ({budget.elapsed():.0f} s)")
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    shapes = ints(args.shapes) or list(range(DEFAULT_SHAPES))
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    ms_list = ints(args.ms) or MS
+    mat_ms = ints(args.max_autotune_ms)
     if args.quick:
-        shapes, ms_list = shapes[:1], [1, 16, 2048]
-    rows = []
-    log(HEADER)
-    t0 = time.time()
+        shapes, dtypes, ms_list, mat_ms = QUICK["shapes"], QUICK["dtypes"], QUICK["ms"], QUICK["max_autotune_ms"]
+    sections, tuned = plan(shapes, dtypes, ms_list, ints(args.fp16_ms), mat_ms)
     command = "python -m mlp_fuser bench " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command=command.strip(),
-                ceilings=dict(matmul_tflops=tflops, copy_tbps=tbps))
-    for name, gated, act, biases, K, I, dtype in shapes:
-        mat = MAX_AUTOTUNE.get((name, dtype), ())
-        shape_ms = [m for m in ms_list if m in FP16_MS] if dtype == torch.float16 else ms_list
-        bench_shape(name, gated, act, biases, K, I, dtype, shape_ms, tflops, tbps, mat, rows,
-                    on_row=lambda: write_results(args.out, dict(meta, seconds=time.time() - t0), rows))
-        torch.cuda.empty_cache()
-    print("\n".join(write_results(args.out, dict(meta, seconds=time.time() - t0), rows)))
-    return 0 if all(r["fused_ok"] for r in rows) else 1
+                ceilings=dict(matmul_tflops=tflops, copy_tbps=tbps), budget_s=args.budget_s,
+                sections=[], skipped=budget.skipped)
+    rows: list[dict] = []
 
+    def save():
+        return write_results(args.out, dict(meta, seconds=budget.elapsed()), rows)
 
-def write_results(out, meta, rows):
-    """results.json and results.md in out/, rewritten after every row (a cut-short run keeps its rows)."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    c = meta["ceilings"]
-    md = [f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · ceilings "
-          f"{c['matmul_tflops']:.0f} TFLOP/s bf16, {c['copy_tbps']:.2f} TB/s · `{meta['command']}`", "", HEADER]
-    md += [format_row(r) for r in rows]
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    return md
+    log(HEADER)
+    row_s: list[float] = []
+    for s, dt, row_ms in sections:
+        t_section = time.time()
+        setup = None
+        for M in row_ms:
+            what = f"{SHAPES[s][0]} {dt} M={M}"
+            if not budget.fits(estimate(row_s, 15.0) + (10.0 if setup is None else 0.0), what):
+                continue
+            t_row = time.time()
+            if setup is None:
+                setup = ShapeSetup(s, DTYPES[dt])
+                compiled = torch.compile(reference_mlp, dynamic=False)
+            errs, times = setup.time(M, {"fused": fused, "eager": reference_mlp, "compile": compiled})
+            rows.append(make_row(setup, M, errs, times, tflops, tbps))
+            row_s.append(time.time() - t_row)
+            log(format_row(rows[-1]))
+            save()
+        if setup is not None:
+            meta["sections"].append(dict(what=f"{SHAPES[s][0]} {dt}", seconds=time.time() - t_section))
+            log(f"[bench] {SHAPES[s][0]} {dt}: {time.time() - t_section:.0f} s (total {budget.elapsed():.0f} s)")
+            del setup, compiled
+            torch.cuda.empty_cache()
+
+    # The max-autotune peer, last: its compilations take the longest, and it changes only the M >= 512 verdicts.
+    t_section, mat_s, setups = time.time(), [], {}
+    by_key = {(r["shape"], r["dtype"], r["M"]): r for r in rows}
+    for s, M in tuned:
+        row = by_key.get((SHAPES[s][0], "bfloat16", M))
+        if row is None or not budget.fits(max(60.0, estimate(mat_s, 60.0)), f"max-autotune {SHAPES[s][0]} M={M}"):
+            continue
+        t0 = time.time()
+        if s not in setups:
+            for old in list(setups):  # one shape's weights on the device at a time
+                del setups[old]
+            torch.cuda.empty_cache()
+            setups[s] = (ShapeSetup(s, torch.bfloat16),
+                         torch.compile(reference_mlp, dynamic=False, mode="max-autotune-no-cudagraphs"))
+        setup, tuned_fn = setups[s]
+        errs, times = setup.time(M, {"max-autotune": tuned_fn})
+        update_row(row, errs, times)
+        mat_s.append(time.time() - t0)
+        log(f"[bench] max-autotune {SHAPES[s][0]} M={M}: {times['max-autotune'][0]:.1f} µs, "
+            f"{mat_s[-1]:.0f} s; row now {row['speedup']:.2f}x")
+        save()
+    if mat_s:
+        meta["sections"].append(dict(what=f"max-autotune ({len(mat_s)} rows)", seconds=time.time() - t_section))
+    log(f"[bench] done in {budget.elapsed():.0f} s; skipped {len(budget.skipped)}")
+    print("\n".join(save()))
+    return 0 if rows and all(r["fused_ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -10,12 +10,15 @@
   the partial outputs, then a finish kernel (b_down, cast; none for fp32 without b_down); y (M, O).
 - ``splitk.linear_splitk(h, w, b)``: y = h @ wᵀ + b, a split-K GEMM streaming w once (the down projection at
   small M), reduced in a fixed order by the last program of each tile; ``splitk_config`` picks its blocks.
+- ``streamk.gate_up_act_streamk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract with a
+  stream-K schedule (a persistent grid, equal K steps per program, pieces of tiles summed in K order by the last
+  program of each tile), so every SM streams weights at M = 16-256; ``streamk_config`` picks its blocks.
 - ``common``: what they share: ``Launcher`` (launches a compiled kernel directly once its specialization is
   known), ``m_bucket``, ``cdiv``, ``next_power_of_2``, ``dot_precision``, ``k_loop_fits``, ``aligned``,
   ``num_sms`` and ``INTERPRET``.
 
 Weights are (out, in) tensors with any strides; ``w_up=None`` means a plain (ungated) MLP; biases are optional.
-The package exports the first three; ``splitk`` and ``common`` are imported as modules.
+The package exports the first three; ``splitk``, ``streamk`` and ``common`` are imported as modules.
 """
 
 from .act_mul import act_mul

@@ -1,0 +1,67 @@
+"""The benchmark's plan, time budget, row arithmetic and target table: plain Python, checked without a GPU."""
+
+import torch
+
+from mlp_fuser import bench
+
+
+def test_plan_orders_bf16_then_fp16_then_max_autotune():
+    sections, tuned = bench.plan([0, 3], ["bf16", "fp16"], [1, 32, 256, 2048], fp16_ms=(1, 2048),
+                                 max_autotune_ms=(2048, 512))
+    assert sections == [(0, "bf16", [1, 32, 256, 2048]), (3, "bf16", [1, 32, 256, 2048]),
+                        (0, "fp16", [1, 2048]), (3, "fp16", [1, 2048])]
+    assert tuned == [(0, 2048), (3, 2048)], "512 is not among the timed M"
+    assert bench.plan([0], ["fp16"], [1, 2048], fp16_ms=(1,))[1] == [], "max-autotune is a bf16 column"
+
+
+def test_default_run_covers_the_issue_shapes_and_ms():
+    names = [s[0] for s in bench.SHAPES[:bench.DEFAULT_SHAPES]]
+    assert names == ["SwiGLU 4096x11008", "SwiGLU 4096x14336", "GELU+bias 4096x11008", "SwiGLU 3584x18944",
+                     "SwiGLU 8192x3584"]
+    assert {32, 256} <= set(bench.MS) and set(bench.MAX_AUTOTUNE_MS) == {m for m in bench.MS if m >= 512}
+
+
+def test_budget_skips_what_would_not_fit_and_lists_it():
+    now = [100.0]
+    b = bench.Budget(50, clock=lambda: now[0])
+    assert b.fits(40, "a")
+    now[0] = 120.0
+    assert not b.fits(31, "b") and b.fits(30, "c")
+    assert b.skipped == ["b"]
+    assert bench.estimate([], 15.0) == 15.0 and bench.estimate([3, 9, 4, 5], 1) == 9
+
+
+def _row(shape="SwiGLU 4096x11008", M=128, fused=76.0, eager=90.0, compile_=88.0, err_f=3e-3, err_e=3e-3):
+    row = dict(shape=shape, dtype="bfloat16", M=M, bound="mem", floor_us=64.6, impl="x", n_weight_sets=1,
+               errors={}, graph_us={}, plain_us={})
+    times = {"fused": (fused, fused), "eager": (eager, eager), "compile": (compile_, compile_)}
+    return bench.update_row(row, {"fused": err_f, "eager": err_e, "compile": err_e}, times)
+
+
+def test_update_row_speedup_floor_and_check():
+    r = _row()
+    assert r["best_peer"] == "compile" and abs(r["speedup"] - 88 / 76) < 1e-12
+    assert abs(r["pct_floor"] - 100 * 64.6 / 76) < 1e-12 and r["fused_ok"]
+    assert not _row(err_f=1.26 * 3e-3)["fused_ok"], "the 1.25x rule has no slack"
+    r = bench.update_row(r, {"max-autotune": 3e-3}, {"max-autotune": (70.0, 70.0)})
+    assert r["best_peer"] == "max-autotune" and r["speedup"] < 1
+
+
+def test_target_table_meets_misses_and_cannot_judge():
+    rows = [_row(M=1, fused=68.0), _row(M=16, fused=75.0), _row(M=128, fused=76.0), _row(M=512, fused=80.0)]
+    table = "\n".join(bench.target_table(rows))
+    assert "| M <= 16: >= 93% of floor | 1/2 | SwiGLU 4096x11008 bfloat16 M=16 (86%" in table
+    assert "| SwiGLU 4096x11008 M=128: <= 75 µs | 0/1 |" in table
+    assert "| M >= 512: >= 1.03x best peer, max-autotune included | 0/1 | – | SwiGLU 4096x11008 bfloat16 M=512" \
+        in table
+    assert "| every row: fused within 1.25x the unfused error | 4/4 |" in table
+
+
+def test_write_results_is_complete_after_every_row(tmp_path):
+    meta = dict(date="d", gpu="g", torch=torch.__version__, triton="t", command="c", budget_s=480, seconds=12.0,
+                ceilings=dict(matmul_tflops=700, copy_tbps=4.2), sections=[dict(what="s", seconds=3.0)],
+                skipped=["max-autotune SwiGLU 8192x3584 M=8192"])
+    md = "\n".join(bench.write_results(str(tmp_path), meta, [_row()]))
+    assert "| SwiGLU 4096x11008     | bfloat16 |   128 |" in md and "Targets (issue 10)" in md
+    assert "Skipped for the time budget (480 s): max-autotune SwiGLU 8192x3584 M=8192" in md
+    assert (tmp_path / "results.json").exists()
