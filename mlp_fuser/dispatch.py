@@ -24,7 +24,6 @@ from . import config
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.common import m_bucket
 from .kernels.splitk import linear_splitk, splitk_counters
-from .kernels.streamk import gate_up_act_streamk
 from .reference import reference_mlp
 
 log = logging.getLogger("mlp_fuser")
@@ -85,9 +84,6 @@ def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
     return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, counters=counters)
 
 
-def _triton_streamk(x2, wg, bg, wu, bu, wd, bd, act):
-    return F.linear(gate_up_act_streamk(x2, wg, bg, wu, bu, act), wd, bd)
-
 
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     g = F.linear(x2, wg, bg)
@@ -103,9 +99,6 @@ IMPLS: list[Impl] = [
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
                "split-K GEMM streaming w_down once: two launches"),
-    Impl("triton_streamk", _triton_streamk, frozenset({"cuda"}), max_m=256, triton=True,
-         notes="gate and up in one stream-K GEMM (equal work per SM, pieces of tiles summed by their last program) "
-               "with act*mul in its epilogue, then cuBLAS for down"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
     Impl("reference", reference_mlp, None,
