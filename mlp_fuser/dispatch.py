@@ -111,6 +111,21 @@ def eligible(p: Problem) -> list[Impl]:
     return [i for i in IMPLS if i.why_not(p) is None]
 
 
+# The training path's two Triton pieces, ops.act_mul (the forward's act·mul when the pre-activations are saved) and
+# ops.mlp_backward (dh = dy @ w_down with the activation's derivative in its epilogue), each with an aten fallback.
+# Nothing to choose between at training sizes, so no timing: the kernel wherever Triton runs, unless the aten
+# reference is forced (MLP_FUSER_IMPL=reference: the whole op as the unfused module computes it).
+TRAINING = Impl("triton_training", None, frozenset({"cuda"}), triton=True,  # type: ignore[arg-type]
+                notes="act_mul and mlp_backward (kernels/act_mul.py, kernels/backward.py)")
+
+
+def triton_for_training(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ops.act_mul and ops.mlp_backward run their Triton kernel for tensors of this device and dtype."""
+    if config.force_impl == "reference":
+        return False
+    return TRAINING.why_not(Problem(device.type, dtype, 1, 1, 1, 1, True)) is None
+
+
 # ---- choosing ------------------------------------------------------------------------------------
 
 _resolved: dict[tuple, Impl] = {}  # every call's key -> its final choice: the op's hot path is one lookup here
