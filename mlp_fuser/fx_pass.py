@@ -299,4 +299,13 @@ def fuse_mlps(
     if report.fused and not dry_run:
         gm.graph.lint()
         gm.recompile()
+    # The bodies of higher-order ops (torch.utils.checkpoint's tag_activation_checkpoint, which HF's
+    # gradient_checkpointing_enable() wraps every layer in, under torch.compile) are graphs of their own.
+    for sub in gm.children():
+        if isinstance(sub, GraphModule):
+            inner = fuse_mlps(sub, activations=activations, patterns=patterns, filter_fn=filter_fn, dry_run=dry_run,
+                              save_preact=save_preact)
+            report.fused += inner.fused
+            report.near_misses += inner.near_misses
+            report.projections += inner.projections
     return report

@@ -181,13 +181,15 @@ def _mlp_backward(dy, w_down, g, u, activation, need_h):
     if dispatch.triton_for_training(dy.device, dy.dtype) and min(w_down.shape) > 0:
         dgu, h = mlp_backward_kernel(dy, w_down, g, u, activation, need_h)
         return dgu, h if h is not None else dy.new_empty(0)
-    act = get_activation(activation)  # aten: what the unfused module's autograd computes
-    dh = dy.mm(w_down)
+    # aten, as the kernel computes it: fp32 (or fp64) math, each result rounded once to dy's dtype
+    act, dt = get_activation(activation), torch.promote_types(dy.dtype, torch.float32)
+    dh = dy.to(dt).mm(w_down.to(dt))
+    g, u = g.to(dt), (u.to(dt) if u is not None else None)
     a = act.fn(g)
     dg = dh * act.grad(g)
-    if u is None:
-        return dg, a if need_h else dy.new_empty(0)
-    return torch.cat([dg * u, dh * a], 1), a * u if need_h else dy.new_empty(0)
+    if u is not None:
+        dg, a = torch.cat([dg * u, dh * a], 1), a * u
+    return dg.to(dy.dtype), a.to(dy.dtype) if need_h else dy.new_empty(0)
 
 
 _lib.impl("act_mul", _act_mul, "CompositeExplicitAutograd")

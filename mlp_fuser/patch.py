@@ -27,7 +27,7 @@ from torch import nn
 
 from ._dynamo_utils import fresh_code
 from .backend import make_backend, pass_options
-from .patch_modules import FusedModuleForward, fuse_module
+from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
@@ -109,6 +109,8 @@ def _fused(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[
     def fused_forward(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
+        except _PASS_THROUGH:
+            raise
         except Exception as error:
             failure = error
         raise _eager_error(failure, eager, args, kwargs)  # outside the except: no "during handling" chain
