@@ -22,14 +22,16 @@ from torch import Tensor
 
 from . import config
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
+from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import m_bucket
 from .kernels.splitk import linear_splitk
-from .reference import reference_mlp
+from .reference import reference_mlp, reference_mlp_backward
 
 log = logging.getLogger("mlp_fuser")
 ImplFn = Callable[..., Tensor]  # (x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation) -> y2 (M, O)
 
-__all__ = ["IMPLS", "IMPLS_BY_NAME", "Impl", "Problem", "chosen", "describe", "eligible", "m_bucket", "resolve"]
+__all__ = ["BACKWARD_IMPLS", "IMPLS", "IMPLS_BY_NAME", "Impl", "Problem", "chosen", "describe", "eligible", "m_bucket",
+           "resolve", "resolve_backward"]
 
 
 class Problem(NamedTuple):
@@ -111,19 +113,34 @@ def eligible(p: Problem) -> list[Impl]:
     return [i for i in IMPLS if i.why_not(p) is None]
 
 
-# The training path's two Triton pieces, ops.act_mul (the forward's act·mul when the pre-activations are saved) and
-# ops.mlp_backward (dh = dy @ w_down with the activation's derivative in its epilogue), each with an aten fallback.
-# Nothing to choose between at training sizes, so no timing: the kernel wherever Triton runs, unless the aten
-# reference is forced (MLP_FUSER_IMPL=reference: the whole op as the unfused module computes it).
-TRAINING = Impl("triton_training", None, frozenset({"cuda"}), triton=True,  # type: ignore[arg-type]
-                notes="act_mul and mlp_backward (kernels/act_mul.py, kernels/backward.py)")
+# ---- the backward: ops.mlp_backward (dy, w_down, g, u, activation, need_h) -> (dgu, h or None) ----------------
 
 
-def triton_for_training(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ops.act_mul and ops.mlp_backward run their Triton kernel for tensors of this device and dtype."""
-    if config.force_impl == "reference":
-        return False
-    return TRAINING.why_not(Problem(device.type, dtype, 1, 1, 1, 1, True)) is None
+def _cublas_backward(dy, wd, g, u, act, need_h):
+    return act_mul_backward(dy, wd, g.contiguous(), u.contiguous() if u is not None else None, act, need_h)
+
+
+# Chosen like the forward's implementations, by their own list and cache (Problem: K = O, the dh GEMM's reduction).
+BACKWARD_IMPLS: list[Impl] = [
+    Impl("triton_backward_gemm", mlp_backward, frozenset({"cuda"}), triton=True,
+         notes="dh = dy @ w_down in a Triton GEMM with act', the products and h in its epilogue"),
+    Impl("cublas_backward_act", _cublas_backward, frozenset({"cuda"}), triton=True,
+         notes="dh from cuBLAS, then the same epilogue as one elementwise Triton pass"),
+    Impl("reference", reference_mlp_backward, None,
+         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+         notes="aten ops in fp32, rounded once"),
+]
+BACKWARD_BY_NAME = {i.name: i for i in BACKWARD_IMPLS}
+
+
+# The save-mode forward's act·mul (ops.act_mul): the Triton kernel wherever the Triton implementations run, unless
+# the aten reference is forced (MLP_FUSER_IMPL=reference: everything as the unfused module computes it).
+_ACT_MUL = Impl("act_mul", act_mul, frozenset({"cuda"}), triton=True)
+
+
+def triton_act_mul(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ops.act_mul runs the Triton kernel for tensors of this device and dtype."""
+    return config.force_impl != "reference" and _ACT_MUL.why_not(Problem(device.type, dtype, 1, 1, 1, 1, True)) is None
 
 
 # ---- choosing ------------------------------------------------------------------------------------
@@ -135,14 +152,15 @@ _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup
 
 
 def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
-            args: tuple) -> Impl:
+            args: tuple, impls: list[Impl] = IMPLS) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
-    ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates."""
-    key = (device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune)
+    ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``impls``:
+    the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``)."""
+    key = (impls is IMPLS, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune)
     impl = _resolved.get(key)
     if impl is None:
-        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index)
+        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index, impls)
         if final:
             if len(_resolved) >= _MAX_RESOLVED:
                 _resolved.clear()
@@ -150,15 +168,22 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
     return impl
 
 
-def _select(p: Problem, args: tuple | None, index: int | None) -> tuple[Impl, bool]:
+def resolve_backward(device: torch.device, dtype: torch.dtype, M: int, I: int, O: int, gated: bool,
+                     args: tuple) -> Impl:
+    """The implementation of ops.mlp_backward for one call (``args``: its arguments)."""
+    return resolve(device, dtype, M, O, I, O, gated, args, BACKWARD_IMPLS)
+
+
+def _select(p: Problem, args: tuple | None, index: int | None, impls: list[Impl] = IMPLS) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
-    ekey = (p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl, config.triton_on_cpu)
+    ekey = (impls is IMPLS, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
+            config.triton_on_cpu)
     candidates = _eligible_cache.get(ekey)
     if candidates is None:
-        candidates = _eligible_cache[ekey] = _candidates(p)
+        candidates = _eligible_cache[ekey] = _candidates(p, impls)
     if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
         return candidates[0], True
-    key = _choice_key(p, index)
+    key = _choice_key(p, index) + (() if impls is IMPLS else ("backward",))
     name = _choice_cache.get(key)
     if name is None:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
@@ -181,17 +206,22 @@ def chosen(p: Problem) -> str:
     return _select(p, None, None)[0].name
 
 
-def _candidates(p: Problem) -> list[Impl]:
+def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
+    """The eligible implementations, or the forced one; forcing the other direction's (a backward implementation
+    for the forward, a forward one for the backward) leaves this direction's choice free ("reference" forces
+    both)."""
     if config.force_impl:
-        impl = IMPLS_BY_NAME.get(config.force_impl)
+        impl = {i.name: i for i in impls}.get(config.force_impl)
         if impl is None:
-            known = list(IMPLS_BY_NAME)
+            if config.force_impl in IMPLS_BY_NAME or config.force_impl in BACKWARD_BY_NAME:
+                return [i for i in impls if i.why_not(p) is None]
+            known = list(IMPLS_BY_NAME) + [n for n in BACKWARD_BY_NAME if n not in IMPLS_BY_NAME]
             raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
         reason = impl.why_not(p)
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
         return [impl]
-    return eligible(p)
+    return [i for i in impls if i.why_not(p) is None]
 
 
 _warned: set = set()

@@ -40,7 +40,6 @@ from torch import Tensor
 from . import dispatch
 from .activations import ACTIVATIONS, ALIASES, get_activation
 from .kernels import act_mul as act_mul_kernel
-from .kernels.backward import mlp_backward as mlp_backward_kernel
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
 _lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, bool save_preact=False) "
@@ -171,25 +170,17 @@ def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_
 
 
 def _act_mul(g, u, activation):
-    if dispatch.triton_for_training(g.device, g.dtype):
+    if dispatch.triton_act_mul(g.device, g.dtype):
         return act_mul_kernel(g, u, activation)
     act = get_activation(activation)
     return act.fn(g) * u if u is not None else act.fn(g)
 
 
 def _mlp_backward(dy, w_down, g, u, activation, need_h):
-    if dispatch.triton_for_training(dy.device, dy.dtype) and min(w_down.shape) > 0:
-        dgu, h = mlp_backward_kernel(dy, w_down, g, u, activation, need_h)
-        return dgu, h if h is not None else dy.new_empty(0)
-    # aten, as the kernel computes it: fp32 (or fp64) math, each result rounded once to dy's dtype
-    act, dt = get_activation(activation), torch.promote_types(dy.dtype, torch.float32)
-    dh = dy.to(dt).mm(w_down.to(dt))
-    g, u = g.to(dt), (u.to(dt) if u is not None else None)
-    a = act.fn(g)
-    dg = dh * act.grad(g)
-    if u is not None:
-        dg, a = torch.cat([dg * u, dh * a], 1), a * u
-    return dg.to(dy.dtype), a.to(dy.dtype) if need_h else dy.new_empty(0)
+    M, I = g.shape
+    args = (dy, w_down, g, u, activation, need_h)
+    dgu, h = dispatch.resolve_backward(dy.device, dy.dtype, M, I, w_down.shape[0], u is not None, args).fn(*args)
+    return dgu, h if h is not None else dy.new_empty(0)
 
 
 _lib.impl("act_mul", _act_mul, "CompositeExplicitAutograd")
@@ -234,6 +225,7 @@ def _backward_core(activation, need, dy, x, wg, bg, wu, bu, wd, bd, g=None, u=No
     del g, u  # recomputed ones are freed before the GEMMs below allocate
     dg, du = dgu[:, :I], (dgu[:, I:] if wu is not None else None)
     dwd = dy2.t().mm(h) if need[5] else None
+    del h
     dbd = dy2.sum(0) if bd is not None and need[6] else None
     dx = None
     if need[0]:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 
 from mlp_fuser.activations import ACTIVATIONS
-from mlp_fuser.dispatch import m_bucket
+from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
 from mlp_fuser.kernels import act_mul, backward, fused_mlp_small_m, gate_up_act, gemm
 from mlp_fuser.reference import reference_mlp, rel_err
 
@@ -252,11 +252,13 @@ def _backward_reference(dy, wd, g, u, act):
     return torch.cat([dg * u, dh * a], 1), a * u
 
 
+@pytest.mark.parametrize("impl", ["triton_backward_gemm", "cublas_backward_act"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("s", SHAPES, ids=str)
-def test_mlp_backward(s, dtype, monkeypatch):
-    """dh = dy @ w_down with act' and the product in the epilogue, against float64: the weights of every layout,
-    g and u as the two halves of one (M, 2I) GEMM output (a row stride of 2I) or transposed, dy as x is laid out."""
+def test_mlp_backward(s, dtype, impl, monkeypatch):
+    """dh = dy @ w_down with act' and the products after it (in the GEMM's epilogue, or in an elementwise pass after
+    torch.mm), against float64: the weights of every layout, g and u as the two halves of one (M, 2I) GEMM output
+    (a row stride of 2I) or transposed, dy as x is laid out."""
     kernel = backward._mlp_backward_kernel
     monkeypatch.setattr(kernel, "configs", [kernel.configs[zlib.crc32(str(s).encode()) % len(kernel.configs)]])
     x, wg, bg, wu, bu, wd, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
@@ -271,7 +273,7 @@ def test_mlp_backward(s, dtype, monkeypatch):
         g, u = gu[:, :s.I], (gu[:, s.I:] if s.gated else None)
     for need_h in (True, False):
         with poisoned_empty():
-            dgu, h = backward.mlp_backward(dy, wd, g, u, s.act, need_h)
+            dgu, h = BACKWARD_BY_NAME[impl].fn(dy, wd, g, u, s.act, need_h)
         ref_dgu, ref_h = _backward_reference(*_f64((dy, wd, g, u)), s.act)
         unf_dgu, unf_h = _backward_reference(dy, wd, g, u, s.act)
         assert dgu.is_contiguous() and dgu.shape == (s.M, 2 * s.I if s.gated else s.I)
@@ -291,3 +293,6 @@ def test_empty_m():
     dgu, h = backward.mlp_backward(torch.randn(0, 3, device=KERNEL_DEVICE), wd, torch.randn(0, 7, device=KERNEL_DEVICE),
                                    torch.randn(0, 7, device=KERNEL_DEVICE), "silu", True)
     assert dgu.shape == (0, 14) and h.shape == (0, 7)
+    g0 = torch.randn(0, 7, device=KERNEL_DEVICE)
+    dgu, h = backward.act_mul_backward(torch.randn(0, 3, device=KERNEL_DEVICE), wd, g0, None, "gelu", False)
+    assert dgu.shape == (0, 7) and h is None

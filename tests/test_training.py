@@ -1,8 +1,9 @@
 """Fine-tuning through the fused ops, on the CPU, against the unfused model.
 
-- Every gradient of the op, both backward choices (``save_preact``), the aten path and the Triton kernels (through
-  the interpreter, fp32 and fp16): within 1.25 x the unfused module's error against float64; kernel outputs are
-  poisoned (NaN) so an element a kernel never writes fails.
+- Every gradient of the op, both backward choices (``save_preact``), each backward implementation (aten, the
+  Triton GEMM with the epilogue, cuBLAS + the Triton elementwise pass; Triton through the interpreter), fp32 and
+  fp16: within 1.25 x the unfused module's error against float64; kernel outputs are poisoned (NaN) so an element
+  a kernel never writes fails.
 - What a fine-tuning user does, through ``patch`` and through the backend, each backward choice: an optimizer
   step, gradient accumulation, frozen weights, bf16 autocast over fp32 master weights, torch.utils.checkpoint and
   HF's ``gradient_checkpointing_enable()``, train/eval switching. The backend runs here as its graph pass followed
@@ -25,8 +26,9 @@ from _mlp_cases import make_case
 from torch._dynamo.backends.debugging import aot_eager
 
 import mlp_fuser
-from mlp_fuser import config, fx_pass, ops
+from mlp_fuser import config, fx_pass
 from mlp_fuser.backend import pass_options
+from mlp_fuser.kernels import backward as kernels_backward
 from mlp_fuser.reference import reference_mlp, rel_err
 
 BACKWARDS = ["recompute", "save"]
@@ -62,14 +64,24 @@ def _grads(fn, tensors, dy):
     return [None if t is None else t.grad for t in leaves]
 
 
+def count_launches(monkeypatch, name: str) -> list:
+    """A list that grows by one per launch of the backward kernel ``name`` (kernels/backward.py)."""
+    attr = {"triton_backward_gemm": "_launch", "cublas_backward_act": "_launch_elementwise"}[name]
+    launches, real = [], getattr(kernels_backward, attr)
+    monkeypatch.setattr(kernels_backward, attr, lambda *a, **k: launches.append(1) or real(*a, **k))
+    return launches
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("backward", BACKWARDS)
-@pytest.mark.parametrize("path", ["aten", "triton"])
+@pytest.mark.parametrize("path", ["reference", "triton_backward_gemm", "cublas_backward_act"])
 def test_every_gradient_within_unfused_error(path, backward, dtype, monkeypatch):
-    monkeypatch.setattr(config, "triton_on_cpu", path == "triton")
-    launches = []
-    real = ops.mlp_backward_kernel
-    monkeypatch.setattr(ops, "mlp_backward_kernel", lambda *a: launches.append(1) or real(*a))
+    """``path``: the backward implementation (the Triton ones through the interpreter; the forward is then the
+    dispatcher's Triton choice too)."""
+    if path != "reference":
+        monkeypatch.setattr(config, "triton_on_cpu", True)
+        monkeypatch.setattr(config, "force_impl", path)
+    launches = count_launches(monkeypatch, "triton_backward_gemm" if path == "reference" else path)
     for M, K, I, O, lead, act, gated, bias, layout in CASES:
         case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, bias=bias, layout=layout, lead=lead)
         tensors = (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)
@@ -94,7 +106,7 @@ def test_every_gradient_within_unfused_error(path, backward, dtype, monkeypatch)
             assert g.dtype == dtype and g.shape == r.shape, name
             err, bar = rel_err(g, r), 1.25 * rel_err(u, r) + 1e-6
             assert err <= bar, f"{case.act} {'gated' if gated else 'plain'} d{name}: {err:.3g} > {bar:.3g}"
-    assert len(launches) == (len(CASES) if path == "triton" else 0)
+    assert len(launches) == (0 if path == "reference" else len(CASES))
 
 
 def test_save_keeps_the_pre_activations_and_recompute_keeps_nothing_of_their_size():

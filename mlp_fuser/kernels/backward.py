@@ -16,6 +16,10 @@ one GEMM and one reduction over the pair. Everything is rounded to the output dt
 Bytes (bf16): dy (M·O) + w_down (O·I) + g, u (2·M·I) read; dgu (2·M·I) + h (M·I) written. The aten backward moves
 dh (M·I) twice more and runs ~8 elementwise passes over (M, I) tensors (a, act'(g), products), each 2-3 · M·I.
 FLOPs: 2·M·I·O, as the plain dh GEMM.
+
+``act_mul_backward`` is the same epilogue as a pass of its own after a cuBLAS dh (flat over M·I elements, for
+contiguous dh, g and u): dh written and read once more (2·M·I) but the GEMM is cuBLAS's. Which of the two is faster
+depends on how close the Triton GEMM comes to cuBLAS at the shape; dispatch times both per shape on CUDA.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def _mlp_backward_kernel(
     dy_ptr, wd_ptr, g_ptr, u_ptr, dgu_ptr, h_ptr,
     M, N, K,  # N = I (columns of dh), K = O (the reduction: dh = dy @ w_down)
     M_BUCKET,  # a power of two >= M: the autotuning key, unused by the kernel
-    stride_dym, stride_dyk, stride_wdk, stride_wdn, stride_gm, stride_gn, stride_um, stride_un,
+    stride_dym, stride_dyk, stride_wdk, stride_wdn, stride_gm, stride_gn, stride_um, stride_un, stride_dgum,
     ACT: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_U: tl.constexpr, STORE_H: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -99,7 +103,7 @@ def _mlp_backward_kernel(
     g = g.to(tl.float32)
     a = ACT(g)
     dg = dh * ACT_GRAD(g)
-    row = dgu_ptr + offs_m[:, None] * (2 * N if HAS_U else N)  # dgu is contiguous: (M, 2I), or (M, I) plain
+    row = dgu_ptr + offs_m[:, None] * stride_dgum  # dgu's rows: d(g) in columns [0, N), d(u) in [N, 2N)
     if HAS_U:
         u = tl.load(u_ptr + offs_m[:, None] * stride_um + offs_n[None, :] * stride_un, mask=mask, other=0.0)
         u = u.to(tl.float32)
@@ -135,13 +139,62 @@ def mlp_backward(dy: Tensor, w_down: Tensor, g: Tensor, u: Tensor | None, activa
 
     (sym, syk), (swk, swn), (sgm, sgn), (sum_, sun) = dy.stride(), w_down.stride(), g.stride(), uu.stride()
     precision = dot_precision(dy.dtype)
-    key = (dy.get_device(), dy.dtype, M, I, O, sym, syk, swk, swn, sgm, sgn, sum_, sun,
+    key = (dy.get_device(), dy.dtype, M, I, O, sym, syk, swk, swn, sgm, sgn, sum_, sun,  # (dgu's row stride: I, u)
            aligned(dy, w_down, g, uu, dgu, hh), act.name, u is not None, need_h, precision)
     _launch(
         key, grid,
         dy, w_down, g, uu, dgu, hh,
         M, I, O, m_bucket(M),
-        sym, syk, swk, swn, sgm, sgn, sum_, sun,
+        sym, syk, swk, swn, sgm, sgn, sum_, sun, dgu.stride(0),
         ACT=act.triton_fn, ACT_GRAD=act.triton_grad, HAS_U=u is not None, STORE_H=need_h, PRECISION=precision,
     )
+    return dgu, h
+
+
+@triton.jit
+def _act_mul_backward_kernel(
+    dh_ptr, g_ptr, u_ptr, dgu_ptr, h_ptr,
+    n, N,  # n = M·N elements of dh, g, u (all contiguous); N = I, the row length
+    ACT: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_U: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a = ACT(g)
+    dg = dh * ACT_GRAD(g)
+    if HAS_U:
+        row, col = offs // N, offs % N
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dgu_ptr + row * 2 * N + col, (dg * u).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptr + row * 2 * N + N + col, (dh * a).to(dgu_ptr.dtype.element_ty), mask=mask)
+        a = a * u
+    else:
+        tl.store(dgu_ptr + offs, dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+    if STORE_H:
+        tl.store(h_ptr + offs, a.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+_launch_elementwise = Launcher(_act_mul_backward_kernel)
+FLAT = dict(BLOCK=1024, num_warps=4)
+
+
+def act_mul_backward(dy: Tensor, w_down: Tensor, g: Tensor, u: Tensor | None, activation: str,
+                     need_h: bool) -> tuple[Tensor, Tensor | None]:
+    """``mlp_backward``'s result with dh = dy @ w_down from cuBLAS (torch.mm, rounded to dy's dtype) and the epilogue
+    as one elementwise pass. g and u must be contiguous."""
+    act = get_activation(activation)
+    M, I = g.shape
+    dh = dy.mm(w_down)
+    dgu = torch.empty((M, 2 * I if u is not None else I), dtype=dy.dtype, device=dy.device)
+    h = torch.empty((M, I), dtype=dy.dtype, device=dy.device) if need_h else None
+    if M == 0 or I == 0:
+        return dgu, h
+    if not (g.is_contiguous() and (u is None or u.is_contiguous())):
+        raise ValueError("act_mul_backward: g and u must be contiguous")
+    uu = u if u is not None else g  # a valid pointer, never read
+    hh = h if h is not None else dgu
+    key = (dy.get_device(), dy.dtype, M, I, aligned(dh, g, uu, dgu, hh), act.name, u is not None, need_h)
+    _launch_elementwise(key, (cdiv(M * I, FLAT["BLOCK"]),), dh, g, uu, dgu, hh, M * I, I,
+                        ACT=act.triton_fn, ACT_GRAD=act.triton_grad, HAS_U=u is not None, STORE_H=need_h, **FLAT)
     return dgu, h
