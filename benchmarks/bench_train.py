@@ -9,7 +9,8 @@ with ``labels`` (the loss) + backward; no optimizer; gradients set to None befor
 
 Variants (``--variants``, in this order): ``eager``; ``compile`` (``torch.compile(model)``); ``backend-recompute``
 and ``backend-save`` (``torch.compile(model, backend=mlp_fuser.make_backend(backward=...))``); ``patch-recompute``
-and ``patch-save`` (``mlp_fuser.patch(model, backward=...)``, undone after).
+and ``patch-save`` (``mlp_fuser.patch(model, backward=...)``, undone after); on request, ``patch-whole``
+(``patch(model, per_module=False)``: the whole forward through Dynamo, the path of the first 2× slowdown).
 
 Step time: the median of ``--steps`` steps after ``--warmup`` warm-up steps (compilation and the op's kernel choice
 happen there), each step timed between torch.cuda.synchronize() calls. Peak: torch.cuda.max_memory_allocated()
@@ -35,6 +36,7 @@ MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256)
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
+EXTRA = ["patch-whole"]  # on request only: patch(per_module=False), the whole forward through Dynamo (recompute)
 
 
 def log(*a):
@@ -109,11 +111,13 @@ def run_variant(name, model, ids, args, counter):
         forward = torch.compile(model)
     elif name.startswith("backend-"):
         forward = torch.compile(model, backend=mlp_fuser.make_backend(backward=name.split("-")[1]))
+    elif name == "patch-whole":
+        forward = mlp_fuser.patch(model, per_module=False)
     else:
         forward = mlp_fuser.patch(model, backward=name.split("-")[1])
     try:
         ms, peak, loss = measure(model, forward, ids, args.device, args.warmup, args.steps)
-        if name.startswith("patch-"):
+        if name.startswith("patch-") and name != "patch-whole":
             fused = len(model.__dict__.get("_mlp_fuser_fused_modules", ()))
         else:
             fused = counter.fused
@@ -153,8 +157,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (checks the script, on any device)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    if set(variants) - set(VARIANTS):
-        ap.error(f"unknown variant(s) {sorted(set(variants) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
+    if set(variants) - set(VARIANTS + EXTRA):
+        ap.error(f"unknown variant(s) {sorted(set(variants) - set(VARIANTS + EXTRA))}; "
+                 f"known: {', '.join(VARIANTS + EXTRA)}")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 512

@@ -40,6 +40,7 @@ from torch import Tensor
 from . import dispatch
 from .activations import ACTIVATIONS, ALIASES, get_activation
 from .kernels import act_mul as act_mul_kernel
+from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
 _lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, bool save_preact=False) "
@@ -218,10 +219,13 @@ def _backward_core(activation, need, dy, x, wg, bg, wu, bu, wd, bd, g=None, u=No
     K, O, I = x.shape[-1], wd.shape[0], wg.shape[0]
     x2 = x.reshape(-1, K)
     dy2 = dy.reshape(-1, O)
-    if g is None:
+    if g is None or torch.is_grad_enabled():  # create_graph=True: saved g, u are not connected to x's graph
         g = F.linear(x2, wg, bg)
         u = F.linear(x2, wu, bu) if wu is not None else None
-    dgu, h = torch.ops.mlp_fuser.mlp_backward.default(dy2, wd, g, u, activation, need[5])
+    if torch.is_grad_enabled():  # create_graph=True: aten ops, which autograd differentiates again
+        dgu, h = reference_mlp_backward(dy2, wd, g, u, activation, need[5])
+    else:
+        dgu, h = torch.ops.mlp_fuser.mlp_backward.default(dy2, wd, g, u, activation, need[5])
     del g, u  # recomputed ones are freed before the GEMMs below allocate
     dg, du = dgu[:, :I], (dgu[:, I:] if wu is not None else None)
     dwd = dy2.t().mm(h) if need[5] else None

@@ -109,6 +109,25 @@ def test_every_gradient_within_unfused_error(path, backward, dtype, monkeypatch)
     assert len(launches) == (0 if path == "reference" else len(CASES))
 
 
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("gated", [True, False])
+def test_double_backward(gated, save):
+    """create_graph=True (a gradient penalty, gradgradcheck): the backward is differentiable again."""
+    case = make_case(3, 5, 7, 4, gated=gated, dtype=torch.float64, act="gelu_tanh", lead=(2,))
+    tensors = [t for t in (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd) if t is not None]
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+
+    def f(*ls):
+        it = iter(ls)
+        full = [None if t is None else next(it) for t in (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)]
+        x, wg, bg, wu, bu, wd, bd = full
+        if gated:
+            return mlp_fuser.gated_mlp(x, wg, bg, wu, bu, wd, bd, case.act, save)
+        return mlp_fuser.mlp(x, wg, bg, wd, bd, case.act, save)
+
+    assert torch.autograd.gradgradcheck(f, leaves)
+
+
 def test_save_keeps_the_pre_activations_and_recompute_keeps_nothing_of_their_size():
     case = make_case(4, 8, 16, 8, dtype=torch.float64)
     for save, expected in ((False, 0), (True, 2)):
