@@ -189,7 +189,7 @@ def _select(p: Problem, args: tuple | None, index: int | None, impls: list[Impl]
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
             return IMPLS_BY_NAME["reference"], False
-        name = _choice_cache[key] = _time_candidates(candidates, args, p)
+        name = _choice_cache[key] = _time_candidates(candidates, args, p, "" if impls is IMPLS else "the backward of ")
     return IMPLS_BY_NAME[name], True
 
 
@@ -254,7 +254,7 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
         fn(*args)
 
 
-def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
+def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "") -> str:
     """The fastest candidate by GPU time (ties within ``_TIE`` go to the lighter one on the host). Each sample
     queues ``_CALLS`` calls behind a spin kernel, so the GPU runs them back to back whatever the host costs
     (CUDA-graph replay would show the same, but a capture here would allocate from whatever memory pool the
@@ -299,7 +299,7 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> str:
     # without CUDA graphs waits on the host).
     best_gpu = min(gpu.values())
     best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=cpu.get)
-    log.info("mlp_fuser: chose %s for %s (GPU / host µs per call: %s)", best, describe(p),
+    log.info("mlp_fuser: chose %s for %s%s (GPU / host µs per call: %s)", best, what, describe(p),
              ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
     return best
 

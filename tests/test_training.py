@@ -26,7 +26,7 @@ from _mlp_cases import make_case
 from torch._dynamo.backends.debugging import aot_eager
 
 import mlp_fuser
-from mlp_fuser import config, fx_pass
+from mlp_fuser import config, dispatch, fx_pass
 from mlp_fuser.backend import pass_options
 from mlp_fuser.kernels import backward as kernels_backward
 from mlp_fuser.reference import reference_mlp, rel_err
@@ -126,6 +126,33 @@ def test_double_backward(gated, save):
         return mlp_fuser.mlp(x, wg, bg, wd, bd, case.act, save)
 
     assert torch.autograd.gradgradcheck(f, leaves)
+
+
+def test_backward_dispatch_rules(monkeypatch):
+    """CPU: the aten backward, or the first Triton one under the interpreter; MLP_FUSER_IMPL forces a backward
+    implementation and leaves the forward's choice free (and a forward one leaves the backward's free); "reference"
+    forces both; an unknown name is an error naming both lists."""
+    args = (torch.randn(4, 3), torch.randn(3, 8), torch.randn(4, 8), None, "gelu", True)
+    cpu = torch.device("cpu")
+
+    def backward_choice():
+        return dispatch.resolve_backward(cpu, torch.float32, 4, 8, 3, False, args).name
+
+    def forward_choice():
+        return dispatch.chosen(dispatch.Problem("cpu", torch.float32, 4, 3, 8, 3, False))
+
+    assert backward_choice() == "reference"
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    assert backward_choice() == "triton_backward_gemm"
+    monkeypatch.setattr(config, "force_impl", "cublas_backward_act")
+    assert (backward_choice(), forward_choice()) == ("cublas_backward_act", "triton_small_m")
+    monkeypatch.setattr(config, "force_impl", "cublas_act_mul")
+    assert (backward_choice(), forward_choice()) == ("triton_backward_gemm", "cublas_act_mul")
+    monkeypatch.setattr(config, "force_impl", "reference")
+    assert (backward_choice(), forward_choice()) == ("reference", "reference")
+    monkeypatch.setattr(config, "force_impl", "nope")
+    with pytest.raises(ValueError, match="nope.*cublas_backward_act"):
+        backward_choice()
 
 
 def test_save_keeps_the_pre_activations_and_recompute_keeps_nothing_of_their_size():
