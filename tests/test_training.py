@@ -23,6 +23,7 @@ import pytest
 import torch
 from _hf_models import build, count_ops
 from _mlp_cases import make_case
+from conftest import KERNEL_DEVICE
 from torch._dynamo.backends.debugging import aot_eager
 
 import mlp_fuser
@@ -78,14 +79,17 @@ def count_launches(monkeypatch, name: str) -> list:
 def test_every_gradient_within_unfused_error(path, backward, dtype, monkeypatch):
     """``path``: the backward implementation (the Triton ones through the interpreter; the forward is then the
     dispatcher's Triton choice too)."""
+    device = "cpu"
     if path != "reference":
+        device = KERNEL_DEVICE
         monkeypatch.setattr(config, "triton_on_cpu", True)
         monkeypatch.setattr(config, "force_impl", path)
     launches = count_launches(monkeypatch, "triton_backward_gemm" if path == "reference" else path)
     for M, K, I, O, lead, act, gated, bias, layout in CASES:
-        case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, bias=bias, layout=layout, lead=lead)
+        case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, bias=bias, layout=layout, lead=lead,
+                         device=device)
         tensors = (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)
-        dy = torch.randn(*case.x.shape[:-1], O).to(dtype)
+        dy = torch.randn(*case.x.shape[:-1], O, device=device).to(dtype)
 
         def fused(x, wg, bg, wu, bu, wd, bd, act=act, gated=gated):
             if gated:
@@ -390,10 +394,13 @@ def loss_curve(model, forward, batches):
 def test_convergence_matches_unfused(way, monkeypatch):
     """A tiny LLaMA fine-tuned for 30 steps on 4 repeating batches: the fused loss curve (each backward choice)
     follows the unfused one within 1e-5, and the loss falls by more than 30%. ``patch-triton`` runs the
-    Triton kernels (interpreter, fp32); ``backend`` the real backend, Inductor included."""
+    Triton kernels (the interpreter, or the GPU where there is one; fp32); ``backend`` the real backend, Inductor
+    included."""
+    device = KERNEL_DEVICE if way == "patch-triton" else "cpu"
     base, ids, _ = tiny_llama()
+    base = base.to(device)
     g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(1, 128, (2, 12), generator=g) for _ in range(4)] * (STEPS // 4 + 1)
+    batches = [torch.randint(1, 128, (2, 12), generator=g).to(device) for _ in range(4)] * (STEPS // 4 + 1)
     batches = batches[:STEPS]
     ref = copy.deepcopy(base)
     want = loss_curve(ref, ref, batches)
