@@ -188,6 +188,19 @@ def test_opcheck_helper_ops():
         torch.library.opcheck(torch.ops.mlp_fuser.mlp_backward.default, (dy, wd, g, uu, "silu", need_h))
 
 
+def test_patching_again_with_another_backward_choice_takes_it():
+    model, ids, n_mlp = tiny_llama()
+    intermediate = (ids.numel(), model.config.intermediate_size)
+    for backward, kept in (("recompute", 0), ("save", 2 * n_mlp), ("recompute", 0)):
+        mlp_fuser.patch(model, backward=backward)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(tuple(t.shape)) or t,
+                                                      lambda t: t):
+            loss_of(model, ids).backward()
+        assert saved.count(intermediate) == kept, (backward, saved.count(intermediate))
+    assert mlp_fuser.is_patched(model)
+
+
 def test_backward_option_is_checked():
     with pytest.raises(ValueError, match="backward='fast'.*'recompute'.*'save'"):
         mlp_fuser.make_backend(backward="fast")
