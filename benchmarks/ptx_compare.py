@@ -43,6 +43,14 @@ VARIANTS = {
     "splitk SPLIT_K=1 + bias": "linear_splitk(randn(16, 2048), randn(512, 2048), randn(512), (16, 64, 128, 1, 4, 4))",
     "splitk SPLIT_K=4 no bias": "linear_splitk(randn(16, 2048), randn(512, 2048), None, (16, 64, 128, 4, 4, 4))",
     "splitk SPLIT_K=4 + bias": "linear_splitk(randn(16, 2048), randn(512, 2048), randn(512), (16, 64, 128, 4, 4, 4))",
+    "mlp_backward SwiGLU + h": "k.backward.mlp_backward(randn(256, 512), randn(512, 1024), randn(256, 1024), "
+                               "randn(256, 1024), 'silu', True)",
+    "mlp_backward gelu_tanh plain, no h": "k.backward.mlp_backward(randn(256, 512), randn(512, 1024), "
+                                          "randn(256, 1024), None, 'gelu_tanh', False)",
+    "act_mul_backward SwiGLU + h": "k.backward.act_mul_backward(randn(256, 512), randn(512, 1024), randn(256, 1024), "
+                                   "randn(256, 1024), 'silu', True)",
+    "act_mul_backward gelu plain, no h": "k.backward.act_mul_backward(randn(256, 512), randn(512, 1024), "
+                                         "randn(256, 1024), None, 'gelu', False)",
 }
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 

@@ -4,8 +4,9 @@
 
 Two copies of a tiny random LLaMA get the same batch: one as it is, one with its MLPs patched
 (``mlp_fuser.patch``: each MLP block calls mlp_fuser::gated_mlp, whose backward recomputes the intermediate
-instead of saving it). The loss and every parameter's gradient must agree; then one AdamW step is taken
-and the updated weights must agree too. The same is done through ``torch.compile(backend=mlp_fuser.backend)``.
+instead of saving it, or with ``backward="save"`` keeps the gate and up outputs). The loss and every parameter's
+gradient must agree; then one AdamW step is taken and the updated weights must agree too. The same is done through
+``torch.compile(backend=mlp_fuser.make_backend(backward="save"))``.
 """
 
 import copy
@@ -55,18 +56,19 @@ def compare(label, ref, got, atol=1e-5, rtol=1e-4):
 unfused = copy.deepcopy(base)
 reference = train_step(unfused)
 
-patched = copy.deepcopy(base)
-mlp_fuser.patch(patched)
-result, calls = fused_op_calls(lambda: train_step(patched))
-assert calls >= config.num_hidden_layers, f"the fused op ran {calls} times, expected one per layer at least"
-compare("mlp_fuser.patch (eager)", reference, result)
-for (n, p), q in zip(patched.named_parameters(), unfused.parameters()):
-    torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"after the step, {n}: {m}")
+for backward in ("recompute", "save"):  # what the op keeps for its backward: nothing of size (tokens, I), or g and u
+    patched = copy.deepcopy(base)
+    mlp_fuser.patch(patched, backward=backward)
+    result, calls = fused_op_calls(lambda patched=patched: train_step(patched))
+    assert calls >= config.num_hidden_layers, f"the fused op ran {calls} times, expected one per layer at least"
+    compare(f"mlp_fuser.patch(backward={backward!r})", reference, result)
+    for (n, p), q in zip(patched.named_parameters(), unfused.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"after the step, {n}: {m}")
 
 compiled_model = copy.deepcopy(base)
-compiled = torch.compile(compiled_model, backend=mlp_fuser.backend)
+compiled = torch.compile(compiled_model, backend=mlp_fuser.make_backend(backward="save"))
 result, calls = fused_op_calls(lambda: train_step(compiled_model, compiled))
 assert calls >= config.num_hidden_layers, f"the fused op ran {calls} times, expected one per layer at least"
-compare("torch.compile(backend=mlp_fuser.backend)", reference, result)
+compare("torch.compile(backend=make_backend(backward='save'))", reference, result)
 
 print("training step through the fused op: gradients match the unfused model")

@@ -1,8 +1,8 @@
 """The one activation registry.
 
 Each activation has a torch implementation (used by the CPU reference and by autograd), its derivative
-(the backward recomputes the intermediate and needs f'), and a Triton implementation (used inside the
-kernels' epilogues, always on fp32 values). HF's names (``ACT2FN`` keys) map onto these through ALIASES.
+(the aten backward needs f'), and Triton implementations of both (used inside the kernels' epilogues, the forward
+GEMM's and the backward GEMM's, always on fp32 values). HF's names (``ACT2FN`` keys) map onto these through ALIASES.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Activation:
     fn: Callable[[Tensor], Tensor]  # f(x), in x's dtype, as the unfused module computes it
     grad: Callable[[Tensor], Tensor]  # f'(x)
     triton_fn: JITFunction | None  # a @triton.jit function of one fp32 block (None without Triton)
+    triton_grad: JITFunction | None  # f'(x) the same way
 
 
 # ---- torch side -------------------------------------------------------------------------------
@@ -109,19 +110,52 @@ if HAS_TRITON:
         r = tl.maximum(x, 0.0)
         return r * r
 
+    # -- derivatives, f'(x) ------------------------------------------------------------------------
+
+    @triton.jit
+    def gelu_grad_triton(x):
+        cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+        return cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327  # Φ(x) + x·φ(x)
+
+    @triton.jit
+    def gelu_tanh_grad_triton(x):
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+
+    @triton.jit
+    def silu_grad_triton(x):
+        s = tl.sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+
+    @triton.jit
+    def relu_grad_triton(x):
+        return tl.where(x > 0.0, 1.0, 0.0)
+
+    @triton.jit
+    def quick_gelu_grad_triton(x):
+        s = tl.sigmoid(1.702 * x)
+        return s + 1.702 * x * s * (1.0 - s)
+
+    @triton.jit
+    def relu2_grad_triton(x):
+        return 2.0 * tl.maximum(x, 0.0)
+
 else:  # pragma: no cover
     gelu_triton = gelu_tanh_triton = silu_triton = relu_triton = quick_gelu_triton = relu2_triton = None
+    gelu_grad_triton = gelu_tanh_grad_triton = silu_grad_triton = relu_grad_triton = None
+    quick_gelu_grad_triton = relu2_grad_triton = None
 
 
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (
-        Activation("gelu", F.gelu, _gelu_grad, gelu_triton),
-        Activation("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_grad, gelu_tanh_triton),
-        Activation("silu", F.silu, _silu_grad, silu_triton),
-        Activation("relu", F.relu, lambda x: (x > 0).to(x.dtype), relu_triton),
-        Activation("quick_gelu", _quick_gelu, _quick_gelu_grad, quick_gelu_triton),
-        Activation("relu2", _relu2, lambda x: 2.0 * F.relu(x), relu2_triton),
+        Activation("gelu", F.gelu, _gelu_grad, gelu_triton, gelu_grad_triton),
+        Activation("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_grad, gelu_tanh_triton,
+                   gelu_tanh_grad_triton),
+        Activation("silu", F.silu, _silu_grad, silu_triton, silu_grad_triton),
+        Activation("relu", F.relu, lambda x: (x > 0).to(x.dtype), relu_triton, relu_grad_triton),
+        Activation("quick_gelu", _quick_gelu, _quick_gelu_grad, quick_gelu_triton, quick_gelu_grad_triton),
+        Activation("relu2", _relu2, lambda x: 2.0 * F.relu(x), relu2_triton, relu2_grad_triton),
     )
 }
 

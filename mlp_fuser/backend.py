@@ -31,15 +31,24 @@ def inductor_compiler(mode: str | None = None, options: dict[str, Any] | None = 
     return torch._TorchCompileInductorWrapper(mode, options, None)
 
 
-def pass_options(activations: Iterable[str] | None = None, patterns: Iterable[str] | None = None) -> dict[str, Any]:
+BACKWARD = ("recompute", "save")
+
+
+def pass_options(activations: Iterable[str] | None = None, patterns: Iterable[str] | None = None,
+                 backward: str = "recompute") -> dict[str, Any]:
     """``fuse_mlps``'s keyword arguments for the allowed activations (registry names or aliases) and patterns
-    (names from ``mlp_fuser.patterns.PATTERNS``); None allows all. Unknown names raise ValueError."""
+    (names from ``mlp_fuser.patterns.PATTERNS``), None allowing all, and for what the fused ops keep for their
+    backward (``backward``: "recompute" or "save"). Unknown names raise ValueError."""
     acts = None if activations is None else {get_activation(a).name for a in activations}
     pats = None if patterns is None else set(patterns)
     if pats is not None and pats - set(registry.PATTERNS):
         raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.PATTERNS))}; "
                          f"known: {', '.join(registry.PATTERNS)}")
-    return dict(activations=acts, patterns=pats)
+    if backward not in BACKWARD:
+        raise ValueError(f"mlp_fuser: backward={backward!r}; expected 'recompute' (keep nothing of the "
+                         "intermediate's size for the backward, recompute gate and up: least memory) or 'save' (keep "
+                         "the gate and up outputs: fastest)")
+    return dict(activations=acts, patterns=pats, save_preact=backward == "save")
 
 
 def make_backend(
@@ -48,15 +57,18 @@ def make_backend(
     enabled: bool = True,
     inductor: bool = True,
     filter_fn: Callable[[str], bool] | None = None,
+    backward: str = "recompute",
 ):
     """A backend that fuses MLP sites, then compiles with Inductor (or, with ``inductor=False``, runs the graph).
 
     ``activations``: registry names or aliases allowed (default: all); ``patterns``: names from
     ``mlp_fuser.patterns.PATTERNS`` allowed (default: all); ``enabled=False``: no fusion at all;
-    ``filter_fn(path) -> bool``: which sites, by module path, may be fused. torch.compile's ``mode`` and
-    ``options`` reach Inductor unchanged.
+    ``filter_fn(path) -> bool``: which sites, by module path, may be fused. ``backward`` (training only):
+    "recompute" keeps nothing of the intermediate's size between forward and backward and recomputes the gate and
+    up GEMMs in the backward (least memory); "save" keeps the gate and up outputs, 2·tokens·I elements per MLP
+    (fastest). torch.compile's ``mode`` and ``options`` reach Inductor unchanged.
     """
-    allowed = pass_options(activations, patterns)
+    allowed = pass_options(activations, patterns, backward)
     compilers: list = []  # the Inductor wrappers this backend compiled with, for reset()
 
     def mlp_fuser_backend(gm, example_inputs, *, mode: str | None = None, options: dict[str, Any] | None = None):

@@ -22,14 +22,16 @@ from torch import Tensor
 
 from . import config
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
+from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import m_bucket
 from .kernels.splitk import linear_splitk, splitk_counters
-from .reference import reference_mlp
+from .reference import reference_mlp, reference_mlp_backward
 
 log = logging.getLogger("mlp_fuser")
 ImplFn = Callable[..., Tensor]  # (x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation) -> y2 (M, O)
 
-__all__ = ["IMPLS", "IMPLS_BY_NAME", "Impl", "Problem", "chosen", "describe", "eligible", "m_bucket", "resolve"]
+__all__ = ["BACKWARD_IMPLS", "IMPLS", "IMPLS_BY_NAME", "Impl", "Problem", "chosen", "describe", "eligible", "m_bucket",
+           "resolve", "resolve_backward"]
 
 
 class Problem(NamedTuple):
@@ -114,6 +116,36 @@ def eligible(p: Problem) -> list[Impl]:
     return [i for i in IMPLS if i.why_not(p) is None]
 
 
+# ---- the backward: ops.mlp_backward (dy, w_down, g, u, activation, need_h) -> (dgu, h or None) ----------------
+
+
+def _cublas_backward(dy, wd, g, u, act, need_h):
+    return act_mul_backward(dy, wd, g.contiguous(), u.contiguous() if u is not None else None, act, need_h)
+
+
+# Chosen like the forward's implementations, by their own list and cache (Problem: K = O, the dh GEMM's reduction).
+BACKWARD_IMPLS: list[Impl] = [
+    Impl("triton_backward_gemm", mlp_backward, frozenset({"cuda"}), triton=True,
+         notes="dh = dy @ w_down in a Triton GEMM with act', the products and h in its epilogue"),
+    Impl("cublas_backward_act", _cublas_backward, frozenset({"cuda"}), triton=True,
+         notes="dh from cuBLAS, then the same epilogue as one elementwise Triton pass"),
+    Impl("reference", reference_mlp_backward, None,
+         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+         notes="aten ops in fp32, rounded once"),
+]
+BACKWARD_BY_NAME = {i.name: i for i in BACKWARD_IMPLS}
+
+
+# The save-mode forward's act·mul (ops.act_mul): the Triton kernel wherever the Triton implementations run, unless
+# the aten reference is forced (MLP_FUSER_IMPL=reference: everything as the unfused module computes it).
+_ACT_MUL = Impl("act_mul", act_mul, frozenset({"cuda"}), triton=True)
+
+
+def triton_act_mul(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ops.act_mul runs the Triton kernel for tensors of this device and dtype."""
+    return config.force_impl != "reference" and _ACT_MUL.why_not(Problem(device.type, dtype, 1, 1, 1, 1, True)) is None
+
+
 # ---- choosing ------------------------------------------------------------------------------------
 
 _resolved: dict[tuple, Impl] = {}  # every call's key -> its final choice: the op's hot path is one lookup here
@@ -124,15 +156,17 @@ _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup
 
 
 def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
-            args: tuple, eager: bool = False) -> Impl:
+            args: tuple, eager: bool = False, impls: list[Impl] = IMPLS) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
     ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``eager``: the
-    caller runs without CUDA graphs (``patch``), so the choice weighs the host's time per call beside the GPU's."""
-    key = (device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune, eager)
+    caller runs without CUDA graphs (``patch``), so the choice weighs the host's time per call beside the GPU's.
+    ``impls``: the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``)."""
+    key = (impls is IMPLS, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
+           eager)
     impl = _resolved.get(key)
     if impl is None:
-        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index, eager)
+        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index, eager, impls)
         if final:
             if len(_resolved) >= _MAX_RESOLVED:
                 _resolved.clear()
@@ -140,22 +174,31 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
     return impl
 
 
-def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False) -> tuple[Impl, bool]:
+def resolve_backward(device: torch.device, dtype: torch.dtype, M: int, I: int, O: int, gated: bool,
+                     args: tuple) -> Impl:
+    """The implementation of ops.mlp_backward for one call (``args``: its arguments)."""
+    return resolve(device, dtype, M, O, I, O, gated, args, False, BACKWARD_IMPLS)
+
+
+def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False,
+            impls: list[Impl] = IMPLS) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
-    ekey = (p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl, config.triton_on_cpu)
+    ekey = (impls is IMPLS, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
+            config.triton_on_cpu)
     candidates = _eligible_cache.get(ekey)
     if candidates is None:
-        candidates = _eligible_cache[ekey] = _candidates(p)
+        candidates = _eligible_cache[ekey] = _candidates(p, impls)
     if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
         return candidates[0], True
-    key = _choice_key(p, index)
+    key = _choice_key(p, index) + (() if impls is IMPLS else ("backward",))
     names = _choice_cache.get(key)
+    by_name = IMPLS_BY_NAME if impls is IMPLS else BACKWARD_BY_NAME
     if names is None:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
-            return IMPLS_BY_NAME["reference"], False
-        names = _choice_cache[key] = _time_candidates(candidates, args, p)
-    return IMPLS_BY_NAME[names[eager]], True
+            return by_name["reference"], False
+        names = _choice_cache[key] = _time_candidates(candidates, args, p, "" if impls is IMPLS else "the backward of ")
+    return by_name[names[eager]], True
 
 
 def _choice_key(p: Problem, index: int | None) -> tuple:
@@ -172,17 +215,22 @@ def chosen(p: Problem, eager: bool = False) -> str:
     return _select(p, None, None)[0].name
 
 
-def _candidates(p: Problem) -> list[Impl]:
+def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
+    """The eligible implementations, or the forced one; forcing the other direction's (a backward implementation
+    for the forward, a forward one for the backward) leaves this direction's choice free ("reference" forces
+    both)."""
     if config.force_impl:
-        impl = IMPLS_BY_NAME.get(config.force_impl)
+        impl = {i.name: i for i in impls}.get(config.force_impl)
         if impl is None:
-            known = list(IMPLS_BY_NAME)
+            if config.force_impl in IMPLS_BY_NAME or config.force_impl in BACKWARD_BY_NAME:
+                return [i for i in impls if i.why_not(p) is None]
+            known = list(IMPLS_BY_NAME) + [n for n in BACKWARD_BY_NAME if n not in IMPLS_BY_NAME]
             raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
         reason = impl.why_not(p)
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
         return [impl]
-    return eligible(p)
+    return [i for i in impls if i.why_not(p) is None]
 
 
 _warned: set = set()
@@ -215,7 +263,7 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
         fn(*args)
 
 
-def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> tuple[str, str]:
+def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "") -> tuple[str, str]:
     """(the choice for CUDA graphs, the choice for eager calls). For graphs: the fastest candidate by GPU time (ties
     within ``_TIE`` go to the lighter one on the host). For eager calls: the least GPU plus host time per call, as
     a model run without graphs waits on whichever of the two is longer, mostly the host at small M. Each sample
@@ -263,7 +311,7 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem) -> tuple[s
     best_gpu = min(gpu.values())
     best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=cpu.get)
     best_eager = min(gpu, key=lambda n: gpu[n] + cpu[n])
-    log.info("mlp_fuser: chose %s (eager calls: %s) for %s (GPU / host µs per call: %s)", best, best_eager,
+    log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
              describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
     return best, best_eager
 

@@ -216,17 +216,18 @@ def _weight_args(g, p) -> tuple[Node, Node | None]:
     return w, b
 
 
-def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int]) -> Node:
+def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int], save_preact: bool = False) -> Node:
     g = gm.graph
     out = c.down.out
+    save = (True,) if save_preact else ()  # the op's default (False) is left implicit
     with g.inserting_before(out):
         wg, bg = _weight_args(g, c.gate)
         wd, bd = _weight_args(g, c.down)
         if c.up is None:
-            new = g.call_function(torch.ops.mlp_fuser.mlp.default, (c.gate.x, wg, bg, wd, bd, c.act.name))
+            new = g.call_function(torch.ops.mlp_fuser.mlp.default, (c.gate.x, wg, bg, wd, bd, c.act.name, *save))
         else:
             wu, bu = _weight_args(g, c.up)
-            args = (c.gate.x, wg, bg, wu, bu, wd, bd, c.act.name)
+            args = (c.gate.x, wg, bg, wu, bu, wd, bd, c.act.name, *save)
             new = g.call_function(torch.ops.mlp_fuser.gated_mlp.default, args)
     for key in ("example_value", "nn_module_stack", "stack_trace"):
         if key in out.meta:
@@ -264,8 +265,10 @@ def fuse_mlps(
     patterns=None,
     filter_fn: Callable[[str], bool] | None = None,
     dry_run: bool = False,
+    save_preact: bool = False,
 ) -> PassReport:
-    """Find, check and (unless ``dry_run``) rewrite every MLP site of ``gm``; return what was fused and missed."""
+    """Find, check and (unless ``dry_run``) rewrite every MLP site of ``gm``; return what was fused and missed.
+    ``save_preact``: the ops keep their pre-activations for the backward instead of recomputing them."""
     _fill_get_attr_values(gm)
     report = PassReport()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -290,10 +293,19 @@ def fuse_mlps(
         report.fused.append(Site(path, c.pattern, c.act.name, K, I, c.down.weight_shape()[0]))
         seen.update(c.intermediates())
         if not dry_run:
-            rewrite(gm, c, order)
+            rewrite(gm, c, order, save_preact)
     report.fused.reverse()
     report.near_misses.reverse()
     if report.fused and not dry_run:
         gm.graph.lint()
         gm.recompile()
+    # The bodies of higher-order ops (torch.utils.checkpoint's tag_activation_checkpoint, which HF's
+    # gradient_checkpointing_enable() wraps every layer in, under torch.compile) are graphs of their own.
+    for sub in gm.children():
+        if isinstance(sub, GraphModule):
+            inner = fuse_mlps(sub, activations=activations, patterns=patterns, filter_fn=filter_fn, dry_run=dry_run,
+                              save_preact=save_preact)
+            report.fused += inner.fused
+            report.near_misses += inner.near_misses
+            report.projections += inner.projections
     return report

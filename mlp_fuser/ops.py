@@ -1,7 +1,7 @@
 """The op family ``mlp_fuser::mlp`` and ``mlp_fuser::gated_mlp``, registered through torch.library.
 
-    mlp(x, w1, b1, w2, b2, activation)                       = act(x @ w1ᵀ + b1) @ w2ᵀ + b2
-    gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    mlp(x, w1, b1, w2, b2, activation, save_preact=False)    = act(x @ w1ᵀ + b1) @ w2ᵀ + b2
+    gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False)
         = (act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down
 
 Weights are taken in the logical ``(out, in)`` shape of ``nn.Linear`` with any strides, so every storage
@@ -9,12 +9,22 @@ layout is a free view: GPT-2's ``Conv1D`` ``(in, out)`` weight is passed as ``w.
 gate/up weight ``(2I, K)`` as ``w[:I]`` and ``w[I:]``. Nothing is copied or transposed per call.
 ``x`` has any number of leading dimensions; every bias is optional.
 
+``save_preact`` only matters under autograd: False (the default) saves nothing of size (M, I) for the backward,
+which recomputes the pre-activations g = x @ w_gateᵀ + b_gate and u = x @ w_upᵀ + b_up from x (two more GEMMs);
+True computes the forward as cuBLAS g and u, one act·mul kernel and cuBLAS down, and keeps g and u (2·M·I
+elements) for the backward. Either way the backward is ``mlp_backward`` (dh = dy @ w_down with the activation's
+derivative in its epilogue, d(g) and d(u) packed in one (M, 2I) tensor), then one GEMM for d(w_gate | w_up), two
+for dx and one for d(w_down).
+
+Two helper ops of the family serve the training path, each a Triton kernel where the kernels run and aten
+elsewhere: ``act_mul(g, u, activation)`` (h = act(g) * u) and ``mlp_backward(dy, w_down, g, u, activation,
+need_h) -> (dgu, h)``. They have fake kernels, so torch.compile traces them; they have no autograd of their own.
+
 Registered kernels, from the top of the dispatcher down:
 - autocast (CUDA, CPU): casts the floating inputs to the autocast dtype, as ``nn.Linear`` does;
-- autograd: with gradients needed, an autograd.Function whose backward recomputes the intermediate instead of
-  saving it; without, a plain CPU or CUDA call is computed right there (the hop down the dispatcher would
-  cost more host time than the kernels of a decode step), anything else (fake tensors, functionalization)
-  goes on down;
+- autograd: with gradients needed, an autograd.Function (see ``save_preact``); without, a plain CPU or CUDA call
+  is computed right there (the hop down the dispatcher would cost more host time than the kernels of a decode
+  step), anything else (fake tensors, functionalization) goes on down;
 - every device (CompositeExplicitAutograd): ``_forward``, which validates and runs what ``dispatch`` chose;
 - fake: shapes only, so torch.compile traces the op with no graph break.
 """
@@ -24,15 +34,22 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import dispatch
 from .activations import ACTIVATIONS, ALIASES, get_activation
+from .kernels import act_mul as act_mul_kernel
+from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
-_lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation) -> Tensor")
+_lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, bool save_preact=False) "
+            "-> Tensor")
 _lib.define("gated_mlp(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor w_up, Tensor? b_up, Tensor w_down, "
-            "Tensor? b_down, str activation) -> Tensor")
+            "Tensor? b_down, str activation, bool save_preact=False) -> Tensor")
+_lib.define("act_mul(Tensor g, Tensor? u, str activation) -> Tensor")
+_lib.define("mlp_backward(Tensor dy, Tensor w_down, Tensor g, Tensor? u, str activation, bool need_h) "
+            "-> (Tensor, Tensor)")
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _KNOWN_ACTIVATIONS = frozenset(ACTIVATIONS) | frozenset(ALIASES)
@@ -112,11 +129,11 @@ def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False
     return y if len(shape) == 2 else y.view(*shape[:-1], O)
 
 
-def _mlp(x, w1, b1, w2, b2, activation):
+def _mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     return _forward("mlp", x, w1, b1, None, None, w2, b2, activation)
 
 
-def _gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+def _gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
 
 
@@ -125,27 +142,31 @@ _lib.impl("gated_mlp", _gated_mlp, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mlp_fuser::mlp")
-def _mlp_fake(x, w1, b1, w2, b2, activation):
+def _mlp_fake(x, w1, b1, w2, b2, activation, save_preact=False):
     check_args("mlp", x, w1, b1, None, None, w2, b2, activation)
     return x.new_empty((*x.shape[:-1], w2.shape[0]))
 
 
 @torch.library.register_fake("mlp_fuser::gated_mlp")
-def _gated_mlp_fake(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+def _gated_mlp_fake(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     check_args("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
-def mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str) -> Tensor:
-    """``act(x @ w1ᵀ + b1) @ w2ᵀ + b2``, weights in (out, in) shape: ``torch.ops.mlp_fuser.mlp``."""
-    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation)
+def mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str,
+        save_preact: bool = False) -> Tensor:
+    """``act(x @ w1ᵀ + b1) @ w2ᵀ + b2``, weights in (out, in) shape: ``torch.ops.mlp_fuser.mlp``.
+    ``save_preact``: keep x @ w1ᵀ + b1 for the backward instead of recomputing it."""
+    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
 
 def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
-              b_down: Tensor | None, activation: str) -> Tensor:
+              b_down: Tensor | None, activation: str, save_preact: bool = False) -> Tensor:
     """``(act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up)) @ w_downᵀ + b_down``, weights in (out, in) shape:
-    ``torch.ops.mlp_fuser.gated_mlp``."""
-    return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    ``torch.ops.mlp_fuser.gated_mlp``. ``save_preact``: keep the gate and up outputs for the backward instead of
+    recomputing them."""
+    return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
+                                                 save_preact)
 
 
 # ---- eager entry: the op without the dispatcher's hop, for calls that need none of its layers ---------
@@ -167,96 +188,151 @@ def _plain_call(args: tuple) -> bool:
             and type(args[4]) in _PLAIN and type(args[5]) in _PLAIN and type(args[6]) in _PLAIN)
 
 
-def eager_mlp(x, w1, b1, w2, b2, activation):
+def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     """``mlp`` for a caller that runs eagerly (``patch``): what the op computes, minus the dispatcher's host time
-    where nothing needs it, and with the implementation chosen for calls made without CUDA graphs."""
+    where nothing needs it, and with the implementation chosen for calls made without CUDA graphs. ``save_preact``
+    matters only under autograd, which the registered op handles."""
     args = (x, w1, b1, None, None, w2, b2)
     if _plain_call(args):
         return _forward("mlp", *args, activation, eager=True)
-    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation)
+    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
 
-def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` for a caller that runs eagerly: see ``eager_mlp``."""
     args = (x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     if _plain_call(args):
         return _forward("gated_mlp", *args, activation, eager=True)
-    return torch.ops.mlp_fuser.gated_mlp.default(*args, activation)
+    return torch.ops.mlp_fuser.gated_mlp.default(*args, activation, save_preact)
 
 
 EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
 
 
-# ---- autograd: recompute the intermediate, never save it -----------------------------------------
+# ---- the training path's helper ops: act_mul and mlp_backward ------------------------------------
 
 
-def _backward_core(activation, need, dy, x, wg, bg, wu, bu, wd, bd):
-    """Gradients of (x, wg, bg, wu, bu, wd, bd) (those ``need`` asks for) from dy; the intermediate is
-    recomputed from x."""
+def _act_mul(g, u, activation):
+    if dispatch.triton_act_mul(g.device, g.dtype):
+        return act_mul_kernel(g, u, activation)
     act = get_activation(activation)
+    return act.fn(g) * u if u is not None else act.fn(g)
+
+
+def _mlp_backward(dy, w_down, g, u, activation, need_h):
+    M, I = g.shape
+    args = (dy, w_down, g, u, activation, need_h)
+    dgu, h = dispatch.resolve_backward(dy.device, dy.dtype, M, I, w_down.shape[0], u is not None, args).fn(*args)
+    return dgu, h if h is not None else dy.new_empty(0)
+
+
+_lib.impl("act_mul", _act_mul, "CompositeExplicitAutograd")
+_lib.impl("mlp_backward", _mlp_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::act_mul")
+def _act_mul_fake(g, u, activation):
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("mlp_fuser::mlp_backward")
+def _mlp_backward_fake(dy, w_down, g, u, activation, need_h):
+    M, I = g.shape
+    return dy.new_empty((M, 2 * I if u is not None else I)), dy.new_empty((M, I) if need_h else (0,))
+
+
+# ---- autograd: pre-activations recomputed (default) or saved; the fused backward ---------------------
+
+
+def _forward_saving(op, x, wg, bg, wu, bu, wd, bd, activation):
+    """The forward as cuBLAS gate and up, one act·mul, cuBLAS down: (y, g, u), g and u (M, I) for the backward."""
+    check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
     K, O = x.shape[-1], wd.shape[0]
+    x2 = x.reshape(math.prod(x.shape[:-1]), K)
+    g = F.linear(x2, wg, bg)
+    u = F.linear(x2, wu, bu) if wu is not None else None
+    y = F.linear(torch.ops.mlp_fuser.act_mul.default(g, u, activation), wd, bd)
+    return y.view(*x.shape[:-1], O).detach(), g, u  # detach(): a tensor of its own, as _forward's
+
+
+def _backward_core(activation, need, dy, x, wg, bg, wu, bu, wd, bd, g=None, u=None):
+    """Gradients of (x, wg, bg, wu, bu, wd, bd) (those ``need`` asks for) from dy; g and u, the pre-activations,
+    are recomputed from x when not given."""
+    K, O, I = x.shape[-1], wd.shape[0], wg.shape[0]
     x2 = x.reshape(-1, K)
     dy2 = dy.reshape(-1, O)
-    g = torch.nn.functional.linear(x2, wg, bg)
-    a = act.fn(g)
-    u = torch.nn.functional.linear(x2, wu, bu) if wu is not None else None
-    h = a * u if u is not None else a
+    if g is None or torch.is_grad_enabled():  # create_graph=True: saved g, u are not connected to x's graph
+        g = F.linear(x2, wg, bg)
+        u = F.linear(x2, wu, bu) if wu is not None else None
+    if torch.is_grad_enabled():  # create_graph=True: aten ops, which autograd differentiates again
+        dgu, h = reference_mlp_backward(dy2, wd, g, u, activation, need[5])
+    else:
+        dgu, h = torch.ops.mlp_fuser.mlp_backward.default(dy2, wd, g, u, activation, need[5])
+    del g, u  # recomputed ones are freed before the GEMMs below allocate
+    dg, du = dgu[:, :I], (dgu[:, I:] if wu is not None else None)
     dwd = dy2.t().mm(h) if need[5] else None
+    del h
     dbd = dy2.sum(0) if bd is not None and need[6] else None
-    dh = dy2.mm(wd)
-    dg = dh * act.grad(g)
-    du = None
-    if u is not None:
-        du = dh * a
-        dg = dg * u
-    dx = dg.mm(wg)
-    if du is not None:
-        dx = dx + du.mm(wu)
-    dx = dx.view(x.shape) if need[0] else None
-    dwg = dg.t().mm(x2) if need[1] else None
-    dbg = dg.sum(0) if bg is not None and need[2] else None
-    dwu = du.t().mm(x2) if du is not None and need[3] else None
-    dbu = du.sum(0) if du is not None and bu is not None and need[4] else None
+    dx = None
+    if need[0]:
+        dx = dg.mm(wg) if du is None else torch.addmm(dg.mm(wg), du, wu)
+        dx = dx.view(x.shape)
+    dwg = dwu = dbg = dbu = None
+    if du is not None and need[1] and need[3]:  # d(w_gate | w_up) in one GEMM over the packed gradient
+        dwgu = dgu.t().mm(x2)
+        dwg, dwu = dwgu[:I], dwgu[I:]
+    else:
+        dwg = dg.t().mm(x2) if need[1] else None
+        dwu = du.t().mm(x2) if du is not None and need[3] else None
+    if bg is not None and bu is not None and need[2] and need[4]:
+        dbgu = dgu.sum(0)
+        dbg, dbu = dbgu[:I], dbgu[I:]
+    else:
+        dbg = dg.sum(0) if bg is not None and need[2] else None
+        dbu = du.sum(0) if du is not None and bu is not None and need[4] else None
     return dx, dwg, dbg, dwu, dbu, dwd, dbd
 
 
 class _MLPFunction(torch.autograd.Function):
-    """Both ops under autograd: ``apply(keyset, op, *op_args)``; the forward runs the op below autograd."""
+    """Both ops under autograd: ``apply(keyset, op, save_preact, *op_args)``, op_args without save_preact."""
 
     @staticmethod
-    def forward(ctx, keyset, op, *args):
-        with torch._C._AutoDispatchBelowAutograd():
-            y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-        if y._is_view():  # a view of the 2-D result: returned as a tensor of its own, so callers may update it in
-            y = y.detach()  # place under autograd (Falcon adds the attention output into the MLP output with +=)
+    def forward(ctx, keyset, op, save_preact, *args):
         ctx.activation = args[-1]
         ctx.gated = len(args) == 8
-        ctx.save_for_backward(*args[:-1])
-        return y
+        full = args[:-1] if ctx.gated else (*args[:3], None, None, *args[3:5])  # (x, wg, bg, wu, bu, wd, bd)
+        if save_preact:
+            y, g, u = _forward_saving("gated_mlp" if ctx.gated else "mlp", *full, ctx.activation)
+            ctx.save_for_backward(*full, g, u)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+            ctx.save_for_backward(*full)
+        # A view of the 2-D result is returned as a tensor of its own, so callers may update it in place under
+        # autograd (Falcon adds the attention output into the MLP output with +=).
+        return y.detach() if y._is_view() else y
 
     @staticmethod
     def backward(ctx, dy):
-        need = ctx.needs_input_grad[2:]
-        if ctx.gated:
-            grads = _backward_core(ctx.activation, need, dy, *ctx.saved_tensors)
-        else:
-            x, w1, b1, w2, b2 = ctx.saved_tensors
-            n = need
-            need = (n[0], n[1], n[2], False, False, n[3], n[4])
-            dx, dw1, db1, _, _, dw2, db2 = _backward_core(ctx.activation, need, dy, x, w1, b1, None, None, w2, b2)
-            grads = (dx, dw1, db1, dw2, db2)
-        return (None, None, *grads, None)
+        n = ctx.needs_input_grad[3:]
+        need = n[:7] if ctx.gated else (n[0], n[1], n[2], False, False, n[3], n[4])
+        grads = _backward_core(ctx.activation, need, dy, *ctx.saved_tensors)
+        if not ctx.gated:
+            grads = grads[:3] + grads[5:]
+        return (None, None, None, *grads, None)
 
 
 _DIRECT = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
 
 
-def _register_autograd(op_name: str, forward) -> None:
+def _register_autograd(op_name: str, forward, n_args: int) -> None:
     op = getattr(torch.ops.mlp_fuser, op_name).default
 
     def kernel(keyset, *args):
+        # The dispatcher hands Python kernels the arguments as given: save_preact is there only when passed.
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return _MLPFunction.apply(keyset, op, *args)
+            save = len(args) > n_args and args[n_args]
+            return _MLPFunction.apply(keyset, op, save, *args[:n_args])
         below = keyset & torch._C._after_autograd_keyset
         if below.highestPriorityTypeId() in _DIRECT:  # plain CPU/CUDA tensors: compute here, no second hop
             return forward(*args)
@@ -266,8 +342,8 @@ def _register_autograd(op_name: str, forward) -> None:
     _lib.impl(op_name, kernel, "Autograd", with_keyset=True)
 
 
-_register_autograd("mlp", _mlp)
-_register_autograd("gated_mlp", _gated_mlp)
+_register_autograd("mlp", _mlp, 6)
+_register_autograd("gated_mlp", _gated_mlp, 8)
 
 
 # ---- autocast: like nn.Linear, cast floating inputs to the autocast dtype ------------------------

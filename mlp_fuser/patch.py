@@ -27,12 +27,13 @@ from torch import nn
 
 from ._dynamo_utils import fresh_code
 from .backend import make_backend, pass_options
-from .patch_modules import FusedModuleForward, fuse_module
+from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
 _HELD = "_mlp_fuser_held_logs"  # set on an exception: the log records held back while it was raised
 _MODULES = "_mlp_fuser_fused_modules"  # per-module patching: the paths of the modules given a fused forward
+_SETTINGS = "_mlp_fuser_settings"  # what patch was called with
 _MISSING = object()
 
 
@@ -61,12 +62,15 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
 
     ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
     ancestor of its projections, e.g. ``model.layers.0.mlp``). ``options`` go to ``make_backend``
-    (``activations=``, ``patterns=``). ``per_module=False`` runs the whole forward through Dynamo even where the
-    MLPs are modules of their own. A call that fails raises what the unpatched forward raises.
+    (``activations=``, ``patterns=``, ``backward="recompute" | "save"``: what the fused ops keep for training, as
+    for ``make_backend``). ``per_module=False`` runs the whole forward through Dynamo even where the MLPs are modules
+    of their own. A call that fails raises what the unpatched forward raises. Patching a patched model again with
+    other options re-patches it with those.
     """
-    if is_patched(model):
+    settings = (repr(filter_fn), per_module, repr(sorted(options.items())))  # strings: a pickled model carries it
+    if is_patched(model) and model.__dict__.get(_SETTINGS) == settings:
         return model
-    unpatch(model)  # unpickled from a patched model: drop the stale entries, then patch afresh
+    unpatch(model)  # patched with other options, or unpickled from a patched model: drop the entries, patch afresh
     if per_module:
         fused, allowed = {}, pass_options(**options)
         for path, module in model.named_modules():
@@ -77,6 +81,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
             for path, forward in fused.items():
                 model.get_submodule(path).forward = forward
             model.__dict__[_MODULES] = list(fused)
+            model.__dict__[_SETTINGS] = settings
             return model
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
 
@@ -94,6 +99,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     # The class's forward is bound to the model: a deepcopy then rebinds it to the copy.
     model.forward = types.MethodType(fused_forward, model) if orig is None else fused_forward
     model.__dict__[_ORIG] = orig
+    model.__dict__[_SETTINGS] = settings
     return model
 
 
@@ -103,6 +109,8 @@ def _fused(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[
     def fused_forward(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
+        except _PASS_THROUGH:
+            raise
         except Exception as error:
             failure = error
         raise _eager_error(failure, eager, args, kwargs)  # outside the except: no "during handling" chain
@@ -152,6 +160,7 @@ def _hold_back_meta_failure_logs() -> None:
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the forwards ``patch`` replaced; return ``model``."""
+    model.__dict__.pop(_SETTINGS, None)
     for path in model.__dict__.pop(_MODULES, ()):  # patched per module, or unpickled from such a model
         module = model.get_submodule(path)
         forward = module.__dict__.get("forward")

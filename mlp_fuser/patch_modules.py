@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from . import fx_pass
@@ -29,6 +30,9 @@ from .ops import EAGER
 from .patterns.common import dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
+# Exceptions raised through the fused forward on purpose: non-reentrant torch.utils.checkpoint stops its
+# recomputation from a saved-tensor hook once every tensor the backward needs is recomputed.
+_PASS_THROUGH = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
 
 
 class FusedModuleForward:
@@ -65,6 +69,8 @@ class FusedModuleForward:
         forward, getters = graph
         try:
             return forward(*[x if g is None else g(module) for g in getters])[0]
+        except _PASS_THROUGH:
+            raise  # control flow of the caller's, not a failure: checkpoint's recomputation stopping once done
         except Exception as e:
             failure = e
         # Outside the except (no "during handling" chain): what the op rejected, the original forward runs, so a

@@ -33,6 +33,21 @@ def reference_mlp(
     return F.linear(h, w_down, b_down)
 
 
+def reference_mlp_backward(dy: Tensor, w_down: Tensor, g: Tensor, u: Tensor | None, activation: str,
+                           need_h: bool) -> tuple[Tensor, Tensor | None]:
+    """``ops.mlp_backward`` in aten ops: (dgu, h) from dy (M, O), w_down (O, I) and the pre-activations g, u (M, I):
+    dgu = [dh·act'(g)·u | dh·act(g)] with dh = dy @ w_down ([dh·act'(g)] without u), h = act(g)·u when ``need_h``.
+    Computed in fp32 (fp64 for fp64) and rounded once to dy's dtype, as the Triton kernels do."""
+    act, dt = get_activation(activation), torch.promote_types(dy.dtype, torch.float32)
+    dh = dy.to(dt).mm(w_down.to(dt))
+    g, u = g.to(dt), (u.to(dt) if u is not None else None)
+    a = act.fn(g)
+    dg = dh * act.grad(g)
+    if u is not None:
+        dg, a = torch.cat([dg * u, dh * a], 1), a * u
+    return dg.to(dy.dtype), (a.to(dy.dtype) if need_h else None)
+
+
 def rel_err(out: Tensor, ref: Tensor, ord: float = 2) -> float:
     """``‖out − ref‖ / ‖ref‖`` over all elements, in float64; ``‖out − ref‖`` when ``ref`` is all zeros.
 

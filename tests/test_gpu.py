@@ -100,6 +100,91 @@ def test_gpu_backward_matches_unfused():
         assert err <= 1.25 * unfused_err + 1e-6, (name, err, unfused_err)
 
 
+BACKWARD_SIZES = [  # (M, K, I, O, gated, act, bias): the benchmark's LLaMA MLP, a plain GELU MLP, odd small sizes
+    (1024, 2048, 5632, 2048, True, "silu", False),
+    (333, 1024, 2816, 1024, False, "gelu", True),
+    (5, 130, 127, 3, True, "gelu_tanh", True),
+]
+
+
+@pytest.mark.parametrize("impl", ["triton_backward_gemm", "cublas_backward_act", None], ids=lambda i: i or "dispatch")
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_backward_every_gradient(dtype, save, impl, monkeypatch):
+    """The fused backward on the GPU, each implementation (forced, then the dispatcher's timed choice) and each
+    backward choice: every gradient within 1.25 x the unfused module's error against float64 (+ 1e-6), with freed
+    memory poisoned with NaN first."""
+    from mlp_fuser.kernels import backward
+
+    monkeypatch.setattr(config, "force_impl", impl)
+    launches = []
+    for attr in ("_launch", "_launch_elementwise"):
+        real = getattr(backward, attr)
+        monkeypatch.setattr(backward, attr, lambda *a, real=real, **k: launches.append(1) or real(*a, **k))
+    for M, K, I, O, gated, act, bias in BACKWARD_SIZES:
+        case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, device="cuda", bias=(bias,) * 3, lead=(1,))
+        tensors = (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)
+        dy = torch.randn(1, M, O, device="cuda").to(dtype)
+
+        def fused(x, wg, bg, wu, bu, wd, bd, act=act, gated=gated):
+            if gated:
+                return torch.ops.mlp_fuser.gated_mlp.default(x, wg, bg, wu, bu, wd, bd, act, save)
+            return torch.ops.mlp_fuser.mlp.default(x, wg, bg, wd, bd, act, save)
+
+        def grads(fn, ts, dy):
+            leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+            fn(*leaves).backward(dy)
+            return [None if t is None else t.grad for t in leaves]
+
+        torch.empty(256 << 20, device="cuda").fill_(float("nan"))  # freed memory the kernels' outputs may reuse
+        got = grads(fused, tensors, dy)
+        want = grads(lambda *ts, act=act: reference_mlp(*ts, act), tensors, dy)
+        ref = grads(lambda *ts, act=act: reference_mlp(*ts, act), [None if t is None else t.double() for t in tensors],
+                    dy.double())
+        for name, g, u, r in zip(("x", "wg", "bg", "wu", "bu", "wd", "bd"), got, want, ref):
+            if r is None:
+                continue
+            err, unfused_err = rel_err(g, r), rel_err(u, r)
+            assert err <= 1.25 * unfused_err + 1e-6, (M, K, I, O, name, err, unfused_err)
+    assert len(launches) >= len(BACKWARD_SIZES)  # the dispatcher's choice times both kernels on the first call
+
+
+def test_gpu_training_step_bf16_autocast_matches_unfused():
+    """A tiny LLaMA on the GPU under bf16 autocast (fp32 master weights), patched with each backward choice and
+    through the backend: loss and every gradient within 1.25 x the unfused model's error against float64."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import mlp_fuser
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+
+    def step(model, forward):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            forward(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    ref64 = copy.deepcopy(base).double()
+    ref64(input_ids=ids, labels=ids).loss.backward()
+    want = step(*(2 * [copy.deepcopy(base)]))
+    for way in ("patch-recompute", "patch-save", "backend-recompute", "backend-save"):
+        model = copy.deepcopy(base)
+        backward = way.split("-")[1]
+        torch._dynamo.reset()
+        forward = (mlp_fuser.patch(model, backward=backward) if way.startswith("patch")
+                   else torch.compile(model, backend=mlp_fuser.make_backend(backward=backward)))
+        got = step(model, forward)
+        for (name, r) in ref64.named_parameters():
+            err, unfused_err = rel_err(got[name], r.grad), rel_err(want[name], r.grad)
+            assert err <= 1.25 * unfused_err + 1e-6, (way, name, err, unfused_err)
+    torch._dynamo.reset()
+
+
 # ---- safe inside CUDA graphs, light on the host -----------------------------------------------------------
 
 

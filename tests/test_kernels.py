@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES
 
 from mlp_fuser.activations import ACTIVATIONS
-from mlp_fuser.dispatch import m_bucket
-from mlp_fuser.kernels import act_mul, fused_mlp_small_m, gate_up_act, gemm
+from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
+from mlp_fuser.kernels import act_mul, backward, fused_mlp_small_m, gate_up_act, gemm
 from mlp_fuser.reference import reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
@@ -242,9 +242,57 @@ def test_act_mul_matches_torch_fn_fp32(act):
         assert err <= 1.25 * torch_err + 1e-6, f"{name}: fp32 error {err:.3g} > 1.25 x torch's {torch_err:.3g} + 1e-6"
 
 
+def _backward_reference(dy, wd, g, u, act):
+    """(dgu, h) as mlp_backward defines them, computed in the inputs' dtype with torch ops."""
+    f = ACTIVATIONS[act]
+    dh = dy @ wd
+    a, dg = f.fn(g), dh * f.grad(g)
+    if u is None:
+        return dg, a
+    return torch.cat([dg * u, dh * a], 1), a * u
+
+
+@pytest.mark.parametrize("impl", ["triton_backward_gemm", "cublas_backward_act"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("s", SHAPES, ids=str)
+def test_mlp_backward(s, dtype, impl, monkeypatch):
+    """dh = dy @ w_down with act' and the products after it (in the GEMM's epilogue, or in an elementwise pass after
+    torch.mm), against float64: the weights of every layout, g and u as the two halves of one (M, 2I) GEMM output
+    (a row stride of 2I) or transposed, dy as x is laid out."""
+    kernel = backward._mlp_backward_kernel
+    monkeypatch.setattr(kernel, "configs", [kernel.configs[zlib.crc32(str(s).encode()) % len(kernel.configs)]])
+    x, wg, bg, wu, bu, wd, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(str(s).encode()) + 1)
+    if s.x_layout == "transposed":
+        dy = _rand(gen, s.O, s.M).to(dtype).to(KERNEL_DEVICE).t()
+        g = (F.linear(x, wg, bg) * 2).t().contiguous().t()  # column-major
+        u = F.linear(x, wu, bu).t().contiguous().t() if s.gated else None
+    else:
+        dy = _rand(gen, s.M, s.O).to(dtype).to(KERNEL_DEVICE)
+        gu = torch.cat([F.linear(x, wg, bg) * 2, F.linear(x, wu, bu) if s.gated else x.new_empty(s.M, 0)], 1)
+        g, u = gu[:, :s.I], (gu[:, s.I:] if s.gated else None)
+    for need_h in (True, False):
+        with poisoned_empty():
+            dgu, h = BACKWARD_BY_NAME[impl].fn(dy, wd, g, u, s.act, need_h)
+        ref_dgu, ref_h = _backward_reference(*_f64((dy, wd, g, u)), s.act)
+        unf_dgu, unf_h = _backward_reference(dy, wd, g, u, s.act)
+        assert dgu.is_contiguous() and dgu.shape == (s.M, 2 * s.I if s.gated else s.I)
+        check(dgu, ref_dgu, unf_dgu, ref_dgu.to(dtype), dtype)
+        if need_h:
+            check(h, ref_h, unf_h, ref_h.to(dtype), dtype)
+        else:
+            assert h is None
+
+
 def test_empty_m():
     x = torch.randn(0, 5, device=KERNEL_DEVICE)
     w, wd = torch.randn(7, 5, device=KERNEL_DEVICE), torch.randn(3, 7, device=KERNEL_DEVICE)
     assert fused_mlp_small_m(x, w, None, w, None, wd, None, "silu").shape == (0, 3)
     assert gate_up_act(x, w, None, w, None, "silu").shape == (0, 7)
     assert act_mul(torch.randn(0, 7, device=KERNEL_DEVICE), None, "gelu").shape == (0, 7)
+    dgu, h = backward.mlp_backward(torch.randn(0, 3, device=KERNEL_DEVICE), wd, torch.randn(0, 7, device=KERNEL_DEVICE),
+                                   torch.randn(0, 7, device=KERNEL_DEVICE), "silu", True)
+    assert dgu.shape == (0, 14) and h.shape == (0, 7)
+    g0 = torch.randn(0, 7, device=KERNEL_DEVICE)
+    dgu, h = backward.act_mul_backward(torch.randn(0, 3, device=KERNEL_DEVICE), wd, g0, None, "gelu", False)
+    assert dgu.shape == (0, 7) and h is None
