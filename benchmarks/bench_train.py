@@ -155,6 +155,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (checks the script, on any device)")
+    ap.add_argument("--aten-backward", action="store_true",
+                    help="leave the Triton backward implementations off (by default this benchmark turns them on: "
+                         "mlp_fuser.config.triton_backward, off in the library until measured)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS + EXTRA):
@@ -163,6 +166,9 @@ def main():
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 512
+    from mlp_fuser import config
+
+    config.triton_backward = not args.aten_backward
     counter = FusedCount()
     logging.getLogger("mlp_fuser").addHandler(counter)
     logging.getLogger("mlp_fuser").setLevel(logging.INFO)

@@ -163,7 +163,7 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
     caller runs without CUDA graphs (``patch``), so the choice weighs the host's time per call beside the GPU's.
     ``impls``: the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``)."""
     key = (impls is IMPLS, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
-           eager)
+           config.triton_backward, eager)
     impl = _resolved.get(key)
     if impl is None:
         impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index, eager, impls)
@@ -184,7 +184,7 @@ def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = Fal
             impls: list[Impl] = IMPLS) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
     ekey = (impls is IMPLS, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
-            config.triton_on_cpu)
+            config.triton_on_cpu, config.triton_backward)
     candidates = _eligible_cache.get(ekey)
     if candidates is None:
         candidates = _eligible_cache[ekey] = _candidates(p, impls)
@@ -230,6 +230,8 @@ def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
         return [impl]
+    if impls is BACKWARD_IMPLS and not config.triton_backward:  # opt-in until measured on a GPU (see config)
+        return [i for i in impls if not i.triton and i.why_not(p) is None]
     return [i for i in impls if i.why_not(p) is None]
 
 

@@ -117,6 +117,7 @@ def test_gpu_backward_every_gradient(dtype, save, impl, monkeypatch):
     from mlp_fuser.kernels import backward
 
     monkeypatch.setattr(config, "force_impl", impl)
+    monkeypatch.setattr(config, "triton_backward", True)  # the dispatcher's choice among the Triton ones too
     launches = []
     for attr in ("_launch", "_launch_elementwise"):
         real = getattr(backward, attr)

@@ -147,6 +147,8 @@ def test_backward_dispatch_rules(monkeypatch):
 
     assert backward_choice() == "reference"
     monkeypatch.setattr(config, "triton_on_cpu", True)
+    assert backward_choice() == "reference"  # the Triton backward is opt-in until measured on a GPU
+    monkeypatch.setattr(config, "triton_backward", True)
     assert backward_choice() == "triton_backward_gemm"
     monkeypatch.setattr(config, "force_impl", "cublas_backward_act")
     assert (backward_choice(), forward_choice()) == ("cublas_backward_act", "triton_small_m")
@@ -420,6 +422,7 @@ def test_convergence_matches_unfused(way, monkeypatch):
     assert want[-1] < 0.7 * want[0], want  # it learns: 4.89 -> 3.16
     if way == "patch-triton":
         monkeypatch.setattr(config, "triton_on_cpu", True)
+        monkeypatch.setattr(config, "triton_backward", True)
     for backward in BACKWARDS:
         model = copy.deepcopy(base)
         if way == "backend":
