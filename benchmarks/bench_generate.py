@@ -160,6 +160,8 @@ def run(args, results):
                     ms, out, warm_s = time_decode(gen, device, new_tokens)
                     if args.profile and (batch, path) in PROFILED:
                         profile_decode(f"{label} b={batch} {path}", gen, device, path in ("eager", "patch"))
+                    if args.time_modules and path in ("eager", "patch"):
+                        time_modules(f"{label} b={batch} {path}", model, gen, device)
                 except Exception as e:  # report, keep the other paths' numbers
                     log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                     results.append(dict(model=label, phase=f"decode b={batch}", path=path, error=type(e).__name__))
@@ -226,6 +228,47 @@ def profile_cpu(label, fn, iters=3):
         f"kernels, {sum(e.count for e in kernels) / iters:.0f} kernels; µs, count, kernel")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
         log(f"    {e.self_device_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:90]}")
+
+
+def time_modules(label, model, gen, device, tokens=16):
+    """Host time spent inside each layer's MLP and attention modules during one generate of ``tokens`` new tokens
+    (wall clock around each call, no synchronisation: where the host is the bottleneck this is what a call costs in
+    the model), and how many kernel launches went through Triton's own slow path meanwhile."""
+    from mlp_fuser.kernels.common import Launcher
+
+    stats: dict[str, list] = {}
+    wrapped = []
+    for name in ("mlp", "self_attn"):
+        for layer in model.model.layers:
+            module = getattr(layer, name)
+            own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
+
+            def timed(*a, _f=own or module.forward, _name=name, **k):
+                t0 = time.perf_counter()
+                out = _f(*a, **k)
+                dt = time.perf_counter() - t0
+                s = stats.setdefault(_name, [0.0, 0, 0.0])
+                s[0] += dt
+                s[1] += 1
+                s[2] = max(s[2], dt)
+                return out
+
+            module.forward = timed
+            wrapped.append((module, own))
+    slow = Launcher.slow_calls
+    try:
+        gen(tokens)
+        sync(device)
+    finally:
+        for module, own in wrapped:
+            if own is None:
+                del module.__dict__["forward"]
+            else:
+                module.forward = own
+    log(f"  host time inside modules, {label}, one generate of {tokens} tokens: "
+        + ", ".join(f"{n} {t / c * 1e6:.1f} µs per call (slowest {m * 1e6:.0f}, {c} calls)"
+                    for n, (t, c, m) in stats.items())
+        + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}")
 
 
 PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
@@ -302,6 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
+    ap.add_argument("--time-modules", action="store_true",
+                    help="eager and patch: host µs per call inside the MLP and attention modules, in the model")
     args = ap.parse_args(argv)
     import logging
 

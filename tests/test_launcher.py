@@ -58,6 +58,7 @@ def gpu_free(monkeypatch):
 def test_first_call_through_triton_then_direct(gpu_free):
     k = FakeKernel()
     launch = common.Launcher(k)
+    slow_before = common.Launcher.slow_calls
     launch(("a",), (5,), "x", "y", 7, BLOCK=32, ACT="silu")
     assert len(k.slow) == 1 and k.compiled.runs == []
     launch(("a",), (5,), "x2", "y2", 8, BLOCK=32, ACT="silu")
@@ -66,6 +67,7 @@ def test_first_call_through_triton_then_direct(gpu_free):
                                 "x2", "y2", 8, None, None)]
     launch(("b",), (2, 3), "x", "y", 7, BLOCK=32, ACT="silu")  # a new key: through Triton again
     assert len(k.slow) == 2 and len(k.compiled.runs) == 1
+    assert common.Launcher.slow_calls - slow_before == 2  # the count benchmarks report
 
 
 def test_autotuned_grid_comes_from_the_chosen_config(gpu_free):

@@ -77,6 +77,7 @@ class Launcher:
     """
 
     MAX_KEYS = 4096  # a process that sees endless new shapes starts the cache afresh rather than growing it
+    slow_calls = 0  # calls (of every Launcher) that went through Triton's own launch path: benchmarks report it
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -97,6 +98,7 @@ class Launcher:
             compiled.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                          compiled.packed_metadata, None, None, None, *args, *self.pad)
             return
+        Launcher.slow_calls += 1
         compiled = self.kernel[grid](*args, **constexprs)
         if INTERPRET or not hasattr(compiled, "packed_metadata"):
             return
