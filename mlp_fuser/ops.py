@@ -114,7 +114,8 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
 def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False):
     """Validate, then run what ``dispatch`` chose for the call's shape (``eager``: its choice for calls made
     without CUDA graphs, where the host's time per call counts too)."""
-    check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
+    if _problem(x, wg, bg, wu, bu, wd, bd, activation) is not None:
+        check_args(op, x, wg, bg, wu, bu, wd, bd, activation)  # raises, naming the argument and every shape
     shape = x.shape
     K, O = shape[-1], wd.shape[0]
     if len(shape) == 2:

@@ -30,6 +30,8 @@ from .ops import EAGER
 from .patterns.common import dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
+# A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None.
+Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None]
 # Exceptions raised through the fused forward on purpose: non-reentrant torch.utils.checkpoint stops its
 # recomputation from a saved-tensor hook once every tensor the backward needs is recomputed.
 _PASS_THROUGH = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
@@ -39,11 +41,13 @@ class FusedModuleForward:
     """The forward ``patch`` installs on an MLP module (an instance attribute, so hooks and ``__call__`` stay).
 
     ``graphs[training]``: for each train/eval mode the module was proven an MLP in, the rewritten graph's forward
-    (inputs in placeholder order, returns a tuple) and, per placeholder, None for the input or a getter of the
-    module's tensor (read on every call, so replaced or converted weights are the ones used). The proof holds for
+    (inputs in placeholder order, returns a tuple), per placeholder None for the input or a getter of the
+    module's tensor (read on every call, so replaced or converted weights are the ones used), and where the op reads
+    the weights as they are (no view), ``direct(module, x)``: the same call in one generated function, without the
+    graph's frames (host time per call is what decides eager decoding). The proof holds for
     the children it saw: once one is replaced (an adapter wrapped around a projection), the original forward runs."""
 
-    def __init__(self, module: nn.Module, graphs: dict[bool, tuple[Callable[..., Any], list]], arg_name: str,
+    def __init__(self, module: nn.Module, graphs: dict[bool, Proof], arg_name: str,
                  children: dict | None = None):
         self.module = module
         self.graphs = graphs
@@ -66,8 +70,10 @@ class FusedModuleForward:
         graph = self.graphs.get(module.training)
         if graph is None or not isinstance(x, Tensor) or module._modules != self.children:
             return self.original(*args, **kwargs)
-        forward, getters = graph
+        forward, getters, direct = graph
         try:
+            if direct is not None:
+                return direct(module, x)
             return forward(*[x if g is None else g(module) for g in getters])[0]
         except _PASS_THROUGH:
             raise  # control flow of the caller's, not a failure: checkpoint's recomputation stopping once done
@@ -140,7 +146,7 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
     return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
 
 
-def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple[Callable[..., Any], list] | None:
+def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> Proof | None:
     """Capture ``module``'s forward on a sample input; the rewritten graph's forward and its input getters when it
     is exactly one fused MLP."""
     first = next(module.parameters())
@@ -166,7 +172,7 @@ def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple[Ca
     return None
 
 
-def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> tuple[Callable[..., Any], list] | None:
+def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Proof | None:
     if len(report.fused) != 1 or report.near_misses:
         return None
     g = gm.graph
@@ -178,13 +184,14 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> tu
         return None
     names = {id(t): name for name, t in [*module.named_parameters(remove_duplicate=False),
                                          *module.named_buffers(remove_duplicate=False)]}
-    getters, x_node = [], None
+    getters, paths, x_node = [], {}, None
     for node, value in zip(placeholders, example_inputs):
         if value is x:
             getters.append(None)
             x_node = node
         elif id(value) in names:
             getters.append(_getter(names[id(value)]))
+            paths[node] = names[id(value)]
         else:  # a value the graph read from elsewhere (a global tensor, a size): not a plain MLP forward
             return None
     ops = [n for n in g.nodes if n.op == "call_function" and n.target in OPS]
@@ -199,7 +206,35 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> tu
         return None  # the graph does more with the input than the MLP
     ops[0].target = EAGER[ops[0].target]  # the op minus the dispatcher's hop where nothing needs it
     gm.recompile()
-    return gm.forward, getters
+    buffers = {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    return gm.forward, getters, _direct_call(ops[0], x_node, paths, buffers)
+
+
+_CONSTANT = (type(None), bool, int, float, str)
+
+
+def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, Tensor], Tensor] | None:
+    """``(module, x) -> op(x, weights...)`` as one generated function that reads each weight from the modules' dicts,
+    when every argument of the op is the input, a weight placeholder or a constant; else None (a view of a weight,
+    such as a merged gate/up weight's halves, needs the graph)."""
+    def source(a):
+        if a is x_node:
+            return "x"
+        if a in paths:
+            *path, leaf = paths[a].split(".")
+            kind = "_buffers" if paths[a] in buffers else "_parameters"
+            return "m" + "".join(f"._modules[{p!r}]" for p in path) + f".{kind}[{leaf!r}]"
+        if isinstance(a, _CONSTANT):
+            return repr(a)
+        raise LookupError(a)
+
+    try:
+        args = [source(a) for a in op.args] + [f"{k}={source(v)}" for k, v in op.kwargs.items()]
+    except LookupError:
+        return None
+    namespace = {"op": op.target}
+    exec(f"def direct(m, x):\n    return op({', '.join(args)})\n", namespace)  # noqa: S102 (source built above)
+    return namespace["direct"]
 
 
 def _getter(name: str) -> Callable[[nn.Module], Tensor]:

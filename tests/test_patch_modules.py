@@ -244,3 +244,37 @@ def test_a_projection_replaced_after_patching_runs_the_original_forward():
         assert count_ops(lambda: mlp(x)) == 0
     torch.testing.assert_close(got, want)
     assert (want - mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj.base(x))).abs().max() > 1e-4
+
+
+class MergedMLP(nn.Module):
+    """Phi-3's shape: one gate_up projection whose output is split."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(8, 32, bias=False), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def test_weights_read_as_they_are_take_one_generated_call_and_views_take_the_graph():
+    """Where the op reads the module's weights unchanged (LLaMA), the patched forward is one generated function
+    reading them from the modules' dicts; a merged weight's halves are views, so that forward runs the graph. Both
+    compute what the module computes, with the weights of the moment."""
+    model = _llama(1)
+    mlp = model.model.layers[0].mlp
+    merged = MergedMLP()
+    x, x8 = torch.randn(2, 3, 32), torch.randn(2, 3, 8)
+    mlp_fuser.patch(model)
+    mlp_fuser.patch(merged)
+    assert all(proof[2] is not None for proof in mlp.forward.graphs.values())
+    assert all(proof[2] is None for proof in merged.forward.graphs.values())
+    with torch.no_grad():
+        for m, inp in ((mlp, x), (merged, x8)):
+            torch.testing.assert_close(m(inp), type(m).forward(m, inp))
+            for p in m.parameters():
+                p.mul_(0.5)  # updated in place: the next call sees it
+            torch.testing.assert_close(m(inp), type(m).forward(m, inp))
+        mlp.down_proj.weight = nn.Parameter(torch.randn(32, 64))  # replaced: read from the dict on every call
+        torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))

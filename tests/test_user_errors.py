@@ -139,10 +139,10 @@ def _break_the_pass(monkeypatch):
 
 
 def _break_the_op(monkeypatch):
-    def broken(op, *args):
-        raise ValueError(f"mlp_fuser::{op}: broken validation")
+    def broken(*args):
+        return ValueError, "broken validation"
 
-    monkeypatch.setattr(importlib.import_module("mlp_fuser.ops"), "check_args", broken)
+    monkeypatch.setattr(importlib.import_module("mlp_fuser.ops"), "_problem", broken)
     return _sequential()[0], ValueError, "broken validation", "", {}
 
 
