@@ -2,6 +2,7 @@
 
     python benchmarks/bench_generate.py --model 1b|8b [--paths ...] [--batches 1,8] [--out DIR]
     python benchmarks/bench_generate.py --model 1b --tiny --device cpu      # checks the script itself
+    python benchmarks/bench_generate.py --model 1b --paths eager,patch --batches 1 --time-modules   # in-situ host cost
 
 Models: "1b" (hidden 2048, intermediate 5632, 16 layers, 32 query / 4 KV heads, vocabulary 32000) and "8b"
 (LLaMA-3-8B dimensions: 4096, 14336, 32 layers, 32 / 8 heads, vocabulary 128256).
