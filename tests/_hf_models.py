@@ -101,10 +101,10 @@ def build(family: str, batch: int = 2, seq: int = 7, seed: int = 0):
 _FUSED_OPS = frozenset({"mlp_fuser::mlp", "mlp_fuser::gated_mlp"})
 
 
-def count_ops(fn) -> int:
-    """Calls of the fused MLP ops (``mlp_fuser::mlp``, ``mlp_fuser::gated_mlp``; not the backward's helper ops) during
-    ``fn()``, counted with torch.profiler. A call that redispatches to itself (the autocast kernel casts, then calls
-    the op again) is one call: only outermost events count."""
+def count_ops(fn, ops: frozenset | None = _FUSED_OPS) -> int:
+    """Calls of the fused MLP ops (``mlp_fuser::mlp``, ``mlp_fuser::gated_mlp``; ``ops=None``: every ``mlp_fuser::``
+    op, the backward's too) during ``fn()``, counted with torch.profiler. A call that redispatches to itself (the
+    autocast kernel casts, then calls the op again) is one call: only outermost events count."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
 
@@ -116,7 +116,8 @@ def count_ops(fn) -> int:
             p = p.cpu_parent
         return False
 
-    return sum(1 for e in prof.events() if e.name in _FUSED_OPS and not nested(e))
+    return sum(1 for e in prof.events() if (e.name in ops if ops is not None else e.name.startswith("mlp_fuser::"))
+               and not nested(e))
 
 
 def main_output(out) -> torch.Tensor:
