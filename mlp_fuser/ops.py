@@ -175,36 +175,34 @@ def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_
 _PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
 
 
-def _plain_call(args: tuple) -> bool:
+def _plain_call(x, wg, bg, wu, bu, wd, bd) -> bool:
     """Whether computing the op right here is exactly what the dispatcher would do: plain CPU/CUDA tensors, no
     gradient, no autocast, no torch function or dispatch mode (fake tensors, functionalization), no tracing; and no
     profiler, which then sees the op's own event."""
-    x = args[0]
     return (not torch.compiler.is_compiling() and type(x) is Tensor and x.device.type in ("cuda", "cpu")
             and not torch._C._autograd._profiler_enabled()
-            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(x, wg, bg, wu, bu, wd, bd))
             and not torch.is_autocast_enabled(x.device.type)
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
-            and type(args[1]) in _PLAIN and type(args[2]) in _PLAIN and type(args[3]) in _PLAIN
-            and type(args[4]) in _PLAIN and type(args[5]) in _PLAIN and type(args[6]) in _PLAIN)
+            and type(wg) in _PLAIN and type(bg) in _PLAIN and type(wu) in _PLAIN and type(bu) in _PLAIN
+            and type(wd) in _PLAIN and type(bd) in _PLAIN)
 
 
 def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     """``mlp`` for a caller that runs eagerly (``patch``): what the op computes, minus the dispatcher's host time
     where nothing needs it, and with the implementation chosen for calls made without CUDA graphs. ``save_preact``
     matters only under autograd, which the registered op handles."""
-    args = (x, w1, b1, None, None, w2, b2)
-    if _plain_call(args):
-        return _forward("mlp", *args, activation, eager=True)
+    if _plain_call(x, w1, b1, None, None, w2, b2):
+        return _forward("mlp", x, w1, b1, None, None, w2, b2, activation, True)
     return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
 
 def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` for a caller that runs eagerly: see ``eager_mlp``."""
-    args = (x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    if _plain_call(args):
-        return _forward("gated_mlp", *args, activation, eager=True)
-    return torch.ops.mlp_fuser.gated_mlp.default(*args, activation, save_preact)
+    if _plain_call(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+        return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, True)
+    return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
+                                                 save_preact)
 
 
 EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
