@@ -13,7 +13,6 @@ kernel never writes fails the test.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import zlib
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_DEVICE, KERNEL_DTYPES
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
@@ -30,17 +29,6 @@ from mlp_fuser.reference import reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
 SIZES = (1, 3, 5, 127, 130)
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty fills floating tensors with NaN inside this block."""
-    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
 
 
 def check(out, ref, unfused, ideal, dtype):

@@ -16,14 +16,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 from _hf_models import build, count_ops
 from _mlp_cases import make_case
-from conftest import KERNEL_DEVICE
+from conftest import KERNEL_DEVICE, poisoned_empty
 from torch._dynamo.backends.debugging import aot_eager
 
 import mlp_fuser
@@ -35,17 +34,6 @@ from mlp_fuser.reference import reference_mlp, rel_err
 BACKWARDS = ["recompute", "save"]
 WAYS = [(way, bw) for way in ("patch", "backend") for bw in BACKWARDS]
 WAY_IDS = [f"{way}-{bw}" for way, bw in WAYS]
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty fills floating tensors with NaN inside this block (deterministic mode's fill)."""
-    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
 
 
 # ---- the op's gradients -----------------------------------------------------------------------------------
