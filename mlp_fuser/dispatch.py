@@ -24,7 +24,7 @@ from . import config
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import m_bucket
-from .kernels.splitk import linear_splitk, splitk_counters
+from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
 from .reference import reference_mlp, reference_mlp_backward
 
 log = logging.getLogger("mlp_fuser")
@@ -82,8 +82,10 @@ def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
 
 
 def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
-    counters = splitk_counters(x2.shape[0], wd.shape[0], wd.shape[1], x2.device)  # zeroed by gate_up_act
-    return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, counters=counters)
+    M, (O, I) = x2.shape[0], wd.shape
+    config = splitk_config(M, O, I, x2.device)
+    counters = splitk_counters(M, O, I, config, x2.device)  # zeroed by gate_up_act
+    return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
 
 
 

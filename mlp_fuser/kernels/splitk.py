@@ -102,10 +102,10 @@ def _plan(M: int, N: int, K: int, config: tuple) -> tuple[int, int, int]:
     return k_per_split, cdiv(K, k_per_split), cdiv(M, BM) * cdiv(N, BN)
 
 
-def splitk_counters(M: int, N: int, K: int, device: torch.device) -> torch.Tensor | None:
-    """The arrival counters ``linear_splitk`` will need for this shape (uninitialised: for a kernel that runs
-    before it to zero), or None when its default config does not split K."""
-    _, split, tiles = _plan(M, N, K, splitk_config(M, N, K, device))
+def splitk_counters(M: int, N: int, K: int, config: tuple, device: torch.device) -> torch.Tensor | None:
+    """The arrival counters ``linear_splitk`` will need for this shape and config (uninitialised: for a kernel that
+    runs before it to zero), or None when the config does not split K."""
+    _, split, tiles = _plan(M, N, K, config)
     return torch.empty(tiles, device=device, dtype=torch.int32) if split > 1 else None
 
 
