@@ -52,6 +52,8 @@ class FusedCount(logging.Handler):
 
     def emit(self, record):
         msg = record.getMessage()
+        if "chose" in msg:  # the dispatcher's choice per shape, with the candidates' times
+            log("  " + msg)
         if ": fused " in msg:
             self.fused += int(msg.split(": fused ", 1)[1].split()[0])
 
@@ -72,7 +74,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(model, forward, ids, device, warmup, steps):
+def measure(model, forward, ids, device, warmup, steps, profile=None):
     """(median ms, peak bytes above the memory allocated before the step, first loss)"""
     def step():
         model.zero_grad(set_to_none=True)
@@ -96,8 +98,24 @@ def measure(model, forward, ids, device, warmup, steps):
         times.append((time.perf_counter() - t0) * 1e3)
         if device == "cuda":
             peaks.append(torch.cuda.max_memory_allocated() - before)
+    if profile and device == "cuda":
+        profile_step(step, profile)
     model.zero_grad(set_to_none=True)
     return statistics.median(times), max(peaks) if peaks else 0, first
+
+
+def profile_step(step, label):
+    """One step under torch.profiler: GPU time by kernel (the largest), and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    log(f"  profile {label}: {sum(e.self_device_time_total for e in kernels) / 1e3:.2f} ms of kernels in "
+        f"{sum(e.count for e in kernels)} launches; ms, count, kernel")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        log(f"    {e.self_device_time_total / 1e3:7.2f} {e.count:5d}  {e.key[:100]}")
 
 
 def run_variant(name, model, ids, args, counter):
@@ -116,7 +134,8 @@ def run_variant(name, model, ids, args, counter):
     else:
         forward = mlp_fuser.patch(model, backward=name.split("-")[1])
     try:
-        ms, peak, loss = measure(model, forward, ids, args.device, args.warmup, args.steps)
+        ms, peak, loss = measure(model, forward, ids, args.device, args.warmup, args.steps,
+                                 f"{tuple(ids.shape)} {name}" if args.profile else None)
         if name.startswith("patch-") and name != "patch-whole":
             fused = len(model.__dict__.get("_mlp_fuser_fused_modules", ()))
         else:
@@ -154,6 +173,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="profile one more step per variant: GPU time by kernel")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (checks the script, on any device)")
     ap.add_argument("--aten-backward", action="store_true",
                     help="leave the Triton backward implementations off (by default this benchmark turns them on: "
