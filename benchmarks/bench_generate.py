@@ -42,8 +42,9 @@ MODELS = {
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256)
 DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
+EXTRA_PATHS = ["patch_noplan"]  # on request: patch with mlp_fuser.config.plans off (the op's full path every call)
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
-            "static_backend": "static"}
+            "static_backend": "static", "patch_noplan": "eager"}
 
 
 def log(*a):
@@ -73,9 +74,12 @@ def generate_fn(model, path, ids):
 
     kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids))
     cleanup = []
-    if path == "patch":
+    if path in ("patch", "patch_noplan"):  # patch_noplan: without launch plans (mlp_fuser.plans), for comparison
         mlp_fuser.patch(model)
         cleanup.append(lambda: mlp_fuser.unpatch(model))
+        if path == "patch_noplan":
+            mlp_fuser.config.plans = False
+            cleanup.append(lambda: setattr(mlp_fuser.config, "plans", True))
     elif path in ("compile", "backend"):
         backend = mlp_fuser.backend if path == "backend" else "inductor"
         model.forward = torch.compile(model.forward, backend=backend)
@@ -155,13 +159,13 @@ def run(args, results):
         for batch in map(int, args.batches.split(",")):
             ids = torch.randint(3, vocab, (batch, prompt), device=device, generator=g)
             ref = None
-            for path in [p for p in DECODE_PATHS if p in paths]:
+            for path in [p for p in DECODE_PATHS + EXTRA_PATHS if p in paths]:
                 gen, done = generate_fn(model, path, ids)
                 try:
                     ms, out, warm_s = time_decode(gen, device, new_tokens)
                     if args.profile and (batch, path) in PROFILED:
                         profile_decode(f"{label} b={batch} {path}", gen, device, path in ("eager", "patch"))
-                    if args.time_modules and path in ("eager", "patch"):
+                    if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                         time_modules(f"{label} b={batch} {path}", model, gen, device)
                 except Exception as e:  # report, keep the other paths' numbers
                     log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")

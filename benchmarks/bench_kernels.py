@@ -150,6 +150,15 @@ def _host_times(module, patched, w, x):
                 config.force_impl = old
         return call
 
+    def no_plans(fn):
+        def call():
+            config.plans = False
+            try:
+                return fn()
+            finally:
+                config.plans = True
+        return call
+
     out = []
     with torch.no_grad():
         op(x, *w, "silu")
@@ -157,7 +166,9 @@ def _host_times(module, patched, w, x):
         p = dispatch.Problem("cuda", x.dtype, M, K, I, K, True)
         variants = [("module, unfused (3 nn.Linear, silu, mul)", "", lambda: module(x)),
                     ("module, patched", dispatch.chosen(p, eager=True), lambda: patched(x)),
+                    ("module, patched, no launch plans", "", no_plans(lambda: patched(x))),
                     ("op via torch.ops", dispatch.chosen(p), lambda: op(x, *w, "silu")),
+                    ("op via torch.ops, no launch plans", "", no_plans(lambda: op(x, *w, "silu"))),
                     ("unfused aten calls", "", lambda: unfused(x)),
                     ("unfused, torch.compile (guards included)", "", lambda: compiled(x))]
         variants += [(f"op, forced {i.name}", "", forced(i.name)) for i in dispatch.IMPLS]

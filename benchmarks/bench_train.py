@@ -175,9 +175,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="profile one more step per variant: GPU time by kernel")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (checks the script, on any device)")
-    ap.add_argument("--aten-backward", action="store_true",
-                    help="leave the Triton backward implementations off (by default this benchmark turns them on: "
-                         "mlp_fuser.config.triton_backward, off in the library until measured)")
+    ap.add_argument("--triton-backward", action="store_true",
+                    help="let the dispatcher also time the Triton dh GEMM (mlp_fuser.config.triton_backward, opt-in)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS + EXTRA):
@@ -188,7 +187,7 @@ def main():
     torch._dynamo.config.accumulated_recompile_limit = 512
     from mlp_fuser import config
 
-    config.triton_backward = not args.aten_backward
+    config.triton_backward = args.triton_backward
     counter = FusedCount()
     logging.getLogger("mlp_fuser").addHandler(counter)
     logging.getLogger("mlp_fuser").setLevel(logging.INFO)

@@ -6,10 +6,13 @@
   ``TRITON_INTERPRET=1`` (the Triton interpreter), which is how the kernels are tested without a GPU.
 - ``MLP_FUSER_AUTOTUNE=0``: on CUDA, take the first eligible implementation in priority order instead of
   timing the eligible ones once per shape bucket.
-- ``MLP_FUSER_TRITON_BACKWARD=1``: let the dispatcher choose the Triton backward implementations
-  (``dispatch.BACKWARD_IMPLS``). Off by default until they are measured on a GPU: they are tested through the
-  Triton interpreter only, and the backward runs the aten reference meanwhile. ``MLP_FUSER_IMPL`` can still
-  force one.
+- ``MLP_FUSER_TRITON_BACKWARD=1``: let the dispatcher also time the Triton backward GEMM (``triton_backward_gemm``:
+  dh = dy @ w_down with the activation's derivative in its epilogue) against cuBLAS dh + one Triton elementwise
+  pass (``cublas_backward_act``, the default). Off by default: on the H200 it lost (320 against 195 µs at
+  LLaMA 2048/5632, 4096 tokens) and its autotuning costs about 40 s per dtype on first use
+  (benchmarks/NOTES.md). ``MLP_FUSER_IMPL`` can still force it.
+- ``MLP_FUSER_PLANS=0``: no launch plans (``mlp_fuser.plans``): every CUDA call takes the full path (validation,
+  dispatch, launch keys). For benchmarks and for ruling plans out when debugging.
 """
 
 from __future__ import annotations
@@ -20,3 +23,4 @@ force_impl: str | None = os.environ.get("MLP_FUSER_IMPL") or None
 triton_on_cpu: bool = os.environ.get("MLP_FUSER_TRITON_ON_CPU", "0") == "1"
 autotune: bool = os.environ.get("MLP_FUSER_AUTOTUNE", "1") != "0"
 triton_backward: bool = os.environ.get("MLP_FUSER_TRITON_BACKWARD", "0") == "1"
+plans: bool = os.environ.get("MLP_FUSER_PLANS", "1") != "0"

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config
+from . import config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import m_bucket
@@ -232,8 +232,8 @@ def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
         return [impl]
-    if impls is BACKWARD_IMPLS and not config.triton_backward:  # opt-in until measured on a GPU (see config)
-        return [i for i in impls if not i.triton and i.why_not(p) is None]
+    if impls is BACKWARD_IMPLS and not config.triton_backward:  # the Triton dh GEMM is opt-in (see config)
+        return [i for i in impls if i.name != "triton_backward_gemm" and i.why_not(p) is None]
     return [i for i in impls if i.why_not(p) is None]
 
 
@@ -285,7 +285,7 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
         except Exception as e:  # a kernel that cannot compile for this shape is not chosen; say so
             log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, describe(p), type(e).__name__, e)
             continue
-        runnable[impl.name] = impl.fn
+        runnable[impl.name] = _planned(impl, args) or impl.fn
     if not runnable:  # every fast path failed here (each said why above): the aten path always runs
         return "reference", "reference"
     torch.cuda.synchronize()
@@ -318,6 +318,16 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
     log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
              describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
     return best, best_eager
+
+
+def _planned(impl: Impl, args: tuple) -> ImplFn | None:
+    """``impl`` as its later calls will run, through a launch plan (``plans``), where it has one: the host time
+    the eager choice weighs is then the plan's."""
+    if impl.name not in plans.PLANNED or not config.plans:
+        return None
+    y, launches = plans.record(impl.fn, args)
+    plan = plans.build(impl.name, args[0], args, y, launches)
+    return None if plan is None else lambda *a: plan(*a[:7])
 
 
 def _median(values: list[float]) -> float:

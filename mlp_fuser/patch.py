@@ -62,10 +62,10 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
 
     ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
     ancestor of its projections, e.g. ``model.layers.0.mlp``). ``options`` go to ``make_backend``
-    (``activations=``, ``patterns=``, ``backward="recompute" | "save"``: what the fused ops keep for training, as
-    for ``make_backend``). ``per_module=False`` runs the whole forward through Dynamo even where the MLPs are modules
-    of their own. A call that fails raises what the unpatched forward raises. Patching a patched model again with
-    other options re-patches it with those.
+    (``activations=``, ``patterns=``, ``backward="save" | "recompute"``: what the fused ops keep for training, "save"
+    by default, as for ``make_backend``). ``per_module=False`` runs the whole forward through Dynamo even where the
+    MLPs are modules of their own. A call that fails raises what the unpatched forward raises. Patching a patched
+    model again with other options re-patches it with those.
     """
     settings = (repr(filter_fn), per_module, repr(sorted(options.items())))  # strings: a pickled model carries it
     if is_patched(model) and model.__dict__.get(_SETTINGS) == settings:

@@ -8,7 +8,7 @@ import torch
 from _mlp_cases import make_case
 from conftest import HAS_CUDA
 
-from mlp_fuser import config, dispatch
+from mlp_fuser import config, dispatch, plans
 from mlp_fuser.reference import reference_mlp, rel_err
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (run on the H200)")
@@ -206,6 +206,45 @@ def test_gpu_repeated_calls_take_the_direct_launch_and_stay_right(impl, monkeypa
             assert rel_err(case.op()(*case.args()), ref) <= 1.25 * rel_err(case.unfused(), ref), (impl, M, K, I)
 
 
+PLAN_SIZES = [  # (M, K, I, O, gated, act, bias, lead): decode shapes of the 1B-class model and SmolLM2, odd ones
+    (1, 2048, 5632, 2048, True, "silu", False, (1,)),
+    (6, 576, 1536, 576, True, "silu", False, (6, 1)),
+    (5, 130, 127, 3, True, "gelu_tanh", True, ()),
+    (16, 512, 1000, 384, False, "gelu", True, (2,)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("impl", sorted(plans.PLANNED))
+def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
+    """The first call of a signature builds its launch plan (mlp_fuser.plans); later calls with fresh tensors of that
+    signature run the plan (integers for pointers, one workspace) and match float64 as the unfused module does, with
+    freed memory poisoned first and no host synchronisation."""
+    monkeypatch.setattr(config, "force_impl", impl)
+    plans.clear()
+    for M, K, I, O, gated, act, bias, lead in PLAN_SIZES:
+        if dispatch.IMPLS_BY_NAME[impl].why_not(dispatch.Problem("cuda", dtype, M, K, I, O, gated)):
+            continue
+        for i in range(4):
+            case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, device="cuda", bias=(bias,) * 3,
+                             lead=lead)
+            key = plans.signature(case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd, act, False)
+            # built by the first call, run after; small_m's fp32 calls without b_down return its zeroed accumulator
+            planned = i > 0 and not (impl == "triton_small_m" and dtype == torch.float32 and not bias)
+            assert (plans.get(key) is not None) == planned, (impl, M, i)
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory the next outputs may reuse
+            ref = case.reference64()
+            if i == 3:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = case.op()(*case.args())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert out.shape == ref.shape
+            err, unfused = rel_err(out, ref), rel_err(case.unfused(), ref)
+            assert err <= (1e-5 if dtype == torch.float32 else 1.25 * unfused), (impl, M, K, I, O, i, err, unfused)
+
+
 def test_gpu_no_host_synchronisation_in_a_call():
     case = make_case(8, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
     case.op()(*case.args())  # the first call of a shape times candidates (and synchronises); later ones must not
@@ -223,6 +262,7 @@ def test_gpu_first_calls_inside_inductor_cuda_graph_trees(M):
     implementation there, and replay the same one."""
     dispatch._choice_cache.clear()
     dispatch._resolved.clear()
+    plans.clear()
     torch._dynamo.reset()
     case = make_case(M, 512, 1408, 512, dtype=torch.bfloat16, device="cuda")
     x, *rest = case.args()

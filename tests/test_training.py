@@ -121,7 +121,8 @@ def test_double_backward(gated, save):
 
 
 def test_backward_dispatch_rules(monkeypatch):
-    """CPU: the aten backward, or the first Triton one under the interpreter; MLP_FUSER_IMPL forces a backward
+    """CPU: the aten backward, or under the interpreter cuBLAS dh + the Triton epilogue pass (the Triton dh GEMM only
+    when asked for); MLP_FUSER_IMPL forces a backward
     implementation and leaves the forward's choice free (and a forward one leaves the backward's free); "reference"
     forces both; an unknown name is an error naming both lists."""
     args = (torch.randn(4, 3), torch.randn(3, 8), torch.randn(4, 8), None, "gelu", True)
@@ -135,7 +136,7 @@ def test_backward_dispatch_rules(monkeypatch):
 
     assert backward_choice() == "reference"
     monkeypatch.setattr(config, "triton_on_cpu", True)
-    assert backward_choice() == "reference"  # the Triton backward is opt-in until measured on a GPU
+    assert backward_choice() == "cublas_backward_act"  # the Triton dh GEMM is opt-in: slower on the H200
     monkeypatch.setattr(config, "triton_backward", True)
     assert backward_choice() == "triton_backward_gemm"
     monkeypatch.setattr(config, "force_impl", "cublas_backward_act")
@@ -181,8 +182,8 @@ def test_opcheck_helper_ops():
 def test_patching_again_with_another_backward_choice_takes_it():
     model, ids, n_mlp = tiny_llama()
     intermediate = (ids.numel(), model.config.intermediate_size)
-    for backward, kept in (("recompute", 0), ("save", 2 * n_mlp), ("recompute", 0)):
-        mlp_fuser.patch(model, backward=backward)
+    for backward, kept in ((None, 2 * n_mlp), ("recompute", 0), ("save", 2 * n_mlp), ("recompute", 0)):
+        mlp_fuser.patch(model, **({} if backward is None else {"backward": backward}))  # None: the default, save
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(tuple(t.shape)) or t,
                                                       lambda t: t):

@@ -7,6 +7,7 @@ Nothing here imports the rest of mlp_fuser: the kernels depend only downward.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 
@@ -78,6 +79,7 @@ class Launcher:
 
     MAX_KEYS = 4096  # a process that sees endless new shapes starts the cache afresh rather than growing it
     slow_calls = 0  # calls (of every Launcher) that went through Triton's own launch path: benchmarks report it
+    recording = threading.local()  # its .launches, while a list: this thread's launches are appended there
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -92,6 +94,9 @@ class Launcher:
         self.pad = (None,) * (len(constexpr) - n_args)  # the compiled launcher skips the constexpr slots
 
     def __call__(self, key: tuple, grid: Sequence[int] | Callable[[dict], Sequence[int]], *args, **constexprs):
+        launches = getattr(Launcher.recording, "launches", None)
+        if launches is not None:  # mlp_fuser.plans records a call's launches
+            launches.append((self, key, args))
         hit = self.cache.get(key)
         if hit is not None and not _launch_hooks():
             compiled, (gx, gy, gz), device = hit

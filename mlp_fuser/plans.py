@@ -1,0 +1,165 @@
+"""Launch plans: the op's CUDA call for one exact signature, reduced to its allocations and launches.
+
+The first call of the op with a signature runs the full path (validation, the dispatcher's choice, the
+implementation, whose Triton launches go through ``Launcher``, compiling and autotuning the very first time) and
+records those launches. ``build`` turns the record into a plan: one generated function that allocates the output
+and one workspace for every intermediate, then hands each compiled kernel its arguments as plain integers, the
+data pointers included (Triton's launcher takes an integer as a device pointer, skipping the ``data_ptr()`` call
+and the driver's pointer query it makes for a tensor). Later calls with that signature run the plan: no
+validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs.
+
+A signature holds everything the call's validity, the dispatcher's choice and the kernels' specialisation depend
+on: each tensor's shape, strides, dtype, device and 16-byte alignment, the activation, whether the call is eager
+(``patch``, which has its own choice) and the settings that change the choice (``config.force_impl``,
+``config.autotune``, TF32 for fp32). Equal signatures mean the full path would validate, choose and launch the
+same kernels with the same integers; only the data pointers differ, and the plan reads them per call.
+
+Planned implementations: ``triton_gemm_splitk`` and ``triton_small_m`` (Triton launches only; small_m's fp32
+calls without b_down, which return its accumulator, are not planned: that output must start at zero) and
+``triton_gemm`` (a Triton launch, then cuBLAS for the down projection). The others take the full path on every
+call, and so does every call while a Triton launch hook (a profiler) is set: those must go through Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import config
+from .kernels.common import Launcher, _launch_hooks
+
+# name -> (how the workspace starts: "empty" or "zeros", whether the down projection is cuBLAS after the launches)
+PLANNED = {"triton_gemm_splitk": ("empty", False), "triton_small_m": ("zeros", False), "triton_gemm": ("empty", True)}
+_PLANS: dict[tuple, Callable[..., Tensor]] = {}
+_MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
+_ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
+_INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")
+
+
+# the current CUDA stream of a device, as an integer (absent from CPU-only builds of torch)
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -> tuple:
+    """The call's key: see the module's docstring."""
+    return (
+        activation, eager, config.force_impl, config.autotune,
+        x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+        x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+        wg.shape, wg.stride(), wg.dtype, wg.device, wg.data_ptr() & 15,
+        wd.shape, wd.stride(), wd.dtype, wd.device, wd.data_ptr() & 15,
+        None if wu is None else (wu.shape, wu.stride(), wu.dtype, wu.device, wu.data_ptr() & 15),
+        None if bg is None else (bg.shape, bg.stride(), bg.dtype, bg.device, bg.data_ptr() & 15),
+        None if bu is None else (bu.shape, bu.stride(), bu.dtype, bu.device, bu.data_ptr() & 15),
+        None if bd is None else (bd.shape, bd.stride(), bd.dtype, bd.device, bd.data_ptr() & 15),
+    )
+
+
+def get(key: tuple) -> Callable[..., Tensor] | None:
+    """The plan for a signature, or None (none yet, or a launch hook is set: calls then take the full path)."""
+    plan = _PLANS.get(key)
+    return plan if plan is None or not _launch_hooks() else None
+
+
+def record(fn: Callable[..., Tensor], args: tuple) -> tuple[Tensor, list]:
+    """``fn(*args)`` and the launches it made, as ``Launcher`` recorded them."""
+    Launcher.recording.launches = launches = []  # this thread's launches
+    try:
+        return fn(*args), launches
+    finally:
+        Launcher.recording.launches = None
+
+
+def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> Tensor:
+    """``fn(*args)`` (implementation ``name`` on the call's 2-D arguments), then the plan for ``key`` built from
+    its launches where ``name`` is planned."""
+    y, launches = record(fn, args)
+    plan = build(name, x, args, y, launches)
+    if plan is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return y
+
+
+def clear() -> None:
+    """Forget every plan (after the dispatcher's choices are reset)."""
+    _PLANS.clear()
+
+
+def source(plan: Callable[..., Tensor]) -> str:
+    return plan.__source__
+
+
+def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Callable[..., Tensor] | None:
+    """The plan for implementation ``name`` from one call: ``args`` its 2-D arguments, ``y`` (M, O) what it returned,
+    ``launches`` its launches as ``Launcher`` recorded them. None where a plan could not reproduce the call exactly
+    (not a planned implementation, a launch that was not compiled, a tensor it cannot account for)."""
+    if name not in PLANNED or not launches or _launch_hooks():
+        return None
+    start, cublas_tail = PLANNED[name]
+    x2, wg, bg, wu, bu, wd, bd, activation = args
+    if x2.data_ptr() != x.data_ptr():  # x2 must be a view of x: the plan passes x's pointer
+        return None
+    names = {id(t): n for n, t in zip(_INPUTS, (x2, wg, bg, wu, bu, wd, bd)) if t is not None}
+    out_shape = (*x.shape[:-1], wd.shape[0])
+    pieces: dict[int, tuple[str, int]] = {}  # id(intermediate) -> (expression, byte offset in the workspace)
+    nbytes, calls, consts, used = 0, [], {}, set()
+    for i, (launcher, key, largs) in enumerate(launches):
+        hit = launcher.cache.get(key)
+        if hit is None:
+            return None
+        compiled, grid, device_index = hit
+        exprs = []
+        for a in largs:
+            if isinstance(a, Tensor):
+                if id(a) in names:
+                    exprs.append(f"p_{names[id(a)]}")
+                    used.add(names[id(a)])
+                elif a is y and not cublas_tail:
+                    if start == "zeros" and i == 0:  # the first launch accumulates: into a zeroed output, not this
+                        return None
+                    exprs.append("p_y")
+                elif id(a) in pieces:
+                    exprs.append(pieces[id(a)][0])
+                else:  # an intermediate: a fresh, contiguous allocation of its own, placed in the workspace
+                    if not a.is_contiguous() or a._base is not None or a.untyped_storage().nbytes() != a.nbytes:
+                        return None
+                    pieces[id(a)] = (f"(w + {nbytes})" if nbytes else "w", nbytes)
+                    exprs.append(pieces[id(a)][0])
+                    nbytes += -(-a.nbytes // _ALIGN) * _ALIGN
+            elif a is None or type(a) in (int, bool, float):
+                exprs.append(repr(a))
+            else:
+                return None
+        consts[f"_run{i}"], consts[f"_fn{i}"], consts[f"_meta{i}"] = (compiled.run, compiled.function,
+                                                                      compiled.packed_metadata)
+        exprs += ["None"] * len(launcher.pad)
+        gx, gy, gz = grid
+        calls.append(f"    _run{i}({gx}, {gy}, {gz}, s, _fn{i}, _meta{i}, None, None, None, {', '.join(exprs)})")
+    device = x.device
+    lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})"]
+    lines += [f"    p_{n} = {n}.data_ptr()" for n in _INPUTS if n in used]
+    if cublas_tail:  # the launches write h (the only intermediate), which cuBLAS then reads as a tensor
+        if len(pieces) != 1:
+            return None
+        h_shape = (*x.shape[:-1], wg.shape[0])
+        lines += [f"    h = _{start}({h_shape}, dtype=_dtype, device=_device)", "    w = h.data_ptr()"]
+        lines += calls + ["    return _linear(h, wd, bd)"]
+    else:
+        if not y.is_contiguous() or y.dtype != x.dtype or any(id(y) == k for k in pieces):
+            return None
+        lines += [f"    y = _empty({out_shape}, dtype=_dtype, device=_device)", "    p_y = y.data_ptr()"]
+        if pieces:
+            lines += [f"    w = _{start}(({nbytes},), dtype=_u8, device=_device).data_ptr()"]
+        lines += calls + ["    return y"]
+    text = "\n".join(lines) + "\n"
+    namespace = dict(consts, _stream=_stream, _empty=torch.empty, _zeros=torch.zeros, _linear=F.linear,
+                     _dtype=x.dtype, _device=device, _u8=torch.uint8)
+    exec(compile(text, f"<mlp_fuser plan: {name}>", "exec"), namespace)  # noqa: S102 (source built above)
+    plan = namespace["plan"]
+    plan.__source__ = text
+    return plan

@@ -1,0 +1,157 @@
+"""mlp_fuser.plans: a later call with the same signature runs the recorded launches with integers for pointers.
+
+Plans launch compiled kernels, which only exist on a GPU (tests/test_gpu.py checks planned results there). Here
+every Launcher answers with a stand-in compiled kernel that records its arguments, so the plan's wiring is checked
+on the CPU: the same kernels, the same integers, each input's own pointer read per call, every intermediate a
+separate piece of one workspace, the output the tensor returned.
+"""
+
+import pytest
+import torch
+from _mlp_cases import make_case
+
+from mlp_fuser import config, dispatch, plans
+from mlp_fuser.kernels import common
+
+
+class Recorder:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def run(self, gx, gy, gz, stream, function, meta, m, enter, exit_, *args):
+        self.log.append((self.name, (gx, gy, gz), args))
+
+
+class AlwaysHit(dict):
+    """A Launcher cache in which every key is compiled: calls take the direct path, into a Recorder."""
+
+    def __init__(self, log, name):
+        super().__init__()
+        self.hit = (Recorder(log, name), (3, 2, 1), 0)
+
+    def get(self, key, default=None):
+        return self.hit
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    log = []
+    launchers = [v for m in ("gemm", "splitk", "small_m") for v in vars(__import__(f"mlp_fuser.kernels.{m}",
+                 fromlist=["_"])).values() if isinstance(v, common.Launcher)]
+    for i, launcher in enumerate(launchers):
+        monkeypatch.setattr(launcher, "cache", AlwaysHit(log, i))
+        monkeypatch.setattr(launcher, "pad", (None, None), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(plans, "_stream", lambda index: 7)
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    return log
+
+
+CASES = [  # (M, K, I, O, gated, bias, lead)
+    (1, 64, 96, 48, True, False, (1,)),
+    (5, 40, 72, 24, True, True, ()),
+    (3, 32, 80, 40, False, True, (2,)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", sorted(plans.PLANNED))
+def test_a_plan_launches_what_the_full_path_launched(recorded, name, case):
+    M, K, I, O, gated, bias, lead = case
+    c = make_case(M, K, I, O, gated=gated, bias=(bias,) * 3, lead=lead, dtype=torch.float16)
+    impl = dispatch.IMPLS_BY_NAME[name]
+    if impl.why_not(dispatch.Problem("cpu", c.x.dtype, M, K, I, O, gated)) is not None:
+        pytest.skip(f"{name} does not take {case}")
+    x2 = c.x.reshape(-1, K)
+    args = (x2, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act)
+    key = ("test", name, case)
+    plans.clear()
+    y_full = plans.run_and_plan(key, name, impl.fn, c.x, args)
+    full = list(recorded)
+    plan = plans.get(key)
+    assert plan is not None, f"{name}: no plan"
+    assert full, "the full path launched nothing"
+
+    # The plan on fresh tensors of the same signature: it must read their pointers, not the first call's.
+    d = make_case(M, K, I, O, gated=gated, bias=(bias,) * 3, lead=lead, dtype=torch.float16)
+    inputs = (d.x, d.wg, d.bg, d.wu, d.bu, d.wd, d.bd)
+    recorded.clear()
+    y_plan = plan(*inputs)
+    assert y_plan.shape == (*c.x.shape[:-1], O) and y_plan.dtype == c.x.dtype
+    assert [(n, g) for n, g, _ in recorded] == [(n, g) for n, g, _ in full], "other kernels or grids"
+
+    old_inputs = {id(t): i for i, t in enumerate((x2, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)) if t is not None}
+    pieces = {}  # id(intermediate of the full call) -> (pointer in the plan's call, bytes)
+    for (_, _, fargs), (_, _, pargs) in zip(full, recorded):
+        assert len(fargs) == len(pargs)  # the arguments, then the constexpr slots (None)
+        for a, p in zip(fargs, pargs):
+            if not isinstance(a, torch.Tensor):
+                assert p == a and type(p) is type(a)
+            elif id(a) in old_inputs:
+                assert p == inputs[old_inputs[id(a)]].data_ptr()
+            elif a is y_full and name != "triton_gemm":
+                assert p == y_plan.data_ptr()
+            else:
+                assert isinstance(p, int) and p % 16 == 0
+                assert pieces.setdefault(id(a), (p, a.nbytes)) == (p, a.nbytes), "one intermediate, two pointers"
+    spans = sorted(pieces.values())
+    for (p, n), (q, _) in zip(spans, spans[1:]):
+        assert p + n <= q, "intermediates overlap in the workspace"
+    for p, _ in spans:
+        assert p not in {t.data_ptr() for t in inputs if t is not None} | {y_plan.data_ptr()}
+
+
+def test_the_signature_tells_apart_everything_a_launch_depends_on():
+    c = make_case(4, 32, 48, 16, bias=(True, True, True), dtype=torch.float16)
+    base = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
+    key = plans.signature(*base, "silu", False)
+    assert plans.signature(*[t.clone() for t in base], "silu", False) == key  # same metadata, other memory
+    assert plans.signature(*base, "gelu", False) != key
+    assert plans.signature(*base, "silu", True) != key
+    for i, t in enumerate(base):
+        variants = [t.float(), t.t().contiguous().t() if t.dim() == 2 else t[::1].expand(t.shape[0]).clone(),
+                    torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)]  # dtype, strides, alignment
+        if t.dim() == 2:
+            variants.append(t.reshape(t.shape[0] // 2, t.shape[1] * 2))  # shape
+        for v in variants:
+            args = list(base)
+            args[i] = v
+            if v.stride() == t.stride() and v.dtype == t.dtype and v.shape == t.shape and \
+                    v.data_ptr() % 16 == t.data_ptr() % 16:
+                continue  # not a variant of this tensor
+            assert plans.signature(*args, "silu", False) != key, (i, v.shape, v.stride(), v.dtype)
+    assert plans.signature(c.x, c.wg, None, c.wu, c.bu, c.wd, c.bd, "silu", False) != key
+    for setting, value in (("force_impl", "reference"), ("autotune", False)):
+        old = getattr(config, setting)
+        setattr(config, setting, value)
+        try:
+            assert plans.signature(*base, "silu", False) != key, setting
+        finally:
+            setattr(config, setting, old)
+
+
+def test_no_plan_while_a_launch_hook_is_set(recorded, monkeypatch):
+    c = make_case(2, 32, 48, 16, dtype=torch.float16)
+    x2 = c.x.reshape(-1, 32)
+    impl = dispatch.IMPLS_BY_NAME["triton_gemm_splitk"]
+    plans.clear()
+    plans.run_and_plan("k", impl.name, impl.fn, c.x, (x2, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act))
+    assert plans.get("k") is not None
+    monkeypatch.setattr(common, "_launch_hooks", lambda: True)
+    monkeypatch.setattr(plans, "_launch_hooks", lambda: True)
+    assert plans.get("k") is None  # a profiler's hook: every launch goes through Triton's own path
+
+
+def test_small_m_in_fp32_without_b_down_is_not_planned(recorded):
+    """There the kernel accumulates into the output itself, which must start at zero on every call."""
+    c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, False))
+    impl = dispatch.IMPLS_BY_NAME["triton_small_m"]
+    args = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act)
+    plans.clear()
+    plans.run_and_plan("fp32", impl.name, impl.fn, c.x, args)
+    assert plans.get("fp32") is None
+    c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, True))
+    plans.run_and_plan("fp32 b", impl.name, impl.fn, c.x, (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act))
+    assert plans.get("fp32 b") is not None  # with b_down a finish kernel writes the output
