@@ -3,9 +3,10 @@
     python examples/training_step.py
 
 Two copies of a tiny random LLaMA get the same batch: one as it is, one with its MLPs patched
-(``mlp_fuser.patch``: each MLP block calls mlp_fuser::gated_mlp, whose backward recomputes the intermediate
-instead of saving it, or with ``backward="save"`` keeps the gate and up outputs). The loss and every parameter's
-gradient must agree; then one AdamW step is taken and the updated weights must agree too. The same is done through
+(``mlp_fuser.patch``: each MLP block calls mlp_fuser::gated_mlp, which keeps the gate and up outputs for its
+backward by default, ``backward="save"``, or with ``backward="recompute"`` recomputes them instead of saving
+anything of the intermediate's size). The loss and every parameter's gradient must agree; then one AdamW step is
+taken and the updated weights must agree too. The same is done through
 ``torch.compile(backend=mlp_fuser.make_backend(backward="save"))``.
 """
 
