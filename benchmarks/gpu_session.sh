@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: versions, then the steps named on the command line, in order.
-# Usage on the device machine: bash benchmarks/gpu_session.sh [tests|overhead|impls|bench|generate ...]
+# Usage on the device machine: bash benchmarks/gpu_session.sh [tests|overhead|impls|bench|generate|train ...]
+#   tests: TESTS_K=<pytest -k expression> TEST_TIMEOUT=<s> (time-boxed with SIGINT, so the summary still prints)
 #   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 (defaults: 1b, every path, 1,8)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -12,9 +13,10 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_gpu.py \
-             tests/test_splitk.py tests/test_backend.py tests/test_ops.py -k "gpu or cuda or splitk" 2>&1 \
-             | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout -s INT ${TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_plans.py \
+             tests/test_gpu.py tests/test_splitk.py tests/test_backend.py tests/test_ops.py \
+             -k "${TESTS_K:-plan or gpu or cuda or splitk}" 2>&1 | tee "$OUT/tests.log" \
+             | grep -E "FAILED|ERROR|passed|failed|Interrupt" | tail -25 ;;  # SIGINT: pytest still prints its summary
     overhead) timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/bench_kernels.py overhead 2>&1 | tee "$OUT/overhead.log" | tail -60 ;;
     impls) timeout ${IMPLS_TIMEOUT:-300} python3 benchmarks/bench_impls.py --shapes ${SHAPES:-0,1,2,3,4} \
              --ms ${MS:-16,32,64,128,256} --budget-s ${IMPLS_BUDGET:-270} 2>&1 | tee "$OUT/impls.log" | tail -45 ;;
@@ -23,5 +25,7 @@ for step in "$@"; do
     generate) timeout ${GEN_TIMEOUT:-400} python3 benchmarks/bench_generate.py --out "$OUT" --model ${MODEL:-1b} \
                 --paths ${PATHS:-eager,patch,compile,backend,static,static_backend,prefill} --batches ${BATCHES:-1,8} \
                 ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;
+    train) timeout ${TRAIN_TIMEOUT:-300} python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 \
+             | grep -v "^INFO:torch\|^W1\|^I1\|UserWarn\|warnings.warn" | tee "$OUT/train.log" | tail -20 ;;
   esac
 done
