@@ -22,6 +22,7 @@ call, and so does every call while a Triton launch hook (a profiler) is set: tho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -106,7 +107,7 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
         return None
     names = {id(t): n for n, t in zip(_INPUTS, (x2, wg, bg, wu, bu, wd, bd)) if t is not None}
     out_shape = (*x.shape[:-1], wd.shape[0])
-    pieces: dict[int, tuple[str, int]] = {}  # id(intermediate) -> (expression, byte offset in the workspace)
+    pieces: dict[int, tuple[str, int, int]] = {}  # id(intermediate) -> (expression, byte offset, bytes)
     nbytes, calls, consts, used = 0, [], {}, set()
     for i, (launcher, key, largs) in enumerate(launches):
         hit = launcher.cache.get(key)
@@ -128,11 +129,11 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
                 else:  # an intermediate: a fresh, contiguous allocation of its own, placed in the workspace
                     if not a.is_contiguous() or a._base is not None or a.untyped_storage().nbytes() != a.nbytes:
                         return None
-                    pieces[id(a)] = (f"(w + {nbytes})" if nbytes else "w", nbytes)
+                    pieces[id(a)] = (f"(w + {nbytes})" if nbytes else "w", nbytes, a.nbytes)
                     exprs.append(pieces[id(a)][0])
                     nbytes += -(-a.nbytes // _ALIGN) * _ALIGN
-            elif a is None or type(a) in (int, bool, float):
-                exprs.append(repr(a))
+            elif a is None or type(a) in (int, bool) or (type(a) is float and math.isfinite(a)):
+                exprs.append(repr(a))  # source that evaluates back to the same value
             else:
                 return None
         consts[f"_run{i}"], consts[f"_fn{i}"], consts[f"_meta{i}"] = (compiled.run, compiled.function,
@@ -144,9 +145,9 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
     lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})"]
     lines += [f"    p_{n} = {n}.data_ptr()" for n in _INPUTS if n in used]
     if cublas_tail:  # the launches write h (the only intermediate), which cuBLAS then reads as a tensor
-        if len(pieces) != 1:
-            return None
         h_shape = (*x.shape[:-1], wg.shape[0])
+        if [p[1:] for p in pieces.values()] != [(0, math.prod(h_shape) * x.element_size())]:
+            return None  # not exactly one intermediate of h's size
         lines += [f"    h = _{start}({h_shape}, dtype=_dtype, device=_device)", "    w = h.data_ptr()"]
         lines += calls + ["    return _linear(h, wd, bd)"]
     else:
