@@ -282,3 +282,27 @@ def test_weights_read_as_they_are_take_one_generated_call_and_views_take_the_gra
             torch.testing.assert_close(m(inp), type(m).forward(m, inp))
         mlp.down_proj.weight = nn.Parameter(torch.randn(32, 64))  # replaced: read from the dict on every call
         torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))
+
+
+def test_per_module_patch_leaves_attention_as_eager_calls_it(monkeypatch):
+    """The per-module patch changes only the MLPs: attention gets HF's eager call, SDPA with is_causal and no mask,
+    in training too. The whole-model patch (per_module=False) runs the forward through Dynamo, where HF builds a
+    (B, 1, T, T) mask instead: a different (slower on the GPU) attention, which is why patch is per module."""
+    model = _llama(2).train()
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def probe(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", probe)
+    model(input_ids=ids, labels=ids).loss.backward()
+    eager = set(seen)
+    seen.clear()
+    mlp_fuser.patch(model)
+    assert mlp_fuser.is_patched(model) and model.__dict__.get(_MODULES)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert set(seen) == eager == {(True, True)}, (set(seen), eager)
