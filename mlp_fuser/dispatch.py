@@ -88,7 +88,6 @@ def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
     return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
 
 
-
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     g = F.linear(x2, wg, bg)
     u = F.linear(x2, wu, bu) if wu is not None else None
@@ -136,6 +135,10 @@ BACKWARD_IMPLS: list[Impl] = [
          notes="aten ops in fp32, rounded once"),
 ]
 BACKWARD_BY_NAME = {i.name: i for i in BACKWARD_IMPLS}
+
+
+def _by_name(impls: list[Impl]) -> dict[str, Impl]:
+    return IMPLS_BY_NAME if impls is IMPLS else BACKWARD_BY_NAME
 
 
 # The save-mode forward's act·mul (ops.act_mul): the Triton kernel wherever the Triton implementations run, unless
@@ -194,13 +197,12 @@ def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = Fal
         return candidates[0], True
     key = _choice_key(p, index) + (() if impls is IMPLS else ("backward",))
     names = _choice_cache.get(key)
-    by_name = IMPLS_BY_NAME if impls is IMPLS else BACKWARD_BY_NAME
     if names is None:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
-            return by_name["reference"], False
+            return _by_name(impls)["reference"], False
         names = _choice_cache[key] = _time_candidates(candidates, args, p, "" if impls is IMPLS else "the backward of ")
-    return by_name[names[eager]], True
+    return _by_name(impls)[names[eager]], True
 
 
 def _choice_key(p: Problem, index: int | None) -> tuple:
@@ -222,7 +224,7 @@ def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
     for the forward, a forward one for the backward) leaves this direction's choice free ("reference" forces
     both)."""
     if config.force_impl:
-        impl = {i.name: i for i in impls}.get(config.force_impl)
+        impl = _by_name(impls).get(config.force_impl)
         if impl is None:
             if config.force_impl in IMPLS_BY_NAME or config.force_impl in BACKWARD_BY_NAME:
                 return [i for i in impls if i.why_not(p) is None]
