@@ -327,8 +327,7 @@ def _planned(impl: Impl, args: tuple) -> ImplFn | None:
     the eager choice weighs is then the plan's."""
     if impl.name not in plans.PLANNED or not config.plans:
         return None
-    y, launches = plans.record(impl.fn, args)
-    plan = plans.build(impl.name, args[0], args, y, launches)
+    plan = plans.record(impl.name, impl.fn, args[0], args)[1]
     return None if plan is None else lambda *a: plan(*a[:7])
 
 

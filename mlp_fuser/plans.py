@@ -65,20 +65,20 @@ def get(key: tuple) -> Callable[..., Tensor] | None:
     return plan if plan is None or not _launch_hooks() else None
 
 
-def record(fn: Callable[..., Tensor], args: tuple) -> tuple[Tensor, list]:
-    """``fn(*args)`` and the launches it made, as ``Launcher`` recorded them."""
+def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tuple[Tensor, Callable[..., Tensor] | None]:
+    """``fn(*args)`` (implementation ``name`` on the call's 2-D arguments) and the plan built from the launches it
+    made (None where ``build`` gives none)."""
     Launcher.recording.launches = launches = []  # this thread's launches
     try:
-        return fn(*args), launches
+        y = fn(*args)
     finally:
         Launcher.recording.launches = None
+    return y, build(name, x, args, y, launches)
 
 
 def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> Tensor:
-    """``fn(*args)`` (implementation ``name`` on the call's 2-D arguments), then the plan for ``key`` built from
-    its launches where ``name`` is planned."""
-    y, launches = record(fn, args)
-    plan = build(name, x, args, y, launches)
+    """``fn(*args)``, keeping the plan ``record`` builds from it for ``key``."""
+    y, plan = record(name, fn, x, args)
     if plan is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
