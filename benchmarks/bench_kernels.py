@@ -141,23 +141,22 @@ def _host_times(module, patched, w, x):
 
     compiled = torch.compile(unfused, dynamic=False)
 
-    def forced(impl):
+    def with_setting(name, value, fn):
+        """``fn`` run with ``mlp_fuser.config.<name>`` set to ``value`` (restored after each call)."""
         def call():
-            old, config.force_impl = config.force_impl, impl
-            try:
-                return op(x, *w, "silu")
-            finally:
-                config.force_impl = old
-        return call
-
-    def no_plans(fn):
-        def call():
-            config.plans = False
+            old = getattr(config, name)
+            setattr(config, name, value)
             try:
                 return fn()
             finally:
-                config.plans = True
+                setattr(config, name, old)
         return call
+
+    def forced(impl):
+        return with_setting("force_impl", impl, lambda: op(x, *w, "silu"))
+
+    def no_plans(fn):
+        return with_setting("plans", False, fn)
 
     out = []
     with torch.no_grad():
