@@ -163,8 +163,8 @@ def run(args, results):
                 gen, done = generate_fn(model, path, ids)
                 try:
                     ms, out, warm_s = time_decode(gen, device, new_tokens)
-                    if args.profile and (batch, path) in PROFILED:
-                        profile_decode(f"{label} b={batch} {path}", gen, device, path in ("eager", "patch"))
+                    if (batch, path) in args.profiled:
+                        profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
                     if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                         time_modules(f"{label} b={batch} {path}", model, gen, device)
                 except Exception as e:  # report, keep the other paths' numbers
@@ -350,9 +350,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
+    ap.add_argument("--profile-at", default="", help="profile these decode paths instead, e.g. 1:compile,1:backend")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model")
     args = ap.parse_args(argv)
+    args.profiled = ({(int(b), p) for b, p in (a.split(":") for a in args.profile_at.split(","))} if args.profile_at
+                     else PROFILED if args.profile else set())
     import logging
 
     import mlp_fuser

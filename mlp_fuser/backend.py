@@ -5,7 +5,9 @@ The rewrite runs before AOTAutograd, so training works through the op's own auto
 ``backend="mlp_fuser"`` once the package is imported. ``mode=`` and ``options=`` mean what they mean for
 ``backend="inductor"``: torch.compile hands them to the backend, which hands them to Inductor through the very
 wrapper ``backend="inductor"`` uses (``reduce-overhead`` and ``max-autotune`` turn on Inductor's CUDA-graph
-trees), and ``torch._dynamo.reset()`` resets what they created.
+trees), and ``torch._dynamo.reset()`` resets what they created. Where the mode runs without CUDA graphs, the
+fused ops in the graph take the dispatcher's choice for eager calls (``without_graphs``), as ``patch`` does: each
+launch then costs host time, which that choice weighs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import fx_pass
+from . import fx_pass, ops
 from . import patterns as registry
 from .activations import get_activation
 
@@ -29,6 +31,32 @@ def inductor_compiler(mode: str | None = None, options: dict[str, Any] | None = 
     """What ``torch.compile(backend="inductor", mode=mode, options=options)`` compiles a graph with: the config
     patches of the mode and the options, checked as Inductor checks them (an unknown mode or option raises)."""
     return torch._TorchCompileInductorWrapper(mode, options, None)
+
+
+def uses_cuda_graphs(compiler) -> bool:
+    """Whether Inductor runs what ``compiler`` compiles as CUDA graphs (its mode's and options' setting, else
+    Inductor's global one)."""
+    import torch._inductor.config as inductor_config
+
+    return bool(compiler.config.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+
+def without_graphs(compiled: Callable) -> Callable:
+    """``compiled`` (Inductor's callable for one graph) with the op's calls inside it taking the dispatcher's
+    choice for eager calls, which weighs the host's time per call: the graph runs without CUDA graphs, so every
+    launch costs host time again."""
+
+    def run(*args):
+        before = ops.calls.eager
+        ops.calls.eager = True
+        try:
+            return compiled(*args)
+        finally:
+            ops.calls.eager = before
+
+    run = torch._dynamo.disable(run)  # as Inductor's own callable: Dynamo must not trace the call
+    run.__dict__.update({k: v for k, v in compiled.__dict__.items() if not k.startswith("_torchdynamo")})
+    return run  # with _boxed_call and the rest that Dynamo reads from Inductor's callable
 
 
 BACKWARD = ("recompute", "save")
@@ -89,7 +117,8 @@ def make_backend(
             return gm.forward
         if compiler not in compilers:
             compilers.append(compiler)
-        return compiler(gm, example_inputs)
+        compiled = compiler(gm, example_inputs)
+        return compiled if uses_cuda_graphs(compiler) else without_graphs(compiled)
 
     def reset() -> None:
         """Called by ``torch._dynamo.reset()``: drop what the modes created (Inductor's CUDA-graph trees)."""

@@ -33,6 +33,7 @@ Registered kernels, from the top of the dispatcher down:
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -142,12 +143,22 @@ def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False
     return y if len(shape) == 2 else y.view(*shape[:-1], O)
 
 
+class _Calls(threading.local):
+    """How this thread's registered-op calls run. ``eager``: without CUDA graphs (set by the backend around the
+    graphs Inductor runs without them), so ``dispatch``'s choice for eager calls applies."""
+
+    eager = False
+
+
+calls = _Calls()
+
+
 def _mlp(x, w1, b1, w2, b2, activation, save_preact=False):
-    return _forward("mlp", x, w1, b1, None, None, w2, b2, activation)
+    return _forward("mlp", x, w1, b1, None, None, w2, b2, activation, calls.eager)
 
 
 def _gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
-    return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, calls.eager)
 
 
 _lib.impl("mlp", _mlp, "CompositeExplicitAutograd")

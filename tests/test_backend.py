@@ -54,6 +54,25 @@ def test_each_mode_matches_eager_and_reaches_inductor(mode, compile_fx_spy):
         assert compile_fx_spy[0]["triton.cudagraphs"] is True
 
 
+@pytest.mark.parametrize("mode, options", [(m, None) for m in MODES] + [(None, {"triton.cudagraphs": True})])
+def test_op_calls_take_the_eager_choice_exactly_where_inductor_runs_without_cuda_graphs(mode, options, monkeypatch):
+    # Without CUDA graphs every launch costs host time, so the dispatcher's choice for eager calls applies.
+    from mlp_fuser import ops
+
+    torch._dynamo.reset()
+    seen, real = [], ops._forward
+    monkeypatch.setattr(ops, "_forward", lambda *a: seen.append(a[-1]) or real(*a))
+    model = _tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=mlp_fuser.backend, mode=mode, options=options)
+        out = compiled(ids).logits
+        torch.testing.assert_close(out, model(ids).logits)
+    graphs = mode in ("reduce-overhead", "max-autotune") or options is not None
+    assert seen == [not graphs] * 2
+    assert not ops.calls.eager  # and not after the graph ran
+
+
 def test_options_reach_inductor_and_bad_ones_fail_as_for_inductor(compile_fx_spy):
     torch._dynamo.reset()
     model = _tiny_llama()
