@@ -165,6 +165,8 @@ def run(args, results):
                     ms, out, warm_s = time_decode(gen, device, new_tokens)
                     if (batch, path) in args.profiled:
                         profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
+                    if args.host_split and not path.startswith("static"):
+                        host_split(f"{label} b={batch} {path}", model, gen, device)
                     if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                         time_modules(f"{label} b={batch} {path}", model, gen, device)
                 except Exception as e:  # report, keep the other paths' numbers
@@ -276,6 +278,73 @@ def time_modules(label, model, gen, device, tokens=16):
         + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}")
 
 
+def host_split(label, model, gen, device, tokens=16):
+    """Where the host's time goes in one generate of ``tokens`` new tokens, without a profiler: wall time per
+    token, host time inside ``model.forward`` (no synchronisation), inside the op (``ops._forward``, plans
+    included), in Python's garbage collector (``gc.callbacks``), and the synchronisations torch reports
+    (``torch.cuda.set_sync_debug_mode``)."""
+    import gc
+    import warnings
+
+    from mlp_fuser import ops
+
+    acc = dict(fwd=0.0, fwd_n=0, op=0.0, op_n=0, gc=0.0, gc_n=0, gc2=0)
+    real_op, t_fwd, gc_t0 = ops._forward, [0.0], [0.0]
+
+    def pre(module, args):  # forward hooks, not a replaced forward: Dynamo's guards on the model stay as they were
+        t_fwd[0] = time.perf_counter()
+
+    def post(module, args, out):
+        acc["fwd"] += time.perf_counter() - t_fwd[0]
+        acc["fwd_n"] += 1
+
+    def op(*a, **k):
+        t0 = time.perf_counter()
+        out = real_op(*a, **k)
+        acc["op"] += time.perf_counter() - t0
+        acc["op_n"] += 1
+        return out
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            acc["gc"] += time.perf_counter() - gc_t0[0]
+            acc["gc_n"] += 1
+            acc["gc2"] += info["generation"] == 2
+
+    hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    ops._forward = op
+    gc.callbacks.append(on_gc)
+    try:
+        gen(tokens)  # whatever the hooks cost the first time
+        sync(device)
+        acc.update(dict.fromkeys(acc, 0))
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(1)
+            try:
+                gen(tokens)
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
+        ops._forward = real_op
+        for h in hooks:
+            h.remove()
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    log(f"  host split, {label}, one generate of {tokens} tokens: wall {wall / tokens * 1e3:.3f} ms/token; inside "
+        f"forward {acc['fwd'] / tokens * 1e3:.3f} ms/token ({acc['fwd_n']:.0f} calls); inside the op "
+        f"{acc['op'] / max(acc['op_n'], 1) * 1e6:.1f} µs/call ({acc['op_n'] / tokens:.0f} per token); gc "
+        f"{acc['gc'] * 1e3:.2f} ms in {acc['gc_n']:.0f} collections ({acc['gc2']:.0f} full); synchronisations "
+        f"reported (second generate): {syncs}")
+
+
 PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
 
 
@@ -351,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
     ap.add_argument("--profile-at", default="", help="profile these decode paths instead, e.g. 1:compile,1:backend")
+    ap.add_argument("--host-split", action="store_true", help="decode paths but static: host time inside forward, the "
+                    "op, the garbage collector; synchronisations")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model")
     args = ap.parse_args(argv)
