@@ -17,14 +17,17 @@ Paths (``--paths``, in this order), each with and without mlp_fuser where it app
 - ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend.
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
-32-token prompt, greedy, EOS disabled. Each path's tokens are compared with eager's (bf16 greedy decoding may
-diverge after some tokens; the first divergence is reported). The table is printed last and written to
+32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
+static and static_backend) run on copies of one model and take turns in each of the 3 rounds, so a slow stretch of
+a shared host weighs on both sides of a ratio alike. Each path's tokens are compared with eager's (bf16 greedy
+decoding may diverge after some tokens; the first divergence is reported). The table is printed last and written to
 OUT/generate.md and OUT/generate.json after every measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -43,6 +46,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             vocab_size=256)
 DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
 EXTRA_PATHS = ["patch_noplan"]  # on request: patch with mlp_fuser.config.plans off (the op's full path every call)
+# Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
+GROUPS = [["eager", "patch", "patch_noplan"], ["compile", "backend"], ["static", "static_backend"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
             "static_backend": "static", "patch_noplan": "eager"}
 
@@ -77,9 +82,6 @@ def generate_fn(model, path, ids):
     if path in ("patch", "patch_noplan"):  # patch_noplan: without launch plans (mlp_fuser.plans), for comparison
         mlp_fuser.patch(model)
         cleanup.append(lambda: mlp_fuser.unpatch(model))
-        if path == "patch_noplan":
-            mlp_fuser.config.plans = False
-            cleanup.append(lambda: setattr(mlp_fuser.config, "plans", True))
     elif path in ("compile", "backend"):
         backend = mlp_fuser.backend if path == "backend" else "inductor"
         model.forward = torch.compile(model.forward, backend=backend)
@@ -93,31 +95,34 @@ def generate_fn(model, path, ids):
         cleanup.append(lambda: [model.__dict__.pop(k, None) for k in ("_compiled_call", "_last_compile_config")])
 
     def gen(n):
-        return model.generate(ids, max_new_tokens=n, **kwargs)
+        if path != "patch_noplan":
+            return model.generate(ids, max_new_tokens=n, **kwargs)
+        mlp_fuser.config.plans = False  # while this path's generate runs: the paths take turns
+        try:
+            return model.generate(ids, max_new_tokens=n, **kwargs)
+        finally:
+            mlp_fuser.config.plans = True
 
     def done():
         for f in cleanup:
             f()
-        torch._dynamo.reset()
 
     return gen, done
 
 
-def time_decode(gen, device, new_tokens):
-    """(ms per decode token, tokens of the long generation, seconds spent in the two warm-ups)."""
-    t0 = time.perf_counter()
-    for _ in range(2):
-        out = gen(new_tokens)
-    sync(device)
-    warm_s = time.perf_counter() - t0
-    best = {}
-    for _ in range(3):
-        for n in (new_tokens, 1):
-            t0 = time.perf_counter()
-            gen(n)
-            sync(device)
-            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
-    return (best[new_tokens] - best[1]) / (new_tokens - 1) * 1e3, out, warm_s
+def time_decode(gens, device, new_tokens, rounds=3):
+    """{path: ms per decode token} for warmed-up generate functions: each path's best of ``rounds`` generations of
+    ``new_tokens`` and of 1 token, the paths taking turns within each round, so that a slow stretch of the host (a
+    shared machine's) falls on every path alike rather than on whichever ran then."""
+    best = {path: {} for path in gens}
+    for _ in range(rounds):
+        for path, gen in gens.items():
+            for n in (new_tokens, 1):
+                t0 = time.perf_counter()
+                gen(n)
+                sync(device)
+                best[path][n] = min(best[path].get(n, float("inf")), time.perf_counter() - t0)
+    return {path: (b[new_tokens] - b[1]) / (new_tokens - 1) * 1e3 for path, b in best.items()}
 
 
 def first_divergence(out, ref, prompt):
@@ -159,30 +164,47 @@ def run(args, results):
         for batch in map(int, args.batches.split(",")):
             ids = torch.randint(3, vocab, (batch, prompt), device=device, generator=g)
             ref = None
-            for path in [p for p in DECODE_PATHS + EXTRA_PATHS if p in paths]:
-                gen, done = generate_fn(model, path, ids)
+            for group in GROUPS:
+                members = [p for p in group if p in paths]
+                live = {}  # path -> (gen, cleanup, its model, tokens of a warm-up, warm-up seconds)
                 try:
-                    ms, out, warm_s = time_decode(gen, device, new_tokens)
-                    if (batch, path) in args.profiled:
-                        profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
-                    if args.host_split and not path.startswith("static"):
-                        host_split(f"{label} b={batch} {path}", model, gen, device)
-                    if args.time_modules and path in ("eager", "patch", "patch_noplan"):
-                        time_modules(f"{label} b={batch} {path}", model, gen, device)
-                except Exception as e:  # report, keep the other paths' numbers
-                    log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
-                    results.append(dict(model=label, phase=f"decode b={batch}", path=path, error=type(e).__name__))
-                    continue
+                    for i, path in enumerate(members):  # the group's first path runs on the model, the others on copies
+                        m = model if i == 0 else copy.deepcopy(model)
+                        gen, done = generate_fn(m, path, ids)
+                        try:
+                            t0 = time.perf_counter()
+                            for _ in range(2):
+                                out = gen(new_tokens)
+                            sync(device)
+                            live[path] = (gen, done, m, out, time.perf_counter() - t0)
+                        except Exception as e:  # report, keep the other paths' numbers
+                            done()
+                            log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
+                            results.append(dict(model=label, phase=f"decode b={batch}", path=path,
+                                                error=type(e).__name__))
+                    times = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
+                    for path, (gen, _, m, out, warm_s) in live.items():
+                        if (batch, path) in args.profiled:
+                            profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
+                        if args.host_split and not path.startswith("static"):
+                            host_split(f"{label} b={batch} {path}", m, gen, device)
+                        if args.time_modules and path in ("eager", "patch", "patch_noplan"):
+                            time_modules(f"{label} b={batch} {path}", m, gen, device)
+                        if path == "eager":
+                            ref = out
+                        div = first_divergence(out, ref, prompt) if ref is not None else None
+                        results.append(dict(model=label, phase=f"decode b={batch}", path=path, ms=times[path],
+                                            warmup_s=warm_s, diverges_at=div))
+                        log(f"{label} b={batch} {path}: {times[path]:.3f} ms/token (warm-ups {warm_s:.0f} s), tokens "
+                            f"{'same as eager' if div is None else f'diverge from eager at new token {div}'}")
+                        write(results, args.out)
                 finally:
-                    done()
-                if path == "eager":
-                    ref = out
-                div = first_divergence(out, ref, prompt) if ref is not None else None
-                results.append(dict(model=label, phase=f"decode b={batch}", path=path, ms=ms, warmup_s=warm_s,
-                                    diverges_at=div))
-                log(f"{label} b={batch} {path}: {ms:.3f} ms/token (warm-ups {warm_s:.0f} s), tokens "
-                    f"{'same as eager' if div is None else f'diverge from eager at new token {div}'}")
-                write(results, args.out)
+                    for _, done, *_ in live.values():
+                        done()
+                    live.clear()
+                    torch._dynamo.reset()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
         if "prefill" in paths:
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
