@@ -65,3 +65,25 @@ def test_write_results_is_complete_after_every_row(tmp_path):
     assert "| SwiGLU 4096x11008     | bfloat16 |   128 |" in md and "Targets (issue 10)" in md
     assert "Skipped for the time budget (480 s): max-autotune SwiGLU 8192x3584 M=8192" in md
     assert (tmp_path / "results.json").exists()
+
+
+def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
+    # benchmarks/bench_generate.py with a tiny config: the eager group's paths each get a row, patch_noplan turns
+    # the launch plans off only while its generate runs.
+    import json
+    import sys
+    from pathlib import Path
+
+    import mlp_fuser
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,patch_noplan", "--batches", "1",
+                                "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [r["path"] for r in rows] == ["eager", "patch", "patch_noplan"]
+    assert all(r["ms"] > 0 and r["diverges_at"] is None for r in rows)  # fp32 on the CPU: the same tokens
+    assert mlp_fuser.config.plans
