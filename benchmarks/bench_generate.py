@@ -14,7 +14,8 @@ Paths (``--paths``, in this order), each with and without mlp_fuser where it app
 - ``static`` / ``static_backend``: ``generate(cache_implementation="static", compile_config=CompileConfig(
   fullgraph=True[, backend=mlp_fuser.backend]))``: transformers compiles the decode step itself, mode
   reduce-overhead (Inductor's CUDA-graph trees);
-- ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend.
+- ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 10, the paths
+  of a pair (eager and patch; compile and backend) taking turns call by call.
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -130,24 +131,28 @@ def first_divergence(out, ref, prompt):
     return None if diff.numel() == 0 else int(diff[0])
 
 
-def time_prefill(fwd, ids, device, iters=10):
-    for _ in range(2):
-        fwd(ids)
+def time_prefill(fwds, ids, device, iters=10):
+    """{path: median ms of one forward} for ``fwds`` ({path: ids -> logits}), after two warm-up calls each; the
+    paths take turns call by call (see ``time_decode``)."""
+    for fwd in fwds.values():
+        for _ in range(2):
+            fwd(ids)
     sync(device)
-    times = []
+    times = {path: [] for path in fwds}
     for _ in range(iters):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fwd(ids)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fwd(ids)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for path, fwd in fwds.items():
+            if device == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fwd(ids)
+                b.record()
+                b.synchronize()
+                times[path].append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fwd(ids)
+                times[path].append((time.perf_counter() - t0) * 1e3)
+    return {path: statistics.median(t) for path, t in times.items()}
 
 
 def run(args, results):
@@ -208,30 +213,40 @@ def run(args, results):
         if "prefill" in paths:
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
-            for path in args.prefill_paths.split(","):
-                fwd = lambda ids: model(ids, use_cache=False).logits  # noqa: E731
-                if path == "patch":
-                    mlp_fuser.patch(model)
-                elif path in ("compile", "backend"):
-                    compiled = torch.compile(model.forward, backend=mlp_fuser.backend if path == "backend" else
-                                             "inductor")
-                    fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
+            wanted = args.prefill_paths.split(",")
+            for group in (["eager", "patch"], ["compile", "backend"]):  # timed in turns, each on its own model copy
+                members, fwds = [p for p in group if p in wanted], {}
                 try:
-                    t0 = time.perf_counter()
-                    err = rel(fwd(ids), ref_logits)
-                    compile_s = time.perf_counter() - t0
-                    ms = time_prefill(fwd, ids, device)
-                    results.append(dict(model=label, phase="prefill", path=path, ms=ms, logits_rel_err=err))
-                    log(f"{label} prefill {path}: {ms:.2f} ms (first call {compile_s:.0f} s), logits rel err {err:.1e}")
-                    if args.profile_cpu and device == "cuda":
-                        profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
-                except Exception as e:
-                    log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
-                    results.append(dict(model=label, phase="prefill", path=path, error=type(e).__name__))
+                    for i, path in enumerate(members):
+                        m = model if i == 0 else copy.deepcopy(model)
+                        fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
+                        if path == "patch":
+                            mlp_fuser.patch(m)
+                        elif path in ("compile", "backend"):
+                            compiled = torch.compile(m.forward, backend=mlp_fuser.backend if path == "backend"
+                                                     else "inductor")
+                            fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
+                        try:
+                            t0 = time.perf_counter()
+                            err = rel(fwd(ids), ref_logits)
+                            fwds[path] = (fwd, err, time.perf_counter() - t0)
+                        except Exception as e:
+                            log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
+                            results.append(dict(model=label, phase="prefill", path=path, error=type(e).__name__))
+                    times = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
+                    for path, (fwd, err, first_s) in fwds.items():
+                        results.append(dict(model=label, phase="prefill", path=path, ms=times[path],
+                                            logits_rel_err=err))
+                        log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
+                            f"err {err:.1e}")
+                        if args.profile_cpu and device == "cuda":
+                            profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
+                    write(results, args.out)
                 finally:
                     mlp_fuser.unpatch(model)
                     torch._dynamo.reset()
-                write(results, args.out)
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
 
 
 def rel(a, b):

@@ -81,9 +81,13 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
         import bench_generate
     finally:
         sys.path.pop(0)
-    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,patch_noplan", "--batches", "1",
-                                "--out", str(tmp_path)]) == 0
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,patch_noplan,prefill", "--batches",
+                                "1", "--prefill-paths", "eager,patch", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
-    assert [r["path"] for r in rows] == ["eager", "patch", "patch_noplan"]
-    assert all(r["ms"] > 0 and r["diverges_at"] is None for r in rows)  # fp32 on the CPU: the same tokens
+    assert [(r["phase"], r["path"]) for r in rows] == [("decode b=1", "eager"), ("decode b=1", "patch"),
+                                                       ("decode b=1", "patch_noplan"), ("prefill", "eager"),
+                                                       ("prefill", "patch")]
+    assert all(r["ms"] > 0 for r in rows)
+    assert all(r["diverges_at"] is None for r in rows[:3])  # fp32 on the CPU: the same tokens
+    assert all(r["logits_rel_err"] < 1e-5 for r in rows[3:])
     assert mlp_fuser.config.plans
