@@ -42,9 +42,9 @@ def uses_cuda_graphs(compiler) -> bool:
 
 
 def without_graphs(compiled: Callable) -> Callable:
-    """``compiled`` (Inductor's callable for one graph) with the op's calls inside it taking the dispatcher's
-    choice for eager calls, which weighs the host's time per call: the graph runs without CUDA graphs, so every
-    launch costs host time again."""
+    """``compiled`` (Inductor's callable for one graph, or the graph module's own forward) with the op's calls
+    inside it taking the dispatcher's choice for eager calls, which weighs the host's time per call: the graph runs
+    without CUDA graphs, so every launch costs host time again."""
 
     def run(*args):
         before = ops.calls.eager
@@ -113,8 +113,8 @@ def make_backend(
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)
         else:
             log.info("mlp_fuser: graph %d: fusion disabled", gid)
-        if compiler is None:
-            return gm.forward
+        if compiler is None:  # the graph runs op by op, as eager code does
+            return without_graphs(gm.forward)
         if compiler not in compilers:
             compilers.append(compiler)
         compiled = compiler(gm, example_inputs)

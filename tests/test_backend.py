@@ -71,6 +71,11 @@ def test_op_calls_take_the_eager_choice_exactly_where_inductor_runs_without_cuda
     graphs = mode in ("reduce-overhead", "max-autotune") or options is not None
     assert seen == [not graphs] * 2
     assert not ops.calls.eager  # and not after the graph ran
+    seen.clear()  # without Inductor (as patch(model, per_module=False) runs it): eager calls
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=mlp_fuser.make_backend(inductor=False))(ids)
+    assert seen == [True] * 2 and not ops.calls.eager
 
 
 def test_options_reach_inductor_and_bad_ones_fail_as_for_inductor(compile_fx_spy):
