@@ -7,13 +7,14 @@
 Models: "1b" (hidden 2048, intermediate 5632, 16 layers, 32 query / 4 KV heads, vocabulary 32000) and "8b"
 (LLaMA-3-8B dimensions: 4096, 14336, 32 layers, 32 / 8 heads, vocabulary 128256).
 
-Paths (``--paths``, in this order), each with and without mlp_fuser where it applies:
+Paths (``--paths``), run group by group in this order (each group for every batch size), each with and without
+mlp_fuser where it applies:
 - ``eager`` / ``patch``: the model as is, and ``mlp_fuser.patch(model)``;
-- ``compile`` / ``backend``: ``model.forward = torch.compile(model.forward[, backend=mlp_fuser.backend])``, the
-  default dynamic cache;
 - ``static`` / ``static_backend``: ``generate(cache_implementation="static", compile_config=CompileConfig(
   fullgraph=True[, backend=mlp_fuser.backend]))``: transformers compiles the decode step itself, mode
   reduce-overhead (Inductor's CUDA-graph trees);
+- ``compile`` / ``backend``: ``model.forward = torch.compile(model.forward[, backend=mlp_fuser.backend])``, the
+  default dynamic cache (the slowest to compile: about 60 s per batch size and path at 1b, 110 s at 8b);
 - ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 10, the paths
   of a pair (eager and patch; compile and backend) taking turns call by call.
 
@@ -22,7 +23,8 @@ Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3
 static and static_backend) run on copies of one model and take turns in each of the 3 rounds, so a slow stretch of
 a shared host weighs on both sides of a ratio alike. Each path's tokens are compared with eager's (bf16 greedy
 decoding may diverge after some tokens; the first divergence is reported). The table is printed last and written to
-OUT/generate.md and OUT/generate.json after every measurement.
+OUT/generate.md and OUT/generate.json after every measurement. ``--budget-s`` starts no group past that many
+seconds (nor one that took longer at the previous batch size than what is left) and lists what it skipped.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
 EXTRA_PATHS = ["patch_noplan"]  # on request: patch with mlp_fuser.config.plans off (the op's full path every call)
 # Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
-GROUPS = [["eager", "patch", "patch_noplan"], ["compile", "backend"], ["static", "static_backend"]]
+# In this order (a --budget-s cuts from the end): eager's group first, as every path's tokens are compared with eager's.
+GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
             "static_backend": "static", "patch_noplan": "eager"}
 
@@ -165,12 +168,29 @@ def run(args, results):
     g = torch.Generator(device=device).manual_seed(0)
     prompt, new_tokens = (32, 64) if not args.tiny else (8, 6)
     paths = args.paths.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    inputs = {b: torch.randint(3, vocab, (b, prompt), device=device, generator=g) for b in batches}
+    refs, took, start = {}, {}, time.perf_counter()  # eager's tokens per batch; seconds of each group's last batch
+
+    def skip(what: str, estimate: float | None) -> bool:
+        """Whether ``what`` would start past the budget (or, with the time its group took for the previous batch
+        as the estimate, end past it)."""
+        if args.budget_s is None or time.perf_counter() - start + (estimate or 0) <= args.budget_s:
+            return False
+        log(f"{label} {what}: not started, it would not fit in --budget-s {args.budget_s:.0f}")
+        return True
+
     with torch.no_grad():
-        for batch in map(int, args.batches.split(",")):
-            ids = torch.randint(3, vocab, (batch, prompt), device=device, generator=g)
-            ref = None
-            for group in GROUPS:
-                members = [p for p in group if p in paths]
+        for group in GROUPS:  # group by group, so a budget cuts the least important paths (the last group's)
+            members = [p for p in group if p in paths]
+            for batch in batches if members else []:
+                ids = inputs[batch]
+                if skip(f"b={batch} {', '.join(members)}", took.get(group[0])):
+                    results.extend(dict(model=label, phase=f"decode b={batch}", path=p, error="not reached (budget)")
+                                   for p in members)
+                    write(results, args.out)
+                    continue
+                t_group = time.perf_counter()
                 live = {}  # path -> (gen, cleanup, its model, tokens of a warm-up, warm-up seconds)
                 try:
                     for i, path in enumerate(members):  # the group's first path runs on the model, the others on copies
@@ -196,7 +216,8 @@ def run(args, results):
                         if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
                         if path == "eager":
-                            ref = out
+                            refs[batch] = out
+                        ref = refs.get(batch)
                         div = first_divergence(out, ref, prompt) if ref is not None else None
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, ms=times[path],
                                             warmup_s=warm_s, diverges_at=div))
@@ -210,12 +231,18 @@ def run(args, results):
                     torch._dynamo.reset()
                     if device == "cuda":
                         torch.cuda.empty_cache()
+                    took[group[0]] = time.perf_counter() - t_group
         if "prefill" in paths:
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
             wanted = args.prefill_paths.split(",")
             for group in (["eager", "patch"], ["compile", "backend"]):  # timed in turns, each on its own model copy
                 members, fwds = [p for p in group if p in wanted], {}
+                if members and skip(f"prefill {', '.join(members)}", None):
+                    results.extend(dict(model=label, phase="prefill", path=p, error="not reached (budget)")
+                                   for p in members)
+                    write(results, args.out)
+                    continue
                 try:
                     for i, path in enumerate(members):
                         m = model if i == 0 else copy.deepcopy(model)
@@ -453,6 +480,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
     ap.add_argument("--paths", default=",".join(DECODE_PATHS + ["prefill"]))
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no path group past this many seconds (nor "
+                    "one that took longer at the previous batch than what is left); its rows say 'not reached'")
     ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")

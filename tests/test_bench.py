@@ -91,3 +91,8 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     assert all(r["diverges_at"] is None for r in rows[:3])  # fp32 on the CPU: the same tokens
     assert all(r["logits_rel_err"] < 1e-5 for r in rows[3:])
     assert mlp_fuser.config.plans
+    # a budget already spent: nothing starts, every row says so
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,prefill", "--batches", "1",
+                                "--prefill-paths", "eager,patch", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [(r["path"], r["error"]) for r in rows] == [(p, "not reached (budget)") for p in ["eager", "patch"] * 2]
