@@ -2,7 +2,8 @@
 # One device call: versions, then the steps named on the command line, in order.
 # Usage on the device machine: bash benchmarks/gpu_session.sh [tests|overhead|impls|bench|generate|train ...]
 #   tests: TESTS_K=<pytest -k expression> TEST_TIMEOUT=<s> (time-boxed with SIGINT, so the summary still prints)
-#   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 (defaults: 1b, every path, 1,8)
+#   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 GEN_BUDGET=<s> (defaults: 1b, every path, 1,8, 330:
+#             no path group starts after 330 s, so a 600-s call ends with its table; 8b needs two calls)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,9 +23,9 @@ for step in "$@"; do
              --ms ${MS:-16,32,64,128,256} --budget-s ${IMPLS_BUDGET:-270} 2>&1 | tee "$OUT/impls.log" | tail -45 ;;
     bench) timeout ${BENCH_TIMEOUT:-560} python3 -m mlp_fuser bench --out "$OUT" --budget-s ${BENCH_BUDGET:-480} 2>&1 \
              | tee "$OUT/bench.log" | tail -20 ;;
-    generate) timeout ${GEN_TIMEOUT:-400} python3 benchmarks/bench_generate.py --out "$OUT" --model ${MODEL:-1b} \
+    generate) timeout ${GEN_TIMEOUT:-570} python3 benchmarks/bench_generate.py --out "$OUT" --model ${MODEL:-1b} \
                 --paths ${PATHS:-eager,patch,compile,backend,static,static_backend,prefill} --batches ${BATCHES:-1,8} \
-                ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;
+                --budget-s ${GEN_BUDGET:-330} ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;
     train) timeout ${TRAIN_TIMEOUT:-300} python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 \
              | grep -v "^INFO:torch\|^W1\|^I1\|UserWarn\|warnings.warn" | tee "$OUT/train.log" | tail -20 ;;
   esac
