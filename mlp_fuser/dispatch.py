@@ -165,7 +165,8 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
     ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``eager``: the
-    caller runs without CUDA graphs (``patch``), so the choice weighs the host's time per call beside the GPU's.
+    caller runs without CUDA graphs (``patch``, and the backend's graphs where the mode has none), so the choice
+    weighs the host's time per call beside the GPU's.
     ``impls``: the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``)."""
     key = (impls is IMPLS, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
            config.triton_backward, eager)

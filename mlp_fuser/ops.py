@@ -25,8 +25,10 @@ Registered kernels, from the top of the dispatcher down:
 - autograd: with gradients needed, an autograd.Function (see ``save_preact``); without, a plain CPU or CUDA call
   is computed right there (the hop down the dispatcher would cost more host time than the kernels of a decode
   step), anything else (fake tensors, functionalization) goes on down;
-- every device (CompositeExplicitAutograd): ``_forward``, which validates and runs what ``dispatch`` chose; on CUDA
-  a call whose signature was seen before runs that call's launch plan instead (``plans``: the same launches);
+- every device (CompositeExplicitAutograd): ``_forward``, which validates and runs what ``dispatch`` chose (its
+  choice for eager calls while ``calls.eager`` is set: the backend sets it around graphs run without CUDA graphs);
+  on CUDA a call whose signature was seen before runs that call's launch plan instead (``plans``: the same
+  launches);
 - fake: shapes only, so torch.compile traces the op with no graph break.
 """
 
