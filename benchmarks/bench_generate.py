@@ -52,6 +52,7 @@ EXTRA_PATHS = ["patch_noplan"]  # on request: patch with mlp_fuser.config.plans 
 # Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
 # In this order (a --budget-s cuts from the end): eager's group first, as every path's tokens are compared with eager's.
 GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend"]]
+PREFILL_GROUPS = [["eager", "patch"], ["compile", "backend"]]  # the prefill's pairs, timed the same way
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
             "static_backend": "static", "patch_noplan": "eager"}
 
@@ -236,7 +237,7 @@ def run(args, results):
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
             wanted = args.prefill_paths.split(",")
-            for group in (["eager", "patch"], ["compile", "backend"]):  # timed in turns, each on its own model copy
+            for group in PREFILL_GROUPS:  # timed in turns, each on its own model copy
                 members, fwds = [p for p in group if p in wanted], {}
                 if members and skip(f"prefill {', '.join(members)}", None):
                     results.extend(dict(model=label, phase="prefill", path=p, error="not reached (budget)")
