@@ -25,6 +25,10 @@ a shared host weighs on both sides of a ratio alike. Each path's tokens are comp
 decoding may diverge after some tokens; the first divergence is reported). The table is printed last and written to
 OUT/generate.md and OUT/generate.json after every measurement. ``--budget-s`` starts no group past that many
 seconds (nor one that took longer at the previous batch size than what is left) and lists what it skipped.
+
+``--gpus N`` spreads the units of work (a decode group at one batch size, a prefill pair) over N GPUs, one worker
+process each, heaviest units first (``UNIT_COST``): the 8b table takes about 900 s on one GPU and about 300 s on four.
+The paths compared with each other still share one GPU and take turns; only the tokens are compared across workers.
 """
 
 from __future__ import annotations
@@ -130,9 +134,16 @@ def time_decode(gens, device, new_tokens, rounds=3):
     return {path: (b[new_tokens] - b[1]) / (new_tokens - 1) * 1e3 for path, b in best.items()}
 
 
-def first_divergence(out, ref, prompt):
-    diff = (out[:, prompt:] != ref[:, prompt:]).any(0).nonzero()
-    return None if diff.numel() == 0 else int(diff[0])
+def mark_divergence(results):
+    """Set each decode row's ``diverges_at`` (the first new token where some sequence differs from eager's at the
+    same batch size, None when all agree) from the rows' tokens; rows without an eager row to compare get none."""
+    eager = {(r["model"], r["phase"]): r["tokens"] for r in results if r["path"] == "eager" and "tokens" in r}
+    for r in results:
+        ref = eager.get((r["model"], r["phase"]))
+        if "tokens" in r and ref is not None:
+            diff = (torch.tensor(r["tokens"]) != torch.tensor(ref)).any(0).nonzero()
+            r["diverges_at"] = None if diff.numel() == 0 else int(diff[0])
+    return results
 
 
 def time_prefill(fwds, ids, device, iters=10):
@@ -159,6 +170,33 @@ def time_prefill(fwds, ids, device, iters=10):
     return {path: statistics.median(t) for path, t in times.items()}
 
 
+# Relative cost of one unit of work (a decode group at one batch size, or a prefill pair), from runs 14-15: the
+# compile group's warm-ups compile the whole model three times per path and batch size. ``--gpus`` splits by these.
+UNIT_COST = {("d", 0): 1.0, ("d", 1): 1.3, ("d", 2): 3.0, ("p", 0): 0.5, ("p", 1): 1.5}
+
+
+def units(args) -> list[str]:
+    """The units of work the arguments ask for, in the order a single process runs them: "d<group>:<batch>" (a
+    decode group at one batch size), then "p<group>" (a prefill pair); ``--units`` keeps a subset."""
+    paths, wanted = args.paths.split(","), args.prefill_paths.split(",")
+    out = [f"d{gi}:{b}" for gi, group in enumerate(GROUPS) if any(p in paths for p in group)
+           for b in args.batches.split(",")]
+    if "prefill" in paths:
+        out += [f"p{gi}" for gi, group in enumerate(PREFILL_GROUPS) if any(p in wanted for p in group)]
+    if args.units:
+        keep = set(args.units.split(","))
+        out = [u for u in out if u in keep]
+    return out
+
+
+def unit_rows(args, unit: str) -> list[tuple[str, str]]:
+    """(phase, path) of each row a unit produces."""
+    if unit.startswith("d"):
+        gi, batch = unit[1:].split(":")
+        return [(f"decode b={batch}", p) for p in GROUPS[int(gi)] if p in args.paths.split(",")]
+    return [("prefill", p) for p in PREFILL_GROUPS[int(unit[1:])] if p in args.prefill_paths.split(",")]
+
+
 def run(args, results):
     import mlp_fuser
 
@@ -171,7 +209,8 @@ def run(args, results):
     paths = args.paths.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     inputs = {b: torch.randint(3, vocab, (b, prompt), device=device, generator=g) for b in batches}
-    refs, took, start = {}, {}, time.perf_counter()  # eager's tokens per batch; seconds of each group's last batch
+    todo = units(args)
+    took, start = {}, time.perf_counter()  # seconds of each group's last batch
 
     def skip(what: str, estimate: float | None) -> bool:
         """Whether ``what`` would start past the budget (or, with the time its group took for the previous batch
@@ -182,13 +221,15 @@ def run(args, results):
         return True
 
     with torch.no_grad():
-        for group in GROUPS:  # group by group, so a budget cuts the least important paths (the last group's)
+        for gi, group in enumerate(GROUPS):  # group by group, so a budget cuts the least important paths (the last)
             members = [p for p in group if p in paths]
             for batch in batches if members else []:
-                ids = inputs[batch]
+                ids, unit = inputs[batch], f"d{gi}:{batch}"
+                if unit not in todo:
+                    continue
                 if skip(f"b={batch} {', '.join(members)}", took.get(group[0])):
-                    results.extend(dict(model=label, phase=f"decode b={batch}", path=p, error="not reached (budget)")
-                                   for p in members)
+                    results.extend(dict(model=label, phase=f"decode b={batch}", path=p, unit=unit,
+                                        error="not reached (budget)") for p in members)
                     write(results, args.out)
                     continue
                 t_group = time.perf_counter()
@@ -206,7 +247,7 @@ def run(args, results):
                         except Exception as e:  # report, keep the other paths' numbers
                             done()
                             log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
-                            results.append(dict(model=label, phase=f"decode b={batch}", path=path,
+                            results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                                 error=type(e).__name__))
                     times = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
                     for path, (gen, _, m, out, warm_s) in live.items():
@@ -216,12 +257,9 @@ def run(args, results):
                             host_split(f"{label} b={batch} {path}", m, gen, device)
                         if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
-                        if path == "eager":
-                            refs[batch] = out
-                        ref = refs.get(batch)
-                        div = first_divergence(out, ref, prompt) if ref is not None else None
-                        results.append(dict(model=label, phase=f"decode b={batch}", path=path, ms=times[path],
-                                            warmup_s=warm_s, diverges_at=div))
+                        results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
+                                            ms=times[path], warmup_s=warm_s, tokens=out[:, prompt:].tolist()))
+                        div = mark_divergence(results)[-1].get("diverges_at", "no eager row")
                         log(f"{label} b={batch} {path}: {times[path]:.3f} ms/token (warm-ups {warm_s:.0f} s), tokens "
                             f"{'same as eager' if div is None else f'diverge from eager at new token {div}'}")
                         write(results, args.out)
@@ -233,14 +271,16 @@ def run(args, results):
                     if device == "cuda":
                         torch.cuda.empty_cache()
                     took[group[0]] = time.perf_counter() - t_group
-        if "prefill" in paths:
+        if any(u.startswith("p") for u in todo):
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
             wanted = args.prefill_paths.split(",")
-            for group in PREFILL_GROUPS:  # timed in turns, each on its own model copy
-                members, fwds = [p for p in group if p in wanted], {}
-                if members and skip(f"prefill {', '.join(members)}", None):
-                    results.extend(dict(model=label, phase="prefill", path=p, error="not reached (budget)")
+            for gi, group in enumerate(PREFILL_GROUPS):  # timed in turns, each on its own model copy
+                members, fwds, unit = [p for p in group if p in wanted], {}, f"p{gi}"
+                if unit not in todo:
+                    continue
+                if skip(f"prefill {', '.join(members)}", None):
+                    results.extend(dict(model=label, phase="prefill", path=p, unit=unit, error="not reached (budget)")
                                    for p in members)
                     write(results, args.out)
                     continue
@@ -260,10 +300,11 @@ def run(args, results):
                             fwds[path] = (fwd, err, time.perf_counter() - t0)
                         except Exception as e:
                             log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
-                            results.append(dict(model=label, phase="prefill", path=path, error=type(e).__name__))
+                            results.append(dict(model=label, phase="prefill", path=path, unit=unit,
+                                                error=type(e).__name__))
                     times = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
                     for path, (fwd, err, first_s) in fwds.items():
-                        results.append(dict(model=label, phase="prefill", path=path, ms=times[path],
+                        results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
                                             logits_rel_err=err))
                         log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
                             f"err {err:.1e}")
@@ -462,8 +503,10 @@ def write(results, out):
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
         if r["phase"] == "prefill":
             tok = f"logits rel err {r['logits_rel_err']:.1e}"
+        elif "diverges_at" not in r:
+            tok = "no eager row"
         else:
-            tok = "same" if r.get("diverges_at") is None else f"diverge at {r['diverges_at']}"
+            tok = "same" if r["diverges_at"] is None else f"diverge at {r['diverges_at']}"
         lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['ms']:.3f} | {vs} | {tok} |")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "generate.json"), "w") as f:
@@ -473,7 +516,85 @@ def write(results, out):
     return lines
 
 
+def assign(todo: list[str], n: int) -> list[list[str]]:
+    """The units split over ``n`` workers, largest first to the least loaded (by UNIT_COST), each worker's in the
+    single-process order."""
+    load, parts = [0.0] * n, [[] for _ in range(n)]
+    for u in sorted(todo, key=lambda u: -UNIT_COST[(u[0], int(u[1]))]):
+        k = load.index(min(load))
+        load[k] += UNIT_COST[(u[0], int(u[1]))]
+        parts[k].append(u)
+    return [sorted(p, key=todo.index) for p in parts if p]
+
+
+def without(argv: list[str], flags: set[str]) -> list[str]:
+    """argv less the given options and their values (``--flag value`` and ``--flag=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif a.split("=", 1)[0] not in flags:
+            out.append(a)
+    return out
+
+
+def run_parallel(args, argv: list[str], n: int) -> list[dict]:
+    """The units spread over ``n`` worker processes, one GPU each (CUDA_VISIBLE_DEVICES), each timing its units as a
+    single process would (the paths of a group take turns on one GPU; no ratio mixes GPUs). Their logs stream here
+    with a [gpu k] prefix; their rows are merged in the single-process order, and the tokens compared with eager's
+    across workers. A worker that ends early leaves its remaining units as "not reached"."""
+    import subprocess
+    import threading
+
+    todo = units(args)
+    parts = assign(todo, n)
+    base = without(argv, {"--gpus", "--out", "--units", "--deadline-s"})
+    procs, threads = [], []
+    for k, part in enumerate(parts):
+        env = dict(os.environ)
+        if args.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(k)
+        sub = os.path.join(args.out, f"gpu{k}")
+        if os.path.exists(os.path.join(sub, "generate.json")):  # an earlier run's rows are not this worker's
+            os.remove(os.path.join(sub, "generate.json"))
+        cmd = [sys.executable, os.path.abspath(__file__), *base, "--units", ",".join(part), "--out", sub]
+        log(f"[gpu {k}] units {', '.join(part)}")
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+        def pump(p=p, k=k):
+            for line in p.stdout:
+                if not line.startswith("|"):  # the worker's own table: merged below
+                    log(f"[gpu {k}] {line.rstrip()}")
+
+        threads.append(threading.Thread(target=pump, daemon=True))
+        threads[-1].start()
+        procs.append((p, sub, part))
+    results, t0 = [], time.perf_counter()
+    for p, sub, part in procs:
+        try:
+            p.wait(timeout=None if args.deadline_s is None else max(1.0, args.deadline_s - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            log(f"worker for {', '.join(part)}: past --deadline-s {args.deadline_s:.0f}, stopped")
+            p.kill()
+            p.wait()
+        path = os.path.join(sub, "generate.json")
+        rows = json.load(open(path)) if os.path.exists(path) else []
+        seen = {r["unit"] for r in rows}
+        if p.returncode != 0:
+            log(f"worker for {', '.join(part)} ended with {p.returncode}")
+        results += rows + [dict(model=f"{args.model}{' (tiny)' if args.tiny else ''}", phase=phase, path=path, unit=u,
+                                error=f"not reached (worker ended, {p.returncode})")
+                           for u in part if u not in seen for phase, path in unit_rows(args, u)]
+    for t in threads:
+        t.join(timeout=5)
+    results.sort(key=lambda r: todo.index(r["unit"]))  # stable: a unit's rows keep their order
+    return mark_divergence(results)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="1b")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -484,6 +605,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="start no path group past this many seconds (nor "
                     "one that took longer at the previous batch than what is left); its rows say 'not reached'")
     ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")
+    ap.add_argument("--gpus", default="1", help="spread the units of work (a decode group at one batch size, a prefill "
+                    "pair) over this many GPUs, one worker process each ('all': every visible GPU)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: stop the workers this many seconds "
+                    "after they start and merge what they measured (their units left are listed as not reached)")
+    ap.add_argument("--units", default="", help="only these units, e.g. d0:1,d2:8,p1 (set by --gpus for its workers)")
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
     ap.add_argument("--profile-at", default="", help="profile these decode paths instead, e.g. 1:compile,1:backend")
@@ -507,6 +633,11 @@ def main(argv=None) -> int:
     torch._dynamo.config.accumulated_recompile_limit = 512
     log(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, mlp_fuser "
         f"{mlp_fuser.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+    n = torch.cuda.device_count() if args.gpus == "all" else int(args.gpus)
+    if n > 1:
+        results = run_parallel(args, argv, n)
+        print("\n".join(write(results, args.out)))
+        return 0
     results = []
     run(args, results)
     log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3])): v

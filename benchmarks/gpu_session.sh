@@ -2,8 +2,9 @@
 # One device call: versions, then the steps named on the command line, in order.
 # Usage on the device machine: bash benchmarks/gpu_session.sh [tests|overhead|impls|bench|generate|train ...]
 #   tests: TESTS_K=<pytest -k expression> TEST_TIMEOUT=<s> (time-boxed with SIGINT, so the summary still prints)
-#   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 GEN_BUDGET=<s> (defaults: 1b, every path, 1,8, 330:
-#             no path group starts after 330 s, so a 600-s call ends with its table; 8b needs two calls)
+#   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 GEN_BUDGET=<s> GPUS=<n> (defaults: 1b, every path, 1,8,
+#             330: no path group starts after 330 s, so a 600-s call ends with its table; 1 GPU. The 8b table takes
+#             ~900 s on one GPU: GPUS=4 spreads its units over 4 GPUs, ~300 s)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ for step in "$@"; do
              | tee "$OUT/bench.log" | tail -20 ;;
     generate) timeout ${GEN_TIMEOUT:-570} python3 benchmarks/bench_generate.py --out "$OUT" --model ${MODEL:-1b} \
                 --paths ${PATHS:-eager,patch,compile,backend,static,static_backend,prefill} --batches ${BATCHES:-1,8} \
-                --budget-s ${GEN_BUDGET:-330} ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;
+                --budget-s ${GEN_BUDGET:-330} --gpus ${GPUS:-1} --deadline-s $(( ${GEN_TIMEOUT:-570} - 20 )) ${GEN_ARGS:-} 2>&1 | tee "$OUT/gen.log" | grep -v "^INFO:torch\|^W1\|^I1" | tail -40 ;;
     train) timeout ${TRAIN_TIMEOUT:-300} python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 \
              | grep -v "^INFO:torch\|^W1\|^I1\|UserWarn\|warnings.warn" | tee "$OUT/train.log" | tail -20 ;;
   esac

@@ -96,3 +96,37 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
                                 "--prefill-paths", "eager,patch", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["path"], r["error"]) for r in rows] == [(p, "not reached (budget)") for p in ["eager", "patch"] * 2]
+
+
+def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_path):
+    # --gpus 2 on the CPU: two worker processes (one GPU each on a GPU machine), their rows merged in the single-process
+    # order, the compile group's tokens compared with eager's from the other worker.
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+    parts = bench_generate.assign(["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"], 4)
+    assert sorted(u for p in parts for u in p) == sorted(["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"])
+    assert ["d2:1"] in parts and ["d2:8"] in parts  # the two heaviest units get a worker each
+    assert bench_generate.without(["--model", "1b", "--gpus=2", "--out", "x", "--tiny"], {"--gpus", "--out"}) == [
+        "--model", "1b", "--tiny"]
+
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,compile", "--batches", "1",
+                                "--gpus", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [(r["unit"], r["path"]) for r in rows] == [("d0:1", "eager"), ("d0:1", "patch"), ("d2:1", "compile")]
+    assert all(r["ms"] > 0 for r in rows)
+    assert [r["diverges_at"] for r in rows] == [None, None, None]  # fp32 on the CPU: the same tokens on both workers
+    assert (tmp_path / "gpu0" / "generate.json").exists() and (tmp_path / "gpu1" / "generate.json").exists()
+    assert "| 1b (tiny) | decode b=1 | compile |" in (tmp_path / "generate.md").read_text()
+    # workers stopped at the deadline: their units are listed, not lost
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,compile", "--batches", "1",
+                                "--gpus", "2", "--deadline-s", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [(r["path"], r["error"].split(",")[0]) for r in rows] == [("eager", "not reached (worker ended"),
+                                                                     ("compile", "not reached (worker ended")]
