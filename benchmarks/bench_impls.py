@@ -5,9 +5,10 @@
 For tuning: shows where each implementation wins, so the dispatcher's candidates and caps can be set from
 measurements. CUDA-graph medians in µs; weights rotated when they fit in L2; each output checked against fp32
 (a "!" marks one outside 1.25x the unfused module's error). Besides the whole-MLP implementations, the gate/up
-kernels alone (`gu:gemm` = gate_up_act autotuned, `gu:streamk` = gate_up_act_streamk, `gu:cublas` = two F.linear
-+ act_mul) show which half of the MLP a difference comes from. The last table: per row the fastest existing
-implementation, triton_streamk against it, and the % of the floor (weights once at the measured copy bandwidth).
+kernels alone (`gu:gemm` = gate_up_act autotuned, `gu:streamk` = gate_up_act_streamk, `gu:splitk` =
+gate_up_act_splitk, `gu:cublas` = two F.linear + act_mul) show which half of the MLP a difference comes from. The
+last table: per row the fastest other implementation, the candidate under test (NEW) against it, and the % of the
+floor (weights once at the measured copy bandwidth).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mlp_fuser.bench import DTYPES, SHAPES, Budget, ShapeSetup, measure_ceilings  # noqa: E402
 from mlp_fuser.reference import reference_mlp  # noqa: E402
 
-NEW = "streamk+cublas"  # the candidate under test: stream-K gate/up, then cuBLAS down (not in the dispatcher)
+NEW = "triton_splitk_gate_up"  # the candidate under test: split-K gate/up, then cuBLAS down
 
 
 def gate_up_variants():
     from mlp_fuser.kernels import act_mul, gate_up_act
+    from mlp_fuser.kernels.splitk import gate_up_act_splitk
     from mlp_fuser.kernels.streamk import gate_up_act_streamk
 
     def cublas(x, wg, bg, wu, bu, wd, bd, act):
@@ -36,13 +38,8 @@ def gate_up_variants():
 
     return {"gu:gemm": lambda x, wg, bg, wu, bu, wd, bd, act: gate_up_act(x, wg, bg, wu, bu, act),
             "gu:streamk": lambda x, wg, bg, wu, bu, wd, bd, act: gate_up_act_streamk(x, wg, bg, wu, bu, act),
+            "gu:splitk": lambda x, wg, bg, wu, bu, wd, bd, act: gate_up_act_splitk(x, wg, bg, wu, bu, act),
             "gu:cublas": cublas}
-
-
-def _streamk_cublas(x, wg, bg, wu, bu, wd, bd, act):
-    from mlp_fuser.kernels.streamk import gate_up_act_streamk
-
-    return F.linear(gate_up_act_streamk(x, wg, bg, wu, bu, act), wd, bd)
 
 
 def main(argv=None):
@@ -63,7 +60,7 @@ def main(argv=None):
     budget = Budget(args.budget_s, t0=t0)
     _, tbps = measure_ceilings()
     impls = [i for i in dispatch.IMPLS if i.triton]
-    names = [i.name for i in impls] + [NEW, "eager", "compile"] + list(gate_up_variants())
+    names = [i.name for i in impls] + ["eager", "compile"] + list(gate_up_variants())
     width = max(map(len, names)) + 2
     lines, summary, row_s = [], [], []
     for spec in args.shapes.split(","):
@@ -82,7 +79,6 @@ def main(argv=None):
             t_row = time.time()
             p = dispatch.Problem("cuda", dtype, M, setup.K, setup.I, setup.K, setup.gated)
             variants = {i.name: i.fn for i in impls if i.why_not(p) is None}
-            variants[NEW] = _streamk_cublas
             variants["compile"] = compiled
             mlp_names = {"eager", *variants}
             variants.update(gate_up_variants())

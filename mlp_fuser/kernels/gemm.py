@@ -58,16 +58,14 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def gate_up_tile(
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, offs_m, offs_n, mask_m, mask_n, K,
-    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
-    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def gate_up_acc(
+    x_ptr, wg_ptr, wu_ptr, offs_m, offs_n, mask_m, mask_n, K,
+    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
+    HAS_UP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (BLOCK_M, BLOCK_N) tile of h = act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up) in fp32, all of K: the
-    rows offs_m of x and the weight rows offs_n (= columns of h). One x tile feeds both dots per K step; the
-    weight tiles are read transposed, (BLOCK_K, BLOCK_N), through their strides. Shared by gate_up_act and the
-    small-M kernel; inlined into each by Triton."""
+    """x @ w_gateᵀ and x @ w_upᵀ for one (BLOCK_M, BLOCK_N) tile in fp32, over K columns from the given pointers: the
+    rows offs_m of x and the weight rows offs_n (= columns of the result). One x tile feeds both dots per K step; the
+    weight tiles are read transposed, (BLOCK_K, BLOCK_N), through their strides. acc_u stays 0 without HAS_UP."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_n[None, :] * stride_wgn
@@ -85,8 +83,15 @@ def gate_up_tile(
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wgk
         wu_ptrs += BLOCK_K * stride_wuk
+    return acc_g, acc_u
 
-    # -- epilogue, all in fp32: bias, act, product ------------------------------------------------------------
+
+@triton.jit
+def gate_up_finish(
+    acc_g, acc_u, bg_ptr, bu_ptr, offs_n, mask_n, stride_bg, stride_bu,
+    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+):
+    """The epilogue, all in fp32: h = act(acc_g + b_gate) * (acc_u + b_up) (no product without HAS_UP)."""
     if HAS_BG:
         acc_g += tl.load(bg_ptr + offs_n * stride_bg, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     h = ACT(acc_g)
@@ -95,6 +100,24 @@ def gate_up_tile(
             acc_u += tl.load(bu_ptr + offs_n * stride_bu, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         h = h * acc_u
     return h
+
+
+@triton.jit
+def gate_up_tile(
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, offs_m, offs_n, mask_m, mask_n, K,
+    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
+    ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) tile of h = act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up) in fp32, all of K
+    (``gate_up_acc``, then ``gate_up_finish``). Shared by gate_up_act and the small-M kernel; inlined into each."""
+    acc_g, acc_u = gate_up_acc(
+        x_ptr, wg_ptr, wu_ptr, offs_m, offs_n, mask_m, mask_n, K,
+        stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
+        HAS_UP, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    return gate_up_finish(acc_g, acc_u, bg_ptr, bu_ptr, offs_n, mask_n, stride_bg, stride_bu, ACT, HAS_UP, HAS_BG,
+                          HAS_BU)
 
 
 @triton.autotune(
