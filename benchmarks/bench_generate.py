@@ -516,79 +516,31 @@ def write(results, out):
     return lines
 
 
-def assign(todo: list[str], n: int) -> list[list[str]]:
-    """The units split over ``n`` workers, largest first to the least loaded (by UNIT_COST), each worker's in the
-    single-process order."""
-    load, parts = [0.0] * n, [[] for _ in range(n)]
-    for u in sorted(todo, key=lambda u: -UNIT_COST[(u[0], int(u[1]))]):
-        k = load.index(min(load))
-        load[k] += UNIT_COST[(u[0], int(u[1]))]
-        parts[k].append(u)
-    return [sorted(p, key=todo.index) for p in parts if p]
-
-
-def without(argv: list[str], flags: set[str]) -> list[str]:
-    """argv less the given options and their values (``--flag value`` and ``--flag=value``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        elif a.split("=", 1)[0] not in flags:
-            out.append(a)
-    return out
-
-
 def run_parallel(args, argv: list[str], n: int) -> list[dict]:
-    """The units spread over ``n`` worker processes, one GPU each (CUDA_VISIBLE_DEVICES), each timing its units as a
-    single process would (the paths of a group take turns on one GPU; no ratio mixes GPUs). Their logs stream here
-    with a [gpu k] prefix; their rows are merged in the single-process order, and the tokens compared with eager's
-    across workers. A worker that ends early leaves its remaining units as "not reached"."""
-    import subprocess
-    import threading
+    """The units spread over ``n`` worker processes, one GPU each, each timing its units as a single process would
+    (the paths of a group take turns on one GPU; no ratio mixes GPUs). Their rows are merged in the single-process
+    order, and the tokens compared with eager's across workers. A worker that ends early leaves its remaining
+    units as "not reached"."""
+    from mlp_fuser.bench import assign, run_workers, without
 
     todo = units(args)
-    parts = assign(todo, n)
+    parts = assign(todo, lambda u: UNIT_COST[(u[0], int(u[1]))], n)
     base = without(argv, {"--gpus", "--out", "--units", "--deadline-s"})
-    procs, threads = [], []
-    for k, part in enumerate(parts):
-        env = dict(os.environ)
-        if args.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(k)
-        sub = os.path.join(args.out, f"gpu{k}")
+    subs = [os.path.join(args.out, f"gpu{k}") for k in range(len(parts))]
+    for k, (part, sub) in enumerate(zip(parts, subs)):
+        log(f"[gpu {k}] units {', '.join(part)}")
         if os.path.exists(os.path.join(sub, "generate.json")):  # an earlier run's rows are not this worker's
             os.remove(os.path.join(sub, "generate.json"))
-        cmd = [sys.executable, os.path.abspath(__file__), *base, "--units", ",".join(part), "--out", sub]
-        log(f"[gpu {k}] units {', '.join(part)}")
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-        def pump(p=p, k=k):
-            for line in p.stdout:
-                if not line.startswith("|"):  # the worker's own table: merged below
-                    log(f"[gpu {k}] {line.rstrip()}")
-
-        threads.append(threading.Thread(target=pump, daemon=True))
-        threads[-1].start()
-        procs.append((p, sub, part))
-    results, t0 = [], time.perf_counter()
-    for p, sub, part in procs:
-        try:
-            p.wait(timeout=None if args.deadline_s is None else max(1.0, args.deadline_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            log(f"worker for {', '.join(part)}: past --deadline-s {args.deadline_s:.0f}, stopped")
-            p.kill()
-            p.wait()
+    codes = run_workers([[sys.executable, os.path.abspath(__file__), *base, "--units", ",".join(part), "--out", sub]
+                         for part, sub in zip(parts, subs)], args.deadline_s, gpus=args.device == "cuda")
+    results = []
+    for part, sub, code in zip(parts, subs, codes):
         path = os.path.join(sub, "generate.json")
         rows = json.load(open(path)) if os.path.exists(path) else []
         seen = {r["unit"] for r in rows}
-        if p.returncode != 0:
-            log(f"worker for {', '.join(part)} ended with {p.returncode}")
         results += rows + [dict(model=f"{args.model}{' (tiny)' if args.tiny else ''}", phase=phase, path=path, unit=u,
-                                error=f"not reached (worker ended, {p.returncode})")
+                                error=f"not reached (worker ended, {code})")
                            for u in part if u not in seen for phase, path in unit_rows(args, u)]
-    for t in threads:
-        t.join(timeout=5)
     results.sort(key=lambda r: todo.index(r["unit"]))  # stable: a unit's rows keep their order
     return mark_divergence(results)
 

@@ -4,12 +4,14 @@
 
 Without a CUDA GPU it prints why and exits with status 2 (Triton is imported only after that check).
 
-For every shape, dtype and token count M it times, with CUDA-graph medians and plain medians:
+For every shape, dtype and token count M it times, with CUDA-graph medians and plain medians, the variants of a
+row taking turns (``ShapeSetup.time``):
   fused        the mlp_fuser op (its dispatcher picks the implementation; the name is reported)
   eager        the unfused nn.Linear computation (F.linear, activation, product, F.linear)
   compile      torch.compile of the same, default mode, static shapes
   max-autotune torch.compile mode="max-autotune-no-cudagraphs", bf16 at M >= 512 (the rows whose target is a
-               speed-up over every peer), filled in last, as far as the time budget allows
+               speed-up over every peer), filled in last, as far as the time budget allows: the whole row again,
+               in turns with max-autotune (it replaces the row timed without it)
 It checks every timed variant against an fp32 reference in the same run (the fused row must be within 1.25x the
 unfused module's error), measures the ceilings (a large bf16 matmul and a device copy) and reports the floor,
 % of floor and the speed-up over the best peer, then a table of which rows meet each target of issue 10.
@@ -24,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -49,6 +52,8 @@ FP16_MS = (1, 16, 64, 128, 256, 2048)  # fp16 is timed at these M only (device t
 MAX_AUTOTUNE_MS = (2048, 512, 8192)  # bf16 rows that get the max-autotune peer, in this order, as time allows
 QUICK = dict(shapes=[0], dtypes=["bf16"], ms=[1, 16, 128, 2048], max_autotune_ms=(2048,))
 L2_BYTES = 50e6
+ROUNDS = 20  # timing rounds per row, the variants taking turns in each (ShapeSetup.time)
+TIMING_MS = 2.0  # about this much work per timing: one graph replay, or one run of plain calls
 CHECK_FACTOR = 1.25  # a fused row is right when its error against fp32 is within 1.25x the unfused module's
 
 
@@ -135,6 +140,65 @@ def estimate(durations: list[float], default: float) -> float:
     return max(durations[-3:]) if durations else default
 
 
+# ---- several GPUs: one worker process per GPU (also used by benchmarks/bench_generate.py) -------------------
+
+
+def assign(units: list[str], cost, n: int) -> list[list[str]]:
+    """``units`` split over ``n`` workers, the costliest first to the least loaded (``cost(unit)``: relative
+    seconds); each worker's units in their original order; no empty workers."""
+    load, parts = [0.0] * n, [[] for _ in range(n)]
+    for u in sorted(units, key=lambda u: -cost(u)):
+        k = load.index(min(load))
+        load[k] += cost(u)
+        parts[k].append(u)
+    return [sorted(p, key=units.index) for p in parts if p]
+
+
+def without(argv: list[str], flags: set[str]) -> list[str]:
+    """argv less the given options and their values (``--flag value`` and ``--flag=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif a.split("=", 1)[0] not in flags:
+            out.append(a)
+    return out
+
+
+def run_workers(commands: list[list[str]], deadline_s: float | None = None, gpus: bool = True) -> list[int]:
+    """Runs the commands at once, command k on GPU k (CUDA_VISIBLE_DEVICES=k when ``gpus``), their output streamed
+    here line by line with a [gpu k] prefix (lines starting with "|", their tables, left out); a command still
+    running ``deadline_s`` after the start is killed. Returns the exit codes (negative: killed by that signal)."""
+    import subprocess
+    import threading
+
+    t0, procs, threads = time.time(), [], []
+    for k, cmd in enumerate(commands):
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(k)} if gpus else {}))
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+        def pump(p=p, k=k):
+            for line in p.stdout:
+                if not line.startswith("|"):
+                    log(f"[gpu {k}] {line.rstrip()}")
+
+        threads.append(threading.Thread(target=pump, daemon=True))
+        threads[-1].start()
+        procs.append(p)
+    for k, p in enumerate(procs):
+        try:
+            p.wait(timeout=None if deadline_s is None else max(1.0, deadline_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            log(f"[gpu {k}] past the deadline ({deadline_s:.0f} s): stopped")
+            p.kill()
+            p.wait()
+    for t in threads:
+        t.join(timeout=5)
+    return [p.returncode for p in procs]
+
+
 # ---- timing ---------------------------------------------------------------------------------------------
 
 
@@ -156,14 +220,18 @@ class ShapeSetup:
         g = torch.Generator(device="cuda").manual_seed(1000 + M)  # the same x whenever a row is (re)timed
         return [torch.randn(M, self.K, device="cuda", generator=g).to(self.dtype) for _ in range(self.n_sets)]
 
-    def time(self, M, variants):
-        """{name: rel. error against fp32}, {name: (CUDA-graph µs, plain µs)} for each variant fn(x, *w, act)."""
-        from triton.testing import do_bench, do_bench_cudagraph
+    def time(self, M, variants, rounds=ROUNDS):
+        """{name: rel. error against fp32}, {name: (CUDA-graph µs, plain µs)} for each variant fn(x, *w, act).
 
+        The variants take turns: each of ``rounds`` rounds replays every variant's CUDA graph once and runs its plain
+        calls once, in an order rotated per round, and a variant's time is its median over the rounds. So a drift of
+        the GPU's clocks or of the host (a long compute-bound row heats the chip) weighs on every variant alike,
+        not on whichever was timed then. Each timing covers about ``TIMING_MS`` of work: ``reps`` passes over the
+        weight sets."""
         xs = self.inputs(M)
         w0 = self.weights[0]
         ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in w0], self.act)
-        errs, times = {}, {}
+        errs, runs = {}, {}
         for vname, fn in variants.items():
             t0 = time.time()
             out = fn(xs[0], *w0, self.act)  # compiles / autotunes here, before any graph capture
@@ -176,10 +244,40 @@ class ShapeSetup:
                 for s in range(self.n_sets):
                     fn(xs[s], *self.weights[s], self.act)
 
-            run()
-            graph_ms = do_bench_cudagraph(run, rep=60, return_mode="median") / self.n_sets
-            plain_ms = do_bench(run, warmup=10, rep=60, return_mode="median") / self.n_sets
-            times[vname] = (graph_ms * 1e3, plain_ms * 1e3)
+            runs[vname] = run
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def elapsed_ms(work):
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        graphs, reps = {}, {}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up and capture off the default stream, as torch.cuda.graph wants
+            for vname, run in runs.items():
+                run()
+                once = min(elapsed_ms(run) for _ in range(3))
+                reps[vname] = n = max(1, round(TIMING_MS / max(once, 1e-3)))
+                graphs[vname] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[vname], stream=side):
+                    for _ in range(n):
+                        run()
+                graphs[vname].replay()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        names = list(runs)
+        graph_ms, plain_ms = {v: [] for v in names}, {v: [] for v in names}
+        for r in range(rounds):
+            for vname in names[r % len(names):] + names[:r % len(names)]:
+                n, run = reps[vname], runs[vname]
+                graph_ms[vname].append(elapsed_ms(graphs[vname].replay) / (n * self.n_sets))
+                plain_ms[vname].append(elapsed_ms(lambda n=n, run=run: [run() for _ in range(n)]) / (n * self.n_sets))
+        del graphs
+        times = {v: (statistics.median(graph_ms[v]) * 1e3, statistics.median(plain_ms[v]) * 1e3) for v in names}
         return errs, times
 
 
@@ -282,6 +380,63 @@ def write_results(out, meta, rows):
     return md
 
 
+def merge_workers(outs: list[str], command: str, budget_s: float) -> tuple[dict, list[dict]] | None:
+    """The meta and rows of the workers' results.json in ``outs`` (missing ones skipped; None if none), rows in the
+    single-process order: bf16 before fp16, shapes in SHAPES order, M ascending; a row timed beside max-autotune
+    replaces the row of the same shape, dtype and M timed without it."""
+    metas, rows, replaced = [], {}, {}
+    for out in outs:
+        path = os.path.join(out, "results.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        for r in data["rows"]:
+            key = (r["shape"], r["dtype"], r["M"])
+            (replaced if "max-autotune" in r["graph_us"] else rows)[key] = r
+    if not metas:
+        return None
+    rows.update(replaced)
+    order = {name: i for i, (name, *_) in enumerate(SHAPES)}
+    merged = sorted(rows.values(), key=lambda r: (r["dtype"] != "bfloat16", order[r["shape"]], r["M"]))
+    ceil = [m["ceilings"] for m in metas]
+    meta = dict(metas[0], command=command, budget_s=budget_s,
+                ceilings=dict(matmul_tflops=statistics.mean(c["matmul_tflops"] for c in ceil),
+                              copy_tbps=statistics.mean(c["copy_tbps"] for c in ceil)),
+                ceilings_per_gpu=ceil, seconds=max(m["seconds"] for m in metas),
+                sections=[dict(s, what=f"gpu {k}: {s['what']}") for k, m in enumerate(metas) for s in m["sections"]],
+                skipped=[w for m in metas for w in m["skipped"]])
+    return meta, merged
+
+
+def run_parallel(args, argv, units, sections, tuned, n) -> int:
+    """``main`` over ``n`` GPUs: the units (one shape in one dtype; one shape's max-autotune rows) split by their
+    estimated seconds over one worker per GPU, each a ``python -m mlp_fuser bench --units ...`` with the same
+    options; then their rows merged into one table (``merge_workers``). Each row's floor uses the ceilings its own
+    GPU measured."""
+    rows_of = {f"{s}:{dt}": len(row_ms) for s, dt, row_ms in sections}
+    cost = lambda u: 60.0 * sum(s == int(u.split(":")[0]) for s, _ in tuned) if u.endswith(":mat") \
+        else 6.0 * rows_of[u]  # noqa: E731 (seconds per row: run 8)
+    parts = assign(units, cost, n)
+    base = without(argv, {"--gpus", "--out", "--units", "--deadline-s"})
+    subs = [os.path.join(args.out, f"gpu{k}") for k in range(len(parts))]
+    for k, (part, sub) in enumerate(zip(parts, subs)):
+        log(f"[gpu {k}] units {', '.join(part)}")
+        if os.path.exists(os.path.join(sub, "results.json")):  # an earlier run's rows are not this worker's
+            os.remove(os.path.join(sub, "results.json"))
+    codes = run_workers([[sys.executable, "-m", "mlp_fuser", "bench", *base, "--units", ",".join(part), "--out", sub]
+                         for part, sub in zip(parts, subs)], args.deadline_s)
+    merged = merge_workers(subs, "python -m mlp_fuser bench " + " ".join(argv), args.budget_s)
+    if merged is None:
+        log("[bench] no worker wrote a result")
+        return 1
+    meta, rows = merged
+    meta["exit_codes"] = codes
+    print("\n".join(write_results(args.out, meta, rows)))
+    return 0 if rows and all(r["fused_ok"] for r in rows) and not any(codes) else 1
+
+
 # ---- main ---------------------------------------------------------------------------------------------
 
 
@@ -298,6 +453,12 @@ def main(argv=None) -> int:
                     help="bf16 M that get the max-autotune peer, in priority order ('' for none)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="start no step that would end past this many seconds from the start (skipped steps listed)")
+    ap.add_argument("--gpus", default="1", help="spread the work over this many GPUs ('all': every visible one), one "
+                    "worker process each; a unit of work is one shape in one dtype, or one shape's max-autotune rows")
+    ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: stop the workers this many seconds "
+                    "after they start and merge what they wrote")
+    ap.add_argument("--units", default="", help="only these units, e.g. 0:bf16,3:fp16,4:mat (set by --gpus)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mlp_fuser bench: no CUDA GPU found. The benchmark times the Triton kernels, which run on CUDA;\n"
@@ -311,9 +472,6 @@ def main(argv=None) -> int:
         torch._dynamo.config.recompile_limit = 512
     torch.backends.cuda.matmul.allow_tf32 = False
     budget = Budget(args.budget_s, t0=t_start)
-    log("measuring ceilings ...")
-    tflops, tbps = measure_ceilings()
-    log(f"ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {tbps:.2f} TB/s ({budget.elapsed():.0f} s)")
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     shapes = ints(args.shapes) or list(range(DEFAULT_SHAPES))
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -322,7 +480,18 @@ def main(argv=None) -> int:
     if args.quick:
         shapes, dtypes, ms_list, mat_ms = QUICK["shapes"], QUICK["dtypes"], QUICK["ms"], QUICK["max_autotune_ms"]
     sections, tuned = plan(shapes, dtypes, ms_list, ints(args.fp16_ms), mat_ms)
-    command = "python -m mlp_fuser bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    units = [f"{s}:{dt}" for s, dt, _ in sections] + [f"{s}:mat" for s in dict.fromkeys(s for s, _ in tuned)]
+    n_gpus = torch.cuda.device_count() if args.gpus == "all" else int(args.gpus)
+    if n_gpus > 1:
+        return run_parallel(args, argv, units, sections, tuned, n_gpus)
+    if args.units:
+        keep = set(args.units.split(","))
+        sections = [sec for sec in sections if f"{sec[0]}:{sec[1]}" in keep]
+        tuned = [(s, M) for s, M in tuned if f"{s}:mat" in keep]
+    log("measuring ceilings ...")
+    tflops, tbps = measure_ceilings()
+    log(f"ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {tbps:.2f} TB/s ({budget.elapsed():.0f} s)")
+    command = "python -m mlp_fuser bench " + " ".join(argv)
     meta = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command=command.strip(),
                 ceilings=dict(matmul_tflops=tflops, copy_tbps=tbps), budget_s=args.budget_s,
@@ -361,21 +530,28 @@ def main(argv=None) -> int:
     by_key = {(r["shape"], r["dtype"], r["M"]): r for r in rows}
     for s, M in tuned:
         row = by_key.get((SHAPES[s][0], "bfloat16", M))
-        if row is None or not budget.fits(max(60.0, estimate(mat_s, 60.0)), f"max-autotune {SHAPES[s][0]} M={M}"):
-            continue
+        if (row is None and not args.units) or not budget.fits(max(60.0, estimate(mat_s, 60.0)),
+                                                               f"max-autotune {SHAPES[s][0]} M={M}"):
+            continue  # (a worker of --gpus times the row here even without its bf16 section)
         t0 = time.time()
         if s not in setups:
             for old in list(setups):  # one shape's weights on the device at a time
                 del setups[old]
             torch.cuda.empty_cache()
-            setups[s] = (ShapeSetup(s, torch.bfloat16),
+            setups[s] = (ShapeSetup(s, torch.bfloat16), torch.compile(reference_mlp, dynamic=False),
                          torch.compile(reference_mlp, dynamic=False, mode="max-autotune-no-cudagraphs"))
-        setup, tuned_fn = setups[s]
-        errs, times = setup.time(M, {"max-autotune": tuned_fn})
-        update_row(row, errs, times)
+        setup, compiled, tuned_fn = setups[s]
+        # the whole row again, max-autotune taking turns with the others: it replaces the row timed without it
+        errs, times = setup.time(M, {"fused": fused, "eager": reference_mlp, "compile": compiled,
+                                     "max-autotune": tuned_fn})
+        new = make_row(setup, M, errs, times, tflops, tbps)
+        if row is None:
+            rows.append(new)
+        else:
+            rows[rows.index(row)] = new
         mat_s.append(time.time() - t0)
         log(f"[bench] max-autotune {SHAPES[s][0]} M={M}: {times['max-autotune'][0]:.1f} µs, "
-            f"{mat_s[-1]:.0f} s; row now {row['speedup']:.2f}x")
+            f"{mat_s[-1]:.0f} s; row now {new['speedup']:.2f}x")
         save()
     if mat_s:
         meta["sections"].append(dict(what=f"max-autotune ({len(mat_s)} rows)", seconds=time.time() - t_section))

@@ -67,6 +67,32 @@ def test_write_results_is_complete_after_every_row(tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+def test_merge_workers_orders_rows_and_takes_the_max_autotune_timing(tmp_path):
+    # bench --gpus: worker 0 timed shape 0's max-autotune row (M=512, all four variants in turns) and shape 3 bf16,
+    # worker 1 shape 0 (bf16 M=512 without max-autotune, fp16 M=16); worker 2 wrote nothing.
+    import json
+
+    def meta(k):
+        return dict(date="d", gpu="g", torch="t", triton="t", command="c", budget_s=480, seconds=100.0 + k,
+                    ceilings=dict(matmul_tflops=680 + 10 * k, copy_tbps=4.2), sections=[dict(what="s", seconds=1.0)],
+                    skipped=[f"x{k}"])
+
+    fp16 = dict(_row(M=16), dtype="float16")
+    mat = bench.update_row(_row(M=512, fused=80.0), {"max-autotune": 3e-3}, {"max-autotune": (78.0, 78.0)})
+    outs = [tmp_path / f"gpu{k}" for k in range(3)]
+    for k, rows in enumerate([[mat, _row(shape="SwiGLU 3584x18944", M=1)], [_row(M=512, fused=90.0), fp16]]):
+        outs[k].mkdir()
+        (outs[k] / "results.json").write_text(json.dumps(dict(meta=meta(k), rows=rows)))
+    m, rows = bench.merge_workers([str(o) for o in outs], "python -m mlp_fuser bench --gpus 3", 480)
+    assert [(r["shape"], r["dtype"], r["M"]) for r in rows] == [
+        ("SwiGLU 4096x11008", "bfloat16", 512), ("SwiGLU 3584x18944", "bfloat16", 1),
+        ("SwiGLU 4096x11008", "float16", 16)]
+    assert rows[0]["graph_us"]["fused"] == 80.0 and rows[0]["best_peer"] == "max-autotune"
+    assert m["ceilings"]["matmul_tflops"] == 685 and m["seconds"] == 101.0 and m["skipped"] == ["x0", "x1"]
+    assert bench.merge_workers([str(outs[2])], "c", 1) is None
+    assert "max-autotune" in "\n".join(bench.write_results(str(tmp_path), m, rows))
+
+
 def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     # benchmarks/bench_generate.py with a tiny config: the eager group's paths each get a row, patch_noplan turns
     # the launch plans off only while its generate runs.
@@ -105,15 +131,18 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
     import sys
     from pathlib import Path
 
+    from mlp_fuser import bench
+
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     try:
         import bench_generate
     finally:
         sys.path.pop(0)
-    parts = bench_generate.assign(["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"], 4)
-    assert sorted(u for p in parts for u in p) == sorted(["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"])
+    todo = ["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"]
+    parts = bench.assign(todo, lambda u: bench_generate.UNIT_COST[(u[0], int(u[1]))], 4)
+    assert sorted(u for p in parts for u in p) == sorted(todo)
     assert ["d2:1"] in parts and ["d2:8"] in parts  # the two heaviest units get a worker each
-    assert bench_generate.without(["--model", "1b", "--gpus=2", "--out", "x", "--tiny"], {"--gpus", "--out"}) == [
+    assert bench.without(["--model", "1b", "--gpus=2", "--out", "x", "--tiny"], {"--gpus", "--out"}) == [
         "--model", "1b", "--tiny"]
 
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,compile", "--batches", "1",
