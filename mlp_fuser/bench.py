@@ -168,15 +168,17 @@ def without(argv: list[str], flags: set[str]) -> list[str]:
 
 
 def run_workers(commands: list[list[str]], deadline_s: float | None = None, gpus: bool = True) -> list[int]:
-    """Runs the commands at once, command k on GPU k (CUDA_VISIBLE_DEVICES=k when ``gpus``), their output streamed
-    here line by line with a [gpu k] prefix (lines starting with "|", their tables, left out); a command still
-    running ``deadline_s`` after the start is killed. Returns the exit codes (negative: killed by that signal)."""
+    """Runs the commands at once, command k on the k-th GPU (of those CUDA_VISIBLE_DEVICES lists, if set, when
+    ``gpus``), their output streamed here line by line with a [gpu k] prefix (lines starting with "|", their tables,
+    left out); a command still running ``deadline_s`` after the start is killed. Returns the exit codes (negative:
+    killed by that signal)."""
     import subprocess
     import threading
 
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     t0, procs, threads = time.time(), [], []
     for k, cmd in enumerate(commands):
-        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(k)} if gpus else {}))
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": visible[k] if visible else str(k)} if gpus else {}))
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
         def pump(p=p, k=k):

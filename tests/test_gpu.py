@@ -334,3 +334,33 @@ def test_gpu_streamk_is_race_free_and_deterministic(M):
     assert rel_err(first, ref) <= 1.25 * rel_err(unfused, ref)
     outs = [gate_up_act_streamk(x, wg, None, wu, None, "silu") for _ in range(100)]
     assert all(torch.equal(o, first) for o in outs)
+
+
+@pytest.mark.parametrize("M,K,I", [(1, 4096, 11008), (37, 4096, 11008), (64, 8192, 3584), (128, 3584, 18944)])
+def test_gpu_splitk_gate_up_is_race_free_and_deterministic(M, K, I):
+    """gate_up_act_splitk with its own config at the harness's sizes (K split over many programs that arrive in any
+    order; the last one of a tile reduces): right against float64, and 50 back-to-back calls bitwise identical."""
+    from mlp_fuser.kernels.splitk import gate_up_act_splitk, gate_up_splitk_config
+
+    assert gate_up_splitk_config(M, I, K, 2, torch.device("cuda"))[3] > 1 or M >= 128  # it does split here
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    wg, wu = (torch.randn(2, I, K, device="cuda", generator=g) * K**-0.5).bfloat16()
+    first = gate_up_act_splitk(x, wg, None, wu, None, "silu")
+    ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())
+    unfused = torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())
+    assert rel_err(first, ref) <= 1.25 * rel_err(unfused, ref)
+    outs = [gate_up_act_splitk(x, wg, None, wu, None, "silu") for _ in range(50)]
+    assert all(torch.equal(o, first) for o in outs)
+
+
+def test_gpu_bench_times_the_variants_of_a_row_in_turns():
+    """mlp_fuser.bench's ShapeSetup.time (SmolLM2's MLP, M=16): graphs captured for every variant, then timed in
+    turns; each variant gets its error against fp32 and finite, positive graph and plain times."""
+    from mlp_fuser import bench
+
+    setup = bench.ShapeSetup(5, torch.bfloat16)
+    errs, times = setup.time(16, {"fused": bench.fused, "eager": reference_mlp}, rounds=4)
+    assert set(errs) == set(times) == {"fused", "eager"}
+    assert errs["fused"] <= 1.25 * errs["eager"]
+    assert all(0 < g < 1e4 and 0 < p < 1e4 for g, p in times.values())
