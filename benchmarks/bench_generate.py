@@ -259,9 +259,12 @@ def run(args, results):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                             ms=times[path], warmup_s=warm_s, tokens=out[:, prompt:].tolist()))
-                        div = mark_divergence(results)[-1].get("diverges_at", "no eager row")
+                        row = mark_divergence(results)[-1]
+                        div = row.get("diverges_at")
+                        tokens = ("not compared (eager ran elsewhere)" if "diverges_at" not in row else "same as eager"
+                                  if div is None else f"diverge from eager at new token {div}")
                         log(f"{label} b={batch} {path}: {times[path]:.3f} ms/token (warm-ups {warm_s:.0f} s), tokens "
-                            f"{'same as eager' if div is None else f'diverge from eager at new token {div}'}")
+                            f"{tokens}")
                         write(results, args.out)
                 finally:
                     for _, done, *_ in live.values():

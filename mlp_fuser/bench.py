@@ -169,17 +169,24 @@ def without(argv: list[str], flags: set[str]) -> list[str]:
 
 def run_workers(commands: list[list[str]], deadline_s: float | None = None, gpus: bool = True) -> list[int]:
     """Runs the commands at once, command k on the k-th GPU (of those CUDA_VISIBLE_DEVICES lists, if set, when
-    ``gpus``), their output streamed here line by line with a [gpu k] prefix (lines starting with "|", their tables,
-    left out); a command still running ``deadline_s`` after the start is killed. Returns the exit codes (negative:
-    killed by that signal)."""
+    ``gpus``) and on the k-th equal share of this process's CPU cores (Inductor's compile threads limited to it), their
+    output streamed here line by line with a [gpu k] prefix (lines starting with "|", their tables, left out); a
+    command still running ``deadline_s`` after the start is killed. Returns the exit codes (negative: killed by that
+    signal)."""
     import subprocess
     import threading
 
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cpus) // max(1, len(commands))
     t0, procs, threads = time.time(), [], []
     for k, cmd in enumerate(commands):
         env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": visible[k] if visible else str(k)} if gpus else {}))
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        mine = cpus[k * share:(k + 1) * share] if share >= 2 else []  # the worker's own cores: one worker's compile
+        if mine:  # threads must not slow another's host-bound timing
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = str(len(mine))
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             preexec_fn=(lambda mine=mine: os.sched_setaffinity(0, mine)) if mine else None)
 
         def pump(p=p, k=k):
             for line in p.stdout:
