@@ -457,6 +457,33 @@ def host_split(label, model, gen, device, tokens=16):
 PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
 
 
+def gpu_gaps(events, tokens, stall_us=50.0):
+    """The GPU's idle time between its kernels (and memsets, copies), per token: gaps up to ``stall_us`` (the
+    scheduling between one kernel and the next, also inside a CUDA graph) summed by the kernel that follows them,
+    longer ones (the GPU waiting for the host) apart. Where a path's kernels add up to less than another's but its
+    step takes longer, this says which kernels the GPU waits before."""
+    work = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type.name == "CUDA"
+                   and e.time_range.end > e.time_range.start), key=lambda w: w[0])
+    if not work:
+        return
+    by_next, small, stalls, end, busy = {}, 0.0, 0.0, work[0][0], 0.0
+    for start, stop, name in work:
+        gap = max(0.0, start - end)
+        if gap > stall_us:
+            stalls += gap
+        else:
+            small += gap
+            n, c = by_next.get(name[:60], (0.0, 0))
+            by_next[name[:60]] = (n + gap, c + 1)
+        busy += stop - max(start, end) if stop > end else 0.0
+        end = max(end, stop)
+    log(f"  GPU timeline per token: span {(end - work[0][0]) / tokens:.0f} µs, busy {busy / tokens:.0f}, gaps "
+        f"<= {stall_us:.0f} µs {small / tokens:.0f}, longer gaps (waiting for the host) {stalls / tokens:.0f}; "
+        f"short gaps by the kernel after them, per token: µs, count, kernel")
+    for name, (g, c) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:10]:
+        log(f"    {g / tokens:9.1f} {c / tokens:6.1f}  {name}")
+
+
 def profile_decode(label, gen, device, python=False, tokens=16):
     """Where one generate of ``tokens`` new tokens spends its time (after a warm-up generate): GPU kernels by total
     time and count, the CPU side by self time, and with ``python`` the Python functions by own time (cProfile)."""
@@ -481,6 +508,7 @@ def profile_decode(label, gen, device, python=False, tokens=16):
     log("  CPU by self time, per token: µs, count, op")
     for e in sorted([e for e in ev if e.self_cpu_time_total > 0], key=lambda e: -e.self_cpu_time_total)[:14]:
         log(f"    {e.self_cpu_time_total / tokens:9.1f} {e.count / tokens:6.1f}  {e.key[:100]}")
+    gpu_gaps(prof.events(), tokens)
     if python:
         pr = cProfile.Profile()
         pr.enable()

@@ -159,3 +159,26 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["path"], r["error"].split(",")[0]) for r in rows] == [("eager", "not reached (worker ended"),
                                                                      ("compile", "not reached (worker ended")]
+
+
+def test_gpu_gaps_splits_scheduling_gaps_from_host_waits(capsys):
+    # bench_generate's timeline: busy time, gaps <= 50 µs by the kernel after them, longer gaps (host waits) apart.
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace as NS
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+
+    def ev(a, b, name, dev="CUDA"):
+        return NS(time_range=NS(start=a, end=b), name=name, device_type=NS(name=dev))
+
+    bench_generate.gpu_gaps([ev(0, 10, "mm"), ev(12, 20, "ours"), ev(21, 30, "mm"), ev(200, 210, "ours"),
+                             ev(205, 212, "ours"), ev(5, 6, "cpu op", "CPU")], tokens=2)
+    err = capsys.readouterr().err
+    assert "span 106 µs, busy 20, gaps <= 50 µs 2, longer gaps (waiting for the host) 85" in err
+    lines = [ln.split() for ln in err.splitlines()[1:]]
+    assert lines == [["1.0", "1.0", "ours"], ["0.5", "1.0", "mm"]]  # per token: µs of gaps before, count
