@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
@@ -480,6 +481,9 @@ def main(argv=None) -> int:
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 512
     torch.backends.cuda.matmul.allow_tf32 = False
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("mlp_fuser").setLevel(logging.INFO)  # the dispatcher's candidates and their times, per bucket
     budget = Budget(args.budget_s, t0=t_start)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     shapes = ints(args.shapes) or list(range(DEFAULT_SHAPES))

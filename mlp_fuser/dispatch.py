@@ -24,7 +24,7 @@ from . import config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import m_bucket
-from .kernels.splitk import gate_up_act_splitk, linear_splitk, splitk_config, splitk_counters
+from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
 from .reference import reference_mlp, reference_mlp_backward
 
 log = logging.getLogger("mlp_fuser")
@@ -88,10 +88,6 @@ def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
     return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
 
 
-def _triton_splitk_gate_up(x2, wg, bg, wu, bu, wd, bd, act):
-    return F.linear(gate_up_act_splitk(x2, wg, bg, wu, bu, act), wd, bd)
-
-
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     g = F.linear(x2, wg, bg)
     u = F.linear(x2, wu, bu) if wu is not None else None
@@ -106,9 +102,6 @@ IMPLS: list[Impl] = [
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
                "split-K GEMM streaming w_down once: two launches"),
-    Impl("triton_splitk_gate_up", _triton_splitk_gate_up, frozenset({"cuda"}), max_m=128, triton=True,
-         notes="gate and up as a split-K GEMM sized to the SMs (the last program of each tile sums the K ranges and "
-               "runs act*mul), then cuBLAS for down"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
     Impl("reference", reference_mlp, None,

@@ -10,6 +10,9 @@
   the partial outputs, then a finish kernel (b_down, cast; none for fp32 without b_down); y (M, O).
 - ``splitk.linear_splitk(h, w, b)``: y = h @ wᵀ + b, a split-K GEMM streaming w once (the down projection at
   small M), reduced in a fixed order by the last program of each tile; ``splitk_config`` picks its blocks.
+  ``splitk.gate_up_act_splitk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract on the same
+  schedule (the last program of a tile runs the act·mul epilogue); not a dispatch candidate (NOTES: v1's outcome),
+  timed by ``benchmarks/bench_impls.py``.
 - ``streamk.gate_up_act_streamk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract with a
   stream-K schedule (a persistent grid, equal K steps per program, pieces of tiles summed in K order by the last
   program of each tile), so every SM streams weights at M = 16-256; ``streamk_config`` picks its blocks.
