@@ -153,7 +153,10 @@ def test_gpu_backward_every_gradient(dtype, save, impl, monkeypatch):
 @pytest.mark.parametrize("way", ["patch-save", "patch-recompute", "backend-save", "backend-recompute"])
 def test_gpu_training_step_bf16_autocast_matches_unfused(way):
     """A tiny LLaMA on the GPU under bf16 autocast (fp32 master weights), patched with each backward choice and
-    through the backend: loss and every gradient within 1.25 x the unfused model's error against float64. One test
+    through the backend: the loss's gradients within 1.25 x the unfused model's error against float64, per parameter.
+    Each parameter's error is taken over its gradients from three seeds together: from one seed, the ratio of two
+    bf16 errors is a noisy sample (run 20, `benchmarks/train_error_seeds.py`, eight seeds: per-parameter ratios
+    1.03-1.29, the highest on norm weights, one parameter in 168 over 1.25; over all gradients 0.96-1.05). One test
     per way: the backend's compilation takes minutes on the H200 host, so each is time-boxed on its own."""
     import copy
 
@@ -163,26 +166,32 @@ def test_gpu_training_step_bf16_autocast_matches_unfused(way):
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).cuda().train()
-    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    backward = way.split("-")[1]
+    got, want, ref = {}, {}, {}  # parameter name -> its gradients, one per seed
 
-    def step(model, forward):
+    def step(model, forward, ids):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             forward(input_ids=ids, labels=ids).loss.backward()
-        return {n: p.grad for n, p in model.named_parameters()}
+        return {n: p.grad.double().flatten() for n, p in model.named_parameters()}
 
-    ref64 = copy.deepcopy(base).double()
-    ref64(input_ids=ids, labels=ids).loss.backward()
-    want = step(*(2 * [copy.deepcopy(base)]))
-    model = copy.deepcopy(base)
-    backward = way.split("-")[1]
     torch._dynamo.reset()
-    forward = (mlp_fuser.patch(model, backward=backward) if way.startswith("patch")
-               else torch.compile(model, backend=mlp_fuser.make_backend(backward=backward)))
-    got = step(model, forward)
-    for (name, r) in ref64.named_parameters():
-        err, unfused_err = rel_err(got[name], r.grad), rel_err(want[name], r.grad)
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        base = LlamaForCausalLM(cfg).cuda().train()
+        ids = torch.randint(0, 256, (2, 64), device="cuda")
+        ref64 = copy.deepcopy(base).double()
+        ref64(input_ids=ids, labels=ids).loss.backward()
+        unfused = copy.deepcopy(base)
+        model = copy.deepcopy(base)
+        forward = (mlp_fuser.patch(model, backward=backward) if way.startswith("patch")
+                   else torch.compile(model, backend=mlp_fuser.make_backend(backward=backward)))
+        for into, grads in ((ref, {n: p.grad.flatten() for n, p in ref64.named_parameters()}),
+                            (want, step(unfused, unfused, ids)), (got, step(model, forward, ids))):
+            for name, g in grads.items():
+                into.setdefault(name, []).append(g)
+    for name, r in ref.items():
+        r = torch.cat(r)
+        err, unfused_err = rel_err(torch.cat(got[name]), r), rel_err(torch.cat(want[name]), r)
         assert err <= 1.25 * unfused_err + 1e-6, (way, name, err, unfused_err)
     torch._dynamo.reset()
 
