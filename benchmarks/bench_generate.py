@@ -552,22 +552,15 @@ def run_parallel(args, argv: list[str], n: int) -> list[dict]:
     (the paths of a group take turns on one GPU; no ratio mixes GPUs). Their rows are merged in the single-process
     order, and the tokens compared with eager's across workers. A worker that ends early leaves its remaining
     units as "not reached"."""
-    from mlp_fuser.bench import assign, run_workers, without
+    from mlp_fuser.bench import spread
 
     todo = units(args)
-    parts = assign(todo, lambda u: UNIT_COST[(u[0], int(u[1]))], n)
-    base = without(argv, {"--gpus", "--out", "--units", "--deadline-s"})
-    subs = [os.path.join(args.out, f"gpu{k}") for k in range(len(parts))]
-    for k, (part, sub) in enumerate(zip(parts, subs)):
-        log(f"[gpu {k}] units {', '.join(part)}")
-        if os.path.exists(os.path.join(sub, "generate.json")):  # an earlier run's rows are not this worker's
-            os.remove(os.path.join(sub, "generate.json"))
-    codes = run_workers([[sys.executable, os.path.abspath(__file__), *base, "--units", ",".join(part), "--out", sub]
-                         for part, sub in zip(parts, subs)], args.deadline_s, gpus=args.device == "cuda")
+    workers = spread(todo, lambda u: UNIT_COST[(u[0], int(u[1]))], n, [sys.executable, os.path.abspath(__file__)], argv,
+                     args.out, "generate.json", args.deadline_s, gpus=args.device == "cuda")
     results = []
-    for part, sub, code in zip(parts, subs, codes):
-        path = os.path.join(sub, "generate.json")
-        rows = json.load(open(path)) if os.path.exists(path) else []
+    for part, sub, code in workers:
+        file = os.path.join(sub, "generate.json")
+        rows = json.load(open(file)) if os.path.exists(file) else []
         seen = {r["unit"] for r in rows}
         results += rows + [dict(model=f"{args.model}{' (tiny)' if args.tiny else ''}", phase=phase, path=path, unit=u,
                                 error=f"not reached (worker ended, {code})")

@@ -4,7 +4,8 @@
 #   tests: TESTS_K=<pytest -k expression> TEST_TIMEOUT=<s> (time-boxed with SIGINT, so the summary still prints)
 #   generate: MODEL=1b|8b PATHS=eager,patch,... BATCHES=1,8 GEN_BUDGET=<s> GPUS=<n> (defaults: 1b, every path, 1,8,
 #             330: no path group starts after 330 s, so a 600-s call ends with its table; 1 GPU. The 8b table takes
-#             ~900 s on one GPU: GPUS=4 spreads its units over 4 GPUs, ~300 s)
+#             ~900 s on one GPU: GPUS=4 spreads its units over 4 GPUs; its longest unit, the compile group at one
+#             batch size, took ~280 s on its own 16 cores in run 19)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

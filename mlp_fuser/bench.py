@@ -209,6 +209,23 @@ def run_workers(commands: list[list[str]], deadline_s: float | None = None, gpus
     return [p.returncode for p in procs]
 
 
+def spread(units: list[str], cost, n: int, command: list[str], argv: list[str], out: str, result_file: str,
+           deadline_s: float | None = None, gpus: bool = True) -> list[tuple[list[str], str, int]]:
+    """``units`` over ``n`` workers (``assign``), worker k running ``command`` with ``argv`` (less --gpus, --out,
+    --units and --deadline-s) plus its ``--units`` and ``--out out/gpu<k>`` (an earlier run's ``result_file`` there is
+    removed first), all at once (``run_workers``). Returns (units, folder, exit code) per worker."""
+    parts = assign(units, cost, n)
+    base = without(argv, {"--gpus", "--out", "--units", "--deadline-s"})
+    subs = [os.path.join(out, f"gpu{k}") for k in range(len(parts))]
+    for k, (part, sub) in enumerate(zip(parts, subs)):
+        log(f"[gpu {k}] units {', '.join(part)}")
+        if os.path.exists(os.path.join(sub, result_file)):  # an earlier run's rows are not this worker's
+            os.remove(os.path.join(sub, result_file))
+    codes = run_workers([[*command, *base, "--units", ",".join(part), "--out", sub] for part, sub in zip(parts, subs)],
+                        deadline_s, gpus)
+    return list(zip(parts, subs, codes))
+
+
 # ---- timing ---------------------------------------------------------------------------------------------
 
 
@@ -428,15 +445,9 @@ def run_parallel(args, argv, units, sections, tuned, n) -> int:
     rows_of = {f"{s}:{dt}": len(row_ms) for s, dt, row_ms in sections}
     cost = lambda u: 60.0 * sum(s == int(u.split(":")[0]) for s, _ in tuned) if u.endswith(":mat") \
         else 6.0 * rows_of[u]  # noqa: E731 (seconds per row: run 8)
-    parts = assign(units, cost, n)
-    base = without(argv, {"--gpus", "--out", "--units", "--deadline-s"})
-    subs = [os.path.join(args.out, f"gpu{k}") for k in range(len(parts))]
-    for k, (part, sub) in enumerate(zip(parts, subs)):
-        log(f"[gpu {k}] units {', '.join(part)}")
-        if os.path.exists(os.path.join(sub, "results.json")):  # an earlier run's rows are not this worker's
-            os.remove(os.path.join(sub, "results.json"))
-    codes = run_workers([[sys.executable, "-m", "mlp_fuser", "bench", *base, "--units", ",".join(part), "--out", sub]
-                         for part, sub in zip(parts, subs)], args.deadline_s)
+    workers = spread(units, cost, n, [sys.executable, "-m", "mlp_fuser", "bench"], argv, args.out, "results.json",
+                     args.deadline_s)
+    subs, codes = [w[1] for w in workers], [w[2] for w in workers]
     merged = merge_workers(subs, "python -m mlp_fuser bench " + " ".join(argv), args.budget_s)
     if merged is None:
         log("[bench] no worker wrote a result")
