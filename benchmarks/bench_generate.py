@@ -27,8 +27,11 @@ OUT/generate.md and OUT/generate.json after every measurement. ``--budget-s`` st
 seconds (nor one that took longer at the previous batch size than what is left) and lists what it skipped.
 
 ``--gpus N`` spreads the units of work (a decode group at one batch size, a prefill pair) over N GPUs, one worker
-process each, heaviest units first (``UNIT_COST``): the 8b table takes about 900 s on one GPU and about 300 s on four.
-The paths compared with each other still share one GPU and take turns; only the tokens are compared across workers.
+process each (its own GPU and share of the CPU cores), heaviest units first (``UNIT_COST``). The 8b table takes about
+900 s on one GPU; its longest unit, the compile group at one batch size, took about 280 s alone on 16 cores (run 19),
+so four GPUs should fit it in one 600-s call (not yet run whole: in run 16 that unit missed its 330-s deadline while
+unpinned workers shared the cores). The paths compared with each other still share one GPU and take turns; only the
+tokens are compared across workers.
 """
 
 from __future__ import annotations

@@ -209,11 +209,9 @@ def gate_up_splitk_config(M: int, N: int, K: int, itemsize: int, device: torch.d
     if INTERPRET:
         return 16, 32, 32, min(3, cdiv(K, 32)), 4, 1
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    block_n, block_k, stages = 64, (128 if itemsize <= 2 else 32), 4
+    block_n, block_k = 64, (128 if itemsize <= 2 else 32)
+    stages = 4 if k_loop_fits(4, block_m, block_k, block_n, 2, itemsize) else 2
     smem = stages * (block_m * block_k + 2 * block_k * block_n) * itemsize
-    if not k_loop_fits(stages, block_m, block_k, block_n, 2, itemsize):
-        stages = 2
-        smem = stages * (block_m * block_k + 2 * block_k * block_n) * itemsize
     slots = num_sms(device) * max(1, min(4, (220 * 1024) // smem))  # programs resident at once
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     weight_bytes = 2 * N * K * itemsize
