@@ -182,3 +182,29 @@ def test_gpu_gaps_splits_scheduling_gaps_from_host_waits(capsys):
     assert "span 106 µs, busy 20, gaps <= 50 µs 2, longer gaps (waiting for the host) 85" in err
     lines = [ln.split() for ln in err.splitlines()[1:]]
     assert lines == [["1.0", "1.0", "ours"], ["0.5", "1.0", "mm"]]  # per token: µs of gaps before, count
+
+
+def test_run_workers_gives_each_worker_its_gpu_and_its_own_cores(monkeypatch):
+    # bench.run_workers on a host of 8 cores with GPUs 2,3 visible: worker k gets the k-th visible GPU, the k-th half
+    # of the cores (its affinity, set in the child) and as many Inductor compile threads.
+    import os
+    import subprocess
+
+    made, pinned = [], []
+
+    class FakePopen:
+        def __init__(self, cmd, env, preexec_fn, **kw):
+            made.append((cmd, env["CUDA_VISIBLE_DEVICES"], env["TORCHINDUCTOR_COMPILE_THREADS"]))
+            preexec_fn()
+            self.stdout, self.returncode = iter(["| a table line\n", "a log line\n"]), 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append(sorted(cpus)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert bench.run_workers([["a"], ["b"]]) == [0, 0]
+    assert made == [(["a"], "2", "4"), (["b"], "3", "4")]
+    assert pinned == [[0, 1, 2, 3], [4, 5, 6, 7]]
