@@ -260,8 +260,10 @@ def run(args, results):
                             host_split(f"{label} b={batch} {path}", m, gen, device)
                         if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
+                        step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens)
+                                if args.step and path.startswith("static") else {})
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
-                                            ms=times[path], warmup_s=warm_s, tokens=out[:, prompt:].tolist()))
+                                            ms=times[path], warmup_s=warm_s, tokens=out[:, prompt:].tolist(), **step))
                         row = mark_divergence(results)[-1]
                         div = row.get("diverges_at")
                         tokens = ("not compared (eager ran elsewhere)" if "diverges_at" not in row else "same as eager"
@@ -457,6 +459,67 @@ def host_split(label, model, gen, device, tokens=16):
         f"reported (second generate): {syncs}")
 
 
+class _StepTimed(Exception):
+    """Ends the generate ``time_step`` ran in, once the step is timed."""
+
+
+def time_step(label, model, gen, device, new_tokens, calls=20):
+    """The static-cache decode step alone, outside ``generate``'s own work: inside one generate, at its fourth
+    decode step, the compiled call transformers made (``model._compiled_call``, a CUDA-graph replay under
+    reduce-overhead) is run again ``2 * calls`` times with that step's arguments, then the generate is ended (each
+    call moves the static cache on by one position, so fewer calls when the cache, ``new_tokens`` past the prompt,
+    has no room). GPU ms per step (CUDA events around each call, queued behind a GPU sleep, so the host's time cannot
+    show in them), host ms per call (its wall time while the GPU is still busy), and ms per step back to back
+    (synchronised once at the end). Where a path's step is faster on the GPU but its generate is not, this says
+    whether the step or what ``generate`` does around it holds it back."""
+    compiled, seen, out = model._compiled_call, [0], {}
+    cuda, calls = device == "cuda", max(1, min(calls, (new_tokens - 6) // 2))  # room in the cache
+
+    def timed(a, k):
+        gpu, host = [], []
+        for _ in range(calls):
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(20_000_000)  # GPU spin: the call below is queued, not waited for
+                e0.record()
+            t0 = time.perf_counter()
+            compiled(*a, **k)
+            host.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                e1.record()
+                e1.synchronize()
+                gpu.append(e0.elapsed_time(e1))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            compiled(*a, **k)
+        sync(device)
+        out.update(step_gpu_ms=statistics.median(gpu) if gpu else float("nan"), step_host_ms=statistics.median(host),
+                   step_back_ms=(time.perf_counter() - t0) / calls * 1e3)
+
+    def recording(*a, **k):
+        seen[0] += 1
+        if seen[0] == 4:  # the prefill runs eagerly; calls 1-3 are decode steps, replayed already
+            sync(device)
+            timed(a, k)
+            raise _StepTimed
+        return compiled(*a, **k)
+
+    model._compiled_call = recording
+    try:
+        gen(new_tokens)
+    except _StepTimed:
+        pass
+    finally:
+        model._compiled_call = compiled
+    sync(device)
+    if not out:
+        log(f"  step alone, {label}: not timed ({seen[0]} compiled calls in a generate of {new_tokens} tokens)")
+        return {}
+    log(f"  step alone, {label}: GPU {out['step_gpu_ms']:.3f} ms, host per call {out['step_host_ms']:.3f} ms, back to "
+        f"back {out['step_back_ms']:.3f} ms per step ({calls} calls each)")
+    return out
+
+
 PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
 
 
@@ -594,6 +657,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-at", default="", help="profile these decode paths instead, e.g. 1:compile,1:backend")
     ap.add_argument("--host-split", action="store_true", help="decode paths but static: host time inside forward, the "
                     "op, the garbage collector; synchronisations")
+    ap.add_argument("--step", action="store_true", help="static paths: time the compiled decode step alone (GPU, "
+                    "host per call, back to back), inside a generate but without its own work")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model")
     args = ap.parse_args(argv)

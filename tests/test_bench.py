@@ -1,5 +1,6 @@
 """The benchmark's plan, time budget, row arithmetic and target table: plain Python, checked without a GPU."""
 
+import pytest
 import torch
 
 from mlp_fuser import bench
@@ -159,6 +160,28 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["path"], r["error"].split(",")[0]) for r in rows] == [("eager", "not reached (worker ended"),
                                                                      ("compile", "not reached (worker ended")]
+
+
+@pytest.mark.slow
+def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_path, capsys):
+    # --step: the compiled decode step run again with one step's arguments inside a generate, which it then ends;
+    # the generates timed after it still decode (fp32 on the CPU: the static path's tokens equal eager's).
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,static", "--batches", "1", "--step",
+                                "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [r["path"] for r in rows] == ["eager", "static"]
+    assert "step_host_ms" not in rows[0] and rows[1]["step_host_ms"] > 0 and rows[1]["step_back_ms"] > 0
+    assert rows[1]["diverges_at"] is None
+    assert "step alone, 1b (tiny) b=1 static: GPU nan ms" in capsys.readouterr().err
 
 
 def test_gpu_gaps_splits_scheduling_gaps_from_host_waits(capsys):
