@@ -4,7 +4,8 @@
 
 For tuning: shows where each implementation wins, so the dispatcher's candidates and caps can be set from
 measurements. CUDA-graph medians in µs; weights rotated when they fit in L2; each output checked against fp32
-(a "!" marks one outside 1.25x the unfused module's error). Besides the whole-MLP implementations, the gate/up
+(a "!" marks one outside 1.25x the unfused module's error; the gate/up kernels below are checked against fp32 h,
+with two F.linear + act_mul's error as the bar). Besides the whole-MLP implementations, the gate/up
 kernels alone (`gu:gemm` = gate_up_act autotuned, `gu:streamk` = gate_up_act_streamk, `gu:splitk` =
 gate_up_act_splitk, `gu:cublas` = two F.linear + act_mul) show which half of the MLP a difference comes from. The
 last table: per row the fastest other implementation, the candidate under test (NEW) against it, and the % of the
@@ -40,6 +41,14 @@ def gate_up_variants():
             "gu:streamk": lambda x, wg, bg, wu, bu, wd, bd, act: gate_up_act_streamk(x, wg, bg, wu, bu, act),
             "gu:splitk": lambda x, wg, bg, wu, bu, wd, bd, act: gate_up_act_splitk(x, wg, bg, wu, bu, act),
             "gu:cublas": cublas}
+
+
+def gate_up_reference(x, wg, bg, wu, bu, wd, bd, act):
+    """h = act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up): what the gu:* variants compute (in fp32 for the check)."""
+    from mlp_fuser.activations import get_activation
+
+    g = F.linear(x, wg, bg)
+    return get_activation(act).fn(g) * (F.linear(x, wu, bu) if wu is not None else 1)
 
 
 def _splitk_cublas(x, wg, bg, wu, bu, wd, bd, act):
@@ -90,17 +99,21 @@ def main(argv=None):
             mlp_names = {"eager", *variants}
             variants.update(gate_up_variants())
             errs, times = setup.time(M, {"eager": reference_mlp})
+            # the gate/up kernels are checked against fp32 h, with two F.linear + act·mul's error as the bar
+            errs["gu"] = setup.time(M, {"gu": gate_up_variants()["gu:cublas"]}, rounds=1,
+                                    reference=gate_up_reference)[0]["gu"]
             us = {"eager": times["eager"][0]}  # name -> CUDA-graph µs, None when it failed
             wrong = set()
             for vname, fn in variants.items():
+                half = vname not in mlp_names
                 try:
-                    e, t = setup.time(M, {vname: fn})
+                    e, t = setup.time(M, {vname: fn}, reference=gate_up_reference if half else reference_mlp)
                 except Exception as ex:  # report and go on: one broken variant must not hide the others
                     print(f"  {vname} M={M}: {type(ex).__name__}: {str(ex)[:300]}", file=sys.stderr)
                     us[vname] = None
                     continue
                 us[vname] = t[vname][0]
-                if vname in mlp_names and e[vname] > 1.25 * errs["eager"]:  # gu:* are checked by the GPU suite
+                if e[vname] > 1.25 * errs["gu" if half else "eager"]:
                     wrong.add(vname)
             cells = ["-" if us.get(n) is None else f"{us[n]:.1f}{'!' if n in wrong else ''}" for n in names]
             line = f"M={M}".ljust(26) + "".join(c.rjust(width) for c in cells)

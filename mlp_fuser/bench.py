@@ -247,8 +247,10 @@ class ShapeSetup:
         g = torch.Generator(device="cuda").manual_seed(1000 + M)  # the same x whenever a row is (re)timed
         return [torch.randn(M, self.K, device="cuda", generator=g).to(self.dtype) for _ in range(self.n_sets)]
 
-    def time(self, M, variants, rounds=ROUNDS):
+    def time(self, M, variants, rounds=ROUNDS, reference=reference_mlp):
         """{name: rel. error against fp32}, {name: (CUDA-graph µs, plain µs)} for each variant fn(x, *w, act).
+        ``reference(x, *w, act)``, run in fp32, is what the variants compute: the whole MLP unless told (a part of
+        it, e.g. the gate/up half, for ``bench_impls.py``'s kernels of one half).
 
         The variants take turns: each of ``rounds`` rounds replays every variant's CUDA graph once and runs its plain
         calls once, in an order rotated per round, and a variant's time is its median over the rounds. So a drift of
@@ -257,7 +259,7 @@ class ShapeSetup:
         weight sets."""
         xs = self.inputs(M)
         w0 = self.weights[0]
-        ref = reference_mlp(xs[0].float(), *[None if t is None else t.float() for t in w0], self.act)
+        ref = reference(xs[0].float(), *[None if t is None else t.float() for t in w0], self.act)
         errs, runs = {}, {}
         for vname, fn in variants.items():
             t0 = time.time()
