@@ -1,12 +1,16 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
-    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead]
+    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
 - small_m: every candidate of the dispatcher at M = 1-16 (SwiGLU, three sizes), against torch.compile; µs.
 - graph_gap: at large M, the op inside a CUDA graph and with plain launches, beside its kernels without the op.
 - overhead: the op's CPU cost per call without CUDA graphs (plain eager), and where it goes (cProfile).
+- down: the down projection alone at M = 16-128 (y = h @ w_downᵀ, K = the MLP's I): cuBLAS (F.linear) against
+  ``linear_splitk`` with its default config and a grid of (BLOCK_N, BLOCK_K, SPLIT_K, stages); µs and % of the
+  floor (w_down once at the measured copy bandwidth). Which config, if any, beats cuBLAS where the MLP's rows are
+  furthest from the floor.
 CUDA-graph medians (``triton.testing.do_bench_cudagraph``) unless said; every output is checked.
 """
 
@@ -257,13 +261,68 @@ def overhead():
     return profiles + rows
 
 
+def _splitk_us(linear_splitk, h, w, ref, tol, config):
+    """µs of ``linear_splitk(h, w)`` with ``config``, or None when its output (poisoned first) is not within
+    ``tol`` of ``ref`` (float64) in relative error."""
+    y = torch.full((h.shape[0], w.shape[0]), float("nan"), device="cuda", dtype=h.dtype)
+    fn = functools.partial(linear_splitk, h, w, None, config, out=y)
+    fn()
+    if not ((y.double() - ref).norm() / ref.norm()).item() <= tol:
+        return None
+    return _us(fn)
+
+
+def down_sweep(shapes=((4096, 11008), (8192, 3584)), ms=(16, 32, 64, 128)):
+    """The down projection: cuBLAS against linear_splitk's default and a grid of configs (see the module doc)."""
+    from mlp_fuser.bench import measure_ceilings
+    from mlp_fuser.kernels.splitk import linear_splitk, splitk_config
+
+    _, tbps = measure_ceilings()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grid = [(bn, bk, split, stages) for bn in (64, 128) for bk in (128, 256) for split in (2, 4, 6, 8, 12, 16)
+            for stages in (3, 4) if not (bk == 256 and stages == 4)]
+    rows = [f"down projection, bf16, CUDA-graph µs (% of the floor: w_down once at {tbps:.2f} TB/s); best of "
+            f"{len(grid)} configs (BLOCK_N, BLOCK_K, SPLIT_K, stages)",
+            "| N, K | M | floor | cuBLAS | splitk default (config) | best splitk (config) | best / cuBLAS |",
+            "|---|---|---|---|---|---|---|"]
+    for N, K in shapes:
+        w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) / K ** 0.5
+        for M in ms:
+            h = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+            ref = h.double() @ w.double().t()
+            tol = 1.25 * ((F.linear(h, w).double() - ref).norm() / ref.norm()).item() + 1e-6
+            floor = (N * K + M * K + M * N) * 2 / (tbps * 1e12) * 1e6
+
+            timed = functools.partial(_splitk_us, linear_splitk, h, w, ref, tol)
+            cublas = _us(functools.partial(F.linear, h, w))
+            default = splitk_config(M, N, K, h.device)
+            d_us = timed(default)
+            bm, warps = default[0], default[4]
+            best = None
+            for bn, bk, split, stages in grid:
+                try:
+                    us = timed((bm, bn, bk, split, warps, stages))
+                except Exception as e:  # out of shared memory, ...: skip the config
+                    print(f"  {N}x{K} M={M} {(bn, bk, split, stages)}: {type(e).__name__}", file=sys.stderr)
+                    continue
+                if us is not None and (best is None or us < best[0]):
+                    best = (us, (bn, bk, split, stages))
+            cell = "-" if d_us is None else f"{d_us:.1f} ({100 * floor / d_us:.0f}%)"
+            b_cell = "-" if best is None else f"{best[0]:.1f} ({100 * floor / best[0]:.0f}%) {best[1]}"
+            ratio = "-" if best is None else f"{cublas / best[0]:.3f}x"
+            rows.append(f"| {N}, {K} | {M} | {floor:.1f} | {cublas:.1f} ({100 * floor / cublas:.0f}%) | {cell} "
+                        f"{default[1:4]} | {b_cell} | {ratio} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     steps = sys.argv[1:] or ["act_mul", "small_m", "overhead"]
     out = []
     for step in steps:
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
-                             "overhead": overhead}
+                             "overhead": overhead, "down": down_sweep}
             out += steps_by_name[step]()
         except Exception:  # report, keep the other steps' numbers
             import traceback
