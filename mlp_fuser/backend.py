@@ -7,7 +7,8 @@ The rewrite runs before AOTAutograd, so training works through the op's own auto
 wrapper ``backend="inductor"`` uses (``reduce-overhead`` and ``max-autotune`` turn on Inductor's CUDA-graph
 trees), and ``torch._dynamo.reset()`` resets what they created. Where the mode runs without CUDA graphs, the
 fused ops in the graph take the dispatcher's choice for eager calls (``without_graphs``), as ``patch`` does: each
-launch then costs host time, which that choice weighs.
+launch then costs host time, which that choice weighs. Inductor's generated code calls the op's Python entry
+directly, not through the dispatcher (``mlp_fuser.inductor``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from . import fx_pass, ops
 from . import patterns as registry
 from .activations import get_activation
+from .inductor import install as install_direct_calls
 
 log = logging.getLogger("mlp_fuser")
 _graph_ids = itertools.count()
@@ -117,6 +119,7 @@ def make_backend(
             return without_graphs(gm.forward)
         if compiler not in compilers:
             compilers.append(compiler)
+        install_direct_calls()  # Inductor's code calls the op's Python entry, not the dispatcher (mlp_fuser.inductor)
         compiled = compiler(gm, example_inputs)
         return compiled if uses_cuda_graphs(compiler) else without_graphs(compiled)
 

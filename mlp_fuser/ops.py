@@ -233,6 +233,33 @@ def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, s
 EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
 
 
+# ---- Inductor's entry: what a compiled graph's wrapper code calls (``mlp_fuser.inductor``) ----------------
+
+
+def inductor_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
+    """``mlp`` as Inductor's generated code calls it: computed right here where nothing needs the dispatcher's
+    layers, with the choice the registered op makes (``calls.eager``, set around graphs run without CUDA graphs);
+    otherwise the registered op."""
+    if _plain_call(x, w1, b1, None, None, w2, b2):
+        return _forward("mlp", x, w1, b1, None, None, w2, b2, activation, calls.eager)
+    return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
+
+
+def inductor_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
+    """``gated_mlp`` as Inductor's generated code calls it: see ``inductor_mlp``."""
+    if _plain_call(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+        return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, calls.eager)
+    return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
+                                                 save_preact)
+
+
+# Generated code reaches what it calls from ``torch``; set here, where the ops are defined, so that code compiled in
+# another process and loaded from Inductor's cache finds them in any process that has the ops.
+INDUCTOR_NAMES = {"mlp": "_inductor_mlp", "gated_mlp": "_inductor_gated_mlp"}
+torch.ops.mlp_fuser._inductor_mlp = inductor_mlp
+torch.ops.mlp_fuser._inductor_gated_mlp = inductor_gated_mlp
+
+
 # ---- the training path's helper ops: act_mul and mlp_backward ------------------------------------
 
 

@@ -78,6 +78,48 @@ def test_op_calls_take_the_eager_choice_exactly_where_inductor_runs_without_cuda
     assert seen == [True] * 2 and not ops.calls.eager
 
 
+def test_inductor_code_calls_the_ops_entry_directly_and_the_dispatcher_where_needed(monkeypatch):
+    # mlp_fuser.inductor: the generated code calls torch.ops.mlp_fuser._inductor_gated_mlp / _inductor_mlp (no round
+    # trip through the dispatcher), which computes right there when nothing needs the dispatcher's layers, calls the
+    # registered op under a profiler (so the op's event is still there), and is not used with config.inductor_direct
+    # off. Inductor's cache is off: a graph compiled earlier with the other setting must not answer.
+    from torch._inductor.utils import run_and_get_code
+
+    from mlp_fuser import config, ops
+
+    plain, real = [], ops._plain_call
+    monkeypatch.setattr(ops, "_plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
+    model = _tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
+
+    def plain_mlp(x):
+        return torch.ops.mlp_fuser.mlp.default(x, w1, None, w2, None, "gelu") * 2
+
+    for direct in (True, False):
+        torch._dynamo.reset()
+        monkeypatch.setattr(config, "inductor_direct", direct)
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            compiled = torch.compile(model, backend=mlp_fuser.backend)
+            out, (code,) = run_and_get_code(lambda c=compiled: c(ids).logits)
+            torch.testing.assert_close(out, model(ids).logits)
+            x = torch.randn(3, 32)
+            y, (code_plain,) = run_and_get_code(torch.compile(plain_mlp, backend=mlp_fuser.backend), x)
+            torch.testing.assert_close(y, plain_mlp(x))
+            compiled(ids)  # a graph's first run is under AOTAutograd's aliasing check (a dispatch mode); not later ones
+            plain.clear()
+            compiled(ids)
+            calls = list(plain)
+            plain.clear()
+            assert count_ops(lambda c=compiled: c(ids)) == 2  # under the profiler: the registered op, both layers
+        assert code.count("torch.ops.mlp_fuser._inductor_gated_mlp(") == (2 if direct else 0)
+        assert code.count("torch.ops.mlp_fuser.gated_mlp.default(") == (0 if direct else 2)
+        assert code_plain.count("torch.ops.mlp_fuser._inductor_mlp(") == (1 if direct else 0)
+        assert calls == ([True, True] if direct else [])  # computed right there, in both layers
+        assert plain == ([False, False] if direct else [])  # the profiler needs the dispatcher
+    torch._dynamo.reset()
+
+
 def test_options_reach_inductor_and_bad_ones_fail_as_for_inductor(compile_fx_spy):
     torch._dynamo.reset()
     model = _tiny_llama()

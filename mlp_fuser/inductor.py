@@ -1,0 +1,71 @@
+"""The op in Inductor's generated code: called directly, not through the dispatcher.
+
+Inductor has no lowering for a custom op, so it runs it as a fallback kernel: the graph's generated Python calls
+``torch.ops.mlp_fuser.gated_mlp.default(...)``, which goes down the dispatcher (C++, the arguments boxed) and back up
+into the op's Python kernels. That round trip is host time on every call: 8.8 µs per call on a 2-core CPU
+(`/tmp`-style loop, NOTES "Eighth session"), where the decode step of a model compiled without CUDA graphs (the
+dynamic cache) waits on the host. ``install()`` registers the same fallback Inductor would create (its layout
+constraint included) and renames the call the Python wrapper emits to ``torch.ops.mlp_fuser._inductor_gated_mlp``
+(``ops.inductor_gated_mlp``; ``_inductor_mlp`` for the plain MLP): it computes the op right there when nothing
+needs the dispatcher's layers (no gradient, autocast, dispatch or function mode, profiler), else calls the
+registered op. The C++ wrapper (AOTInductor) and the FX wrapper keep the registered op, and so does every graph
+compiled while ``config.inductor_direct`` is off. Where Inductor's internals differ from what this expects, nothing
+is installed or renamed: the graph calls the registered op as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import config, ops
+
+log = logging.getLogger("mlp_fuser")
+_installed: list[str] = []  # the ops whose lowering is ours
+
+
+def _fallback_kernel(out):
+    """The FallbackKernel node behind a fallback lowering's result (a tensor output wrapped for lowering), or None."""
+    from torch._inductor import ir
+
+    node = out
+    while node is not None and not isinstance(node, ir.MultiOutput):
+        node = getattr(node, "data", None)
+    inputs = getattr(node, "inputs", None) or [None]
+    return inputs[0] if isinstance(inputs[0], ir.FallbackKernel) else None
+
+
+def install() -> bool:
+    """Register the renaming fallback lowering for both ops (once per process); False where it cannot be."""
+    if len(_installed) == len(ops.INDUCTOR_NAMES):
+        return True
+    try:
+        from torch._inductor import lowering
+        from torch._inductor.virtualized import V
+        from torch._library.utils import get_layout_constraint_tag
+
+        for op_name, direct in ops.INDUCTOR_NAMES.items():
+            op = getattr(torch.ops.mlp_fuser, op_name).default
+            if op_name in _installed:
+                continue
+            if op not in lowering.lowerings:  # what Inductor's implicit fallback for this op would be
+                constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+                lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+            inner = lowering.lowerings[op]
+
+            def lower(*args, _inner=inner, _op=op, _name=f"torch.ops.mlp_fuser.{direct}", **kwargs):
+                out = _inner(*args, **kwargs)
+                kernel = _fallback_kernel(out)
+                if (config.inductor_direct and kernel is not None and kernel.op_overload is _op
+                        and not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False)):
+                    kernel.python_kernel_name = _name
+                return out
+
+            lower._is_fallback_handler = True  # still Inductor's fallback, as far as Inductor's checks go
+            lowering.lowerings[op] = lower
+            _installed.append(op_name)
+    except Exception as e:  # another torch's internals: the registered op stays what Inductor calls
+        log.debug("mlp_fuser: Inductor's direct call not installed: %s: %s", type(e).__name__, e)
+        return False
+    return True
