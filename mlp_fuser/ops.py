@@ -30,6 +30,10 @@ Registered kernels, from the top of the dispatcher down:
   on CUDA a call whose signature was seen before runs that call's launch plan instead (``plans``: the same
   launches);
 - fake: shapes only, so torch.compile traces the op with no graph break.
+
+Two entries skip the dispatcher where none of its layers is needed: ``eager_mlp`` / ``eager_gated_mlp`` (``patch``'s
+fused forwards) and ``inductor_mlp`` / ``inductor_gated_mlp`` (what Inductor's generated code calls, as
+``torch.ops.mlp_fuser._inductor_mlp`` / ``_inductor_gated_mlp``: ``mlp_fuser.inductor``).
 """
 
 from __future__ import annotations
