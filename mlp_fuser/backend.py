@@ -115,7 +115,11 @@ def make_backend(
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)
         else:
             log.info("mlp_fuser: graph %d: fusion disabled", gid)
-        if compiler is None:  # the graph runs op by op, as eager code does
+        if compiler is None:  # the graph runs op by op, as eager code does: the ops minus the dispatcher's hop
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.target in ops.EAGER:
+                    node.target = ops.EAGER[node.target]
+            gm.recompile()
             return without_graphs(gm.forward)
         if compiler not in compilers:
             compilers.append(compiler)

@@ -145,7 +145,13 @@ def test_not_an_mlp_module():
     assert fuse_module(AddsInput().fc1) is None  # one projection
 
 
-def test_per_module_false_runs_the_whole_forward_through_dynamo():
+def test_per_module_false_runs_the_whole_forward_through_dynamo(monkeypatch):
+    # The captured graph runs op by op, each op through its eager entry: computed right there (no dispatcher hop)
+    # where nothing needs the dispatcher, through it under the profiler.
+    from mlp_fuser import ops
+
+    plain, real = [], ops._plain_call
+    monkeypatch.setattr(ops, "_plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
     model = _llama(2)
     ids = torch.randint(1, 128, (1, 5))
     with torch.no_grad():
@@ -153,6 +159,9 @@ def test_per_module_false_runs_the_whole_forward_through_dynamo():
         mlp_fuser.patch(model, per_module=False)
         assert _MODULES not in model.__dict__ and "forward" in model.__dict__
         torch.testing.assert_close(model(ids).logits, ref)
+        plain.clear()
+        model(ids)
+        assert plain == [True, True]
         assert count_ops(lambda: model(ids)) == 2
     mlp_fuser.unpatch(model)
 
