@@ -15,6 +15,8 @@ mlp_fuser where it applies:
   reduce-overhead (Inductor's CUDA-graph trees);
 - ``compile`` / ``backend``: ``model.forward = torch.compile(model.forward[, backend=mlp_fuser.backend])``, the
   default dynamic cache (the slowest to compile: about 60 s per batch size and path at 1b, 110 s at 8b);
+  on request ``backend_nodirect``, the backend with Inductor's code calling the registered op through the dispatcher
+  (``MLP_FUSER_INDUCTOR_DIRECT=0``), timed in turns with the other two;
 - ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 10, the paths
   of a pair (eager and patch; compile and backend) taking turns call by call.
 
@@ -55,13 +57,15 @@ MODELS = {
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256)
 DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
-EXTRA_PATHS = ["patch_noplan"]  # on request: patch with mlp_fuser.config.plans off (the op's full path every call)
+# On request: patch with mlp_fuser.config.plans off (the op's full path every call); the dynamic-cache backend with
+# Inductor's code calling the registered op through the dispatcher (mlp_fuser.config.inductor_direct off).
+EXTRA_PATHS = ["patch_noplan", "backend_nodirect"]
 # Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
 # In this order (a --budget-s cuts from the end): eager's group first, as every path's tokens are compared with eager's.
-GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend"]]
+GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend", "backend_nodirect"]]
 PREFILL_GROUPS = [["eager", "patch"], ["compile", "backend"]]  # the prefill's pairs, timed the same way
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
-            "static_backend": "static", "patch_noplan": "eager"}
+            "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile"}
 
 
 def log(*a):
@@ -94,8 +98,9 @@ def generate_fn(model, path, ids):
     if path in ("patch", "patch_noplan"):  # patch_noplan: without launch plans (mlp_fuser.plans), for comparison
         mlp_fuser.patch(model)
         cleanup.append(lambda: mlp_fuser.unpatch(model))
-    elif path in ("compile", "backend"):
-        backend = mlp_fuser.backend if path == "backend" else "inductor"
+    elif path in ("compile", "backend", "backend_nodirect"):
+        # backend_nodirect: a backend of its own, so that Dynamo keeps its graphs apart from the backend path's
+        backend = {"compile": "inductor", "backend": mlp_fuser.backend}.get(path) or mlp_fuser.make_backend()
         model.forward = torch.compile(model.forward, backend=backend)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
     elif path in ("static", "static_backend"):
@@ -107,13 +112,20 @@ def generate_fn(model, path, ids):
         cleanup.append(lambda: [model.__dict__.pop(k, None) for k in ("_compiled_call", "_last_compile_config")])
 
     def gen(n):
-        if path != "patch_noplan":
-            return model.generate(ids, max_new_tokens=n, **kwargs)
-        mlp_fuser.config.plans = False  # while this path's generate runs: the paths take turns
-        try:
-            return model.generate(ids, max_new_tokens=n, **kwargs)
-        finally:
-            mlp_fuser.config.plans = True
+        if path == "patch_noplan":
+            mlp_fuser.config.plans = False  # while this path's generate runs: the paths take turns
+            try:
+                return model.generate(ids, max_new_tokens=n, **kwargs)
+            finally:
+                mlp_fuser.config.plans = True
+        if path == "backend_nodirect":  # compiled in its first generate; Inductor's cache off, which would answer
+            mlp_fuser.config.inductor_direct = False  # with the backend path's code (the same graph)
+            try:
+                with torch._inductor.config.patch(fx_graph_cache=False):
+                    return model.generate(ids, max_new_tokens=n, **kwargs)
+            finally:
+                mlp_fuser.config.inductor_direct = True
+        return model.generate(ids, max_new_tokens=n, **kwargs)
 
     def done():
         for f in cleanup:

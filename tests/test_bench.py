@@ -1,5 +1,7 @@
 """The benchmark's plan, time budget, row arithmetic and target table: plain Python, checked without a GPU."""
 
+import copy
+
 import pytest
 import torch
 
@@ -182,6 +184,39 @@ def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_pa
     assert "step_host_ms" not in rows[0] and rows[1]["step_host_ms"] > 0 and rows[1]["step_back_ms"] > 0
     assert rows[1]["diverges_at"] is None
     assert "step alone, 1b (tiny) b=1 static: GPU nan ms" in capsys.readouterr().err
+
+
+def test_generate_benchmark_backend_nodirect_calls_the_registered_op(monkeypatch):
+    # bench_generate's backend_nodirect path: the dynamic-cache backend compiled with Inductor's direct call off (its
+    # graphs call the registered op), while the backend path's graphs call the op's entry; same tokens as compile.
+    import sys
+    from pathlib import Path
+
+    import mlp_fuser
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+    calls, real = [], torch.ops.mlp_fuser._inductor_gated_mlp
+    monkeypatch.setattr(torch.ops.mlp_fuser, "_inductor_gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = bench_generate.build("1b", "cpu", torch.float32, True)
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    counts, tokens = {}, {}
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):  # no graph from an earlier run
+        for path in ("compile", "backend", "backend_nodirect"):
+            gen, done = bench_generate.generate_fn(copy.deepcopy(model), path, ids)
+            calls.clear()
+            tokens[path] = [gen(3) for _ in range(2)][-1]
+            counts[path] = len(calls)
+            done()
+    torch._dynamo.reset()
+    assert counts["compile"] == 0 and counts["backend"] > 0 and counts["backend_nodirect"] == 0
+    assert mlp_fuser.config.inductor_direct  # back on after the path's generate
+    assert torch.equal(tokens["backend"], tokens["compile"])
+    assert torch.equal(tokens["backend_nodirect"], tokens["compile"])
 
 
 def test_gpu_gaps_splits_scheduling_gaps_from_host_waits(capsys):
