@@ -1,6 +1,8 @@
 """The torch.compile backend takes every setting torch.compile gives a backend (mode, options), means by each what
 ``backend="inductor"`` means, resets what the modes create, and works on transformers' static-cache path."""
 
+import copy
+
 import pytest
 import torch
 from _hf_models import count_ops
@@ -221,3 +223,34 @@ def test_gpu_static_cache_bf16_same_tokens_as_inductor(batch):
     torch._dynamo.reset()
     got = _static_generate(model, ids, mlp_fuser.backend, device_all=None)
     assert torch.equal(got, expected)
+
+
+@requires_cuda
+def test_gpu_inductor_code_calls_the_ops_entry_directly(monkeypatch):
+    # On the GPU and its torch: Inductor's code for a graph run without CUDA graphs calls torch.ops.mlp_fuser.
+    # _inductor_gated_mlp, which computes the op right there (its launch plan from the second call on), within the
+    # unfused model's error against float64.
+    from torch._inductor.utils import run_and_get_code
+
+    from mlp_fuser import ops
+    from mlp_fuser.reference import rel_err
+
+    plain, real = [], ops._plain_call
+    monkeypatch.setattr(ops, "_plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
+    torch._dynamo.reset()
+    model = _tiny_llama("cuda", layers=2).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 6), device="cuda")
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        expected = copy.deepcopy(model).double()(ids).logits
+        unfused = model(ids).logits
+        compiled = torch.compile(model, backend=mlp_fuser.backend)
+        out, (code,) = run_and_get_code(lambda: compiled(ids).logits)
+        for _ in range(2):
+            compiled(ids)
+        plain.clear()
+        out2 = compiled(ids).logits
+    assert code.count("torch.ops.mlp_fuser._inductor_gated_mlp(") == 2
+    assert plain == [True, True]
+    for o in (out, out2):
+        assert rel_err(o, expected) <= 1.25 * rel_err(unfused, expected)
+    torch._dynamo.reset()
