@@ -11,19 +11,22 @@ call the Python wrapper emits to ``torch.ops.mlp_fuser._inductor_gated_mlp`` (``
 gradient, autocast, dispatch or function mode, profiler), else calls the registered op. The C++ wrapper
 (AOTInductor) and the FX wrapper keep the registered op, and so does every graph compiled while
 ``config.inductor_direct`` is off. Where Inductor's internals differ from what this expects, nothing is installed
-or renamed: the graph calls the registered op as before.
+or renamed: the graph calls the registered op as before. The backend installs it before Inductor compiles; the ops'
+fake kernels install it too when Inductor is already imported, so a graph that reaches Inductor another way
+(``torch.compile`` of a patched model with the default backend) gets the same call.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
 from . import config, ops
 
 log = logging.getLogger("mlp_fuser")
-_installed: list[str] = []  # the ops whose lowering is ours
+_installed: dict[str, object] = {}  # op name -> the lowering ours wraps (Inductor's fallback)
 
 
 def _fallback_kernel(out):
@@ -65,8 +68,25 @@ def install() -> bool:
 
             lower._is_fallback_handler = True  # still Inductor's fallback, as far as Inductor's checks go
             lowering.lowerings[op] = lower
-            _installed.append(op_name)
+            _installed[op_name] = inner
     except Exception as e:  # another torch's internals: the registered op stays what Inductor calls
         log.debug("mlp_fuser: Inductor's direct call not installed: %s: %s", type(e).__name__, e)
         return False
     return True
+
+
+def install_if_inductor() -> None:
+    """``install()`` if Inductor is already imported (it will lower the graph being traced), else nothing: called
+    while a graph with the op is traced, so that ``torch.compile``'s default backend (a patched model compiled with
+    Inductor, say) gets the direct call too, and nothing imports Inductor for it."""
+    if len(_installed) < len(ops.INDUCTOR_NAMES) and "torch._inductor.lowering" in sys.modules:
+        install()
+
+
+def uninstall() -> None:
+    """Give Inductor back its own fallbacks for the ops (for tests)."""
+    from torch._inductor import lowering
+
+    for op_name, inner in _installed.items():
+        lowering.lowerings[getattr(torch.ops.mlp_fuser, op_name).default] = inner
+    _installed.clear()

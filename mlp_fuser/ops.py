@@ -171,15 +171,23 @@ _lib.impl("mlp", _mlp, "CompositeExplicitAutograd")
 _lib.impl("gated_mlp", _gated_mlp, "CompositeExplicitAutograd")
 
 
+def _install_if_inductor():
+    from .inductor import install_if_inductor  # here: mlp_fuser.inductor imports this module
+
+    install_if_inductor()
+
+
 @torch.library.register_fake("mlp_fuser::mlp")
 def _mlp_fake(x, w1, b1, w2, b2, activation, save_preact=False):
     check_args("mlp", x, w1, b1, None, None, w2, b2, activation)
+    _install_if_inductor()  # the graph being traced may go to Inductor: its code then calls inductor_mlp
     return x.new_empty((*x.shape[:-1], w2.shape[0]))
 
 
 @torch.library.register_fake("mlp_fuser::gated_mlp")
 def _gated_mlp_fake(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     check_args("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    _install_if_inductor()
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 

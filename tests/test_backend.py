@@ -122,6 +122,30 @@ def test_inductor_code_calls_the_ops_entry_directly_and_the_dispatcher_where_nee
     torch._dynamo.reset()
 
 
+def test_inductor_gets_the_direct_call_without_our_backend_too():
+    # A patched model compiled with torch.compile's default backend: the ops' fake kernels install the direct call
+    # while Dynamo traces (Inductor is imported by then), so Inductor's code calls the op's entry as the backend's does.
+    from torch._inductor.utils import run_and_get_code
+
+    from mlp_fuser import inductor
+
+    inductor.uninstall()  # as in a process where our backend never ran
+    torch._dynamo.reset()
+    model = _tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            expected = model(ids).logits
+            mlp_fuser.patch(model)
+            out, (code,) = run_and_get_code(lambda: torch.compile(model)(ids).logits)
+        torch.testing.assert_close(out, expected)
+        assert code.count("torch.ops.mlp_fuser._inductor_gated_mlp(") == 2
+    finally:
+        mlp_fuser.unpatch(model)
+        inductor.install()
+        torch._dynamo.reset()
+
+
 def test_options_reach_inductor_and_bad_ones_fail_as_for_inductor(compile_fx_spy):
     torch._dynamo.reset()
     model = _tiny_llama()
