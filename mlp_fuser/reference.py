@@ -26,11 +26,15 @@ def reference_mlp(
     activation: str,
 ) -> Tensor:
     """``down(act(gate(x)) * up(x))``, or ``down(act(gate(x)))`` when ``w_up`` is None. Weights are (out, in)."""
-    act = get_activation(activation).fn
-    h = act(F.linear(x, w_gate, b_gate))
-    if w_up is not None:
-        h = h * F.linear(x, w_up, b_up)
-    return F.linear(h, w_down, b_down)
+    return F.linear(reference_gate_up(x, w_gate, b_gate, w_up, b_up, activation), w_down, b_down)
+
+
+def reference_gate_up(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor | None, b_up: Tensor | None,
+                      activation: str) -> Tensor:
+    """The intermediate h = ``act(gate(x)) * up(x)`` (``act(gate(x))`` when ``w_up`` is None): what the gate/up
+    kernels compute."""
+    h = get_activation(activation).fn(F.linear(x, w_gate, b_gate))
+    return h * F.linear(x, w_up, b_up) if w_up is not None else h
 
 
 def reference_mlp_backward(dy: Tensor, w_down: Tensor, g: Tensor, u: Tensor | None, activation: str,

@@ -25,7 +25,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
 from mlp_fuser.kernels import act_mul, backward, fused_mlp_small_m, gate_up_act, gemm, splitk
-from mlp_fuser.reference import reference_mlp, rel_err
+from mlp_fuser.reference import reference_gate_up, reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
 SIZES = (1, 3, 5, 127, 130)
@@ -147,11 +147,6 @@ def _f64(ts):
     return [None if t is None else t.double() for t in ts]
 
 
-def _gate_up_reference(x, wg, bg, wu, bu, act):
-    h = ACTIVATIONS[act].fn(F.linear(x, wg, bg))
-    return h * F.linear(x, wu, bu) if wu is not None else h
-
-
 # ---- the tests -------------------------------------------------------------------------------------------
 
 
@@ -162,7 +157,7 @@ def test_fused_mlp_small_m(s, dtype):
     with poisoned_empty():
         y = fused_mlp_small_m(*args, s.act)
     x, wg, bg, wu, bu, wd, bd = _f64(args)
-    ideal = F.linear(_gate_up_reference(x, wg, bg, wu, bu, s.act).to(dtype).double(), wd, bd).to(dtype)
+    ideal = F.linear(reference_gate_up(x, wg, bg, wu, bu, s.act).to(dtype).double(), wd, bd).to(dtype)
     check(y, reference_mlp(x, wg, bg, wu, bu, wd, bd, s.act), reference_mlp(*args, s.act), ideal, dtype)
 
 
@@ -181,8 +176,8 @@ def test_gate_up_act(s, dtype, monkeypatch):
     x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()))
     with poisoned_empty():
         h = gate_up_act(x, wg, bg, wu, bu, s.act)
-    ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
-    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
+    ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
+    check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -191,11 +186,11 @@ def test_gate_up_act_splitk(s, dtype):
     """The split-K gate/up kernel: its default blocks for the shape, then K forced into 3 ranges of 32 (the last
     program of each tile sums the partials and runs the epilogue), twice: the sum order is fixed."""
     x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()) + 1)
-    ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
+    ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
     for config in (None, (16, 32, 32, 3, 4, 1)):
         with poisoned_empty():
             h = splitk.gate_up_act_splitk(x, wg, bg, wu, bu, s.act, config)
-        check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
+        check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
         assert torch.equal(h, splitk.gate_up_act_splitk(x, wg, bg, wu, bu, s.act, config))
 
 
@@ -206,8 +201,8 @@ def test_gate_up_act_autotuned(M, dtype):
     s = Shape(M, 130, 127, 3, "silu", True, (True, True, False), "merged", "strided")
     x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=5)
     h = gate_up_act(x, wg, bg, wu, bu, s.act)
-    ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
-    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
+    ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
+    check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

@@ -8,10 +8,11 @@ import zlib
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES
-from test_kernels import SHAPES, Shape, _f64, _gate_up_reference, check, make_inputs, poisoned_empty
+from test_kernels import SHAPES, Shape, _f64, check, make_inputs, poisoned_empty
 
 from mlp_fuser.kernels import streamk
 from mlp_fuser.kernels.common import cdiv
+from mlp_fuser.reference import reference_gate_up
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, programs, num_warps, num_stages)
 CONFIGS = [(16, 32, 16, 5, 4, 1), (16, 32, 16, 20, 4, 1), (32, 16, 32, 3, 4, 1), (16, 16, 16, 64, 4, 1),
@@ -47,8 +48,8 @@ def test_gate_up_act_streamk(s, dtype):
     x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()) + 1)
     with poisoned_empty():
         h = streamk.gate_up_act_streamk(x, wg, bg, wu, bu, s.act, config)
-    ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
-    check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
+    ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
+    check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -62,14 +63,14 @@ def test_shared_tiles(config, gated, dtype):
         x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=seed)
         with poisoned_empty():
             h = streamk.gate_up_act_streamk(x, wg, bg, wu, bu, s.act, config)
-        ref = _gate_up_reference(*_f64((x, wg, bg, wu, bu)), s.act)
-        check(h, ref, _gate_up_reference(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
+        ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
+        check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
         assert torch.equal(h, streamk.gate_up_act_streamk(x, wg, bg, wu, bu, s.act, config)), "deterministic"
 
 
 def test_default_config_and_empty():
     x = torch.randn(37, 70, device=KERNEL_DEVICE)
     w = torch.randn(50, 70, device=KERNEL_DEVICE) * 70**-0.5
-    ref = _gate_up_reference(x.double(), w.double(), None, w.double(), None, "silu")
+    ref = reference_gate_up(x.double(), w.double(), None, w.double(), None, "silu")
     check(streamk.gate_up_act_streamk(x, w, None, w, None, "silu"), ref, None, None, torch.float32)
     assert streamk.gate_up_act_streamk(x[:0], w, None, w, None, "silu").shape == (0, 50)
