@@ -1,11 +1,23 @@
 """The benchmark's plan, time budget, row arithmetic and target table: plain Python, checked without a GPU."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from mlp_fuser import bench
+
+
+def _bench_generate():
+    """benchmarks/bench_generate.py, imported as a module."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+    return bench_generate
 
 
 def test_plan_orders_bf16_then_fp16_then_max_autotune():
@@ -100,16 +112,10 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     # benchmarks/bench_generate.py with a tiny config: the eager group's paths each get a row, patch_noplan turns
     # the launch plans off only while its generate runs.
     import json
-    import sys
-    from pathlib import Path
 
     import mlp_fuser
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import bench_generate
-    finally:
-        sys.path.pop(0)
+    bench_generate = _bench_generate()
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,patch_noplan,prefill", "--batches",
                                 "1", "--prefill-paths", "eager,patch", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
@@ -131,16 +137,10 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
     # --gpus 2 on the CPU: two worker processes (one GPU each on a GPU machine), their rows merged in the single-process
     # order, the compile group's tokens compared with eager's from the other worker.
     import json
-    import sys
-    from pathlib import Path
 
     from mlp_fuser import bench
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import bench_generate
-    finally:
-        sys.path.pop(0)
+    bench_generate = _bench_generate()
     todo = ["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"]
     parts = bench.assign(todo, lambda u: bench_generate.UNIT_COST[(u[0], int(u[1]))], 4)
     assert sorted(u for p in parts for u in p) == sorted(todo)
@@ -169,14 +169,8 @@ def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_pa
     # --step: the compiled decode step run again with one step's arguments inside a generate, which it then ends;
     # the generates timed after it still decode (fp32 on the CPU: the static path's tokens equal eager's).
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import bench_generate
-    finally:
-        sys.path.pop(0)
+    bench_generate = _bench_generate()
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,static", "--batches", "1", "--step",
                                 "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
@@ -189,16 +183,10 @@ def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_pa
 def test_generate_benchmark_backend_nodirect_calls_the_registered_op(monkeypatch):
     # bench_generate's backend_nodirect path: the dynamic-cache backend compiled with Inductor's direct call off (its
     # graphs call the registered op), while the backend path's graphs call the op's entry; same tokens as compile.
-    import sys
-    from pathlib import Path
 
     import mlp_fuser
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import bench_generate
-    finally:
-        sys.path.pop(0)
+    bench_generate = _bench_generate()
     calls, real = [], torch.ops.mlp_fuser._inductor_gated_mlp
     monkeypatch.setattr(torch.ops.mlp_fuser, "_inductor_gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = bench_generate.build("1b", "cpu", torch.float32, True)
@@ -221,15 +209,9 @@ def test_generate_benchmark_backend_nodirect_calls_the_registered_op(monkeypatch
 
 def test_gpu_gaps_splits_scheduling_gaps_from_host_waits(capsys):
     # bench_generate's timeline: busy time, gaps <= 50 µs by the kernel after them, longer gaps (host waits) apart.
-    import sys
-    from pathlib import Path
     from types import SimpleNamespace as NS
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import bench_generate
-    finally:
-        sys.path.pop(0)
+    bench_generate = _bench_generate()
 
     def ev(a, b, name, dev="CUDA"):
         return NS(time_range=NS(start=a, end=b), name=name, device_type=NS(name=dev))
