@@ -328,21 +328,27 @@ def test_gpu_patched_module_takes_the_eager_entry_and_stays_right(M):
     assert dispatch.chosen(p, eager=True) in dispatch.IMPLS_BY_NAME
 
 
+def _gate_up_right_and_deterministic(fn, M, K, I, calls):
+    """A gate/up kernel ``fn(x, w_gate, None, w_up, None, "silu")`` on fresh bf16 inputs (M, K) and (I, K): within
+    1.25x the unfused computation's error against float64, and ``calls`` back-to-back calls bitwise equal to it."""
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    wg, wu = (torch.randn(2, I, K, device="cuda", generator=g) * K**-0.5).bfloat16()
+    first = fn(x, wg, None, wu, None, "silu")
+    ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())
+    unfused = torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())
+    assert rel_err(first, ref) <= 1.25 * rel_err(unfused, ref)
+    outs = [fn(x, wg, None, wu, None, "silu") for _ in range(calls)]
+    assert all(torch.equal(o, first) for o in outs)
+
+
 @pytest.mark.parametrize("M", [16, 37, 128, 256])
 def test_gpu_streamk_is_race_free_and_deterministic(M):
     """gate_up_act_streamk at LLaMA-7B's gate/up size with its own config (132-SM persistent grid, tiles shared by
     programs that arrive in any order): right against float64, and 100 back-to-back calls bitwise identical."""
     from mlp_fuser.kernels.streamk import gate_up_act_streamk
 
-    g = torch.Generator(device="cuda").manual_seed(M)
-    x = torch.randn(M, 4096, device="cuda", generator=g).bfloat16()
-    wg, wu = (torch.randn(2, 11008, 4096, device="cuda", generator=g) * 4096**-0.5).bfloat16()
-    first = gate_up_act_streamk(x, wg, None, wu, None, "silu")
-    ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())
-    unfused = torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())
-    assert rel_err(first, ref) <= 1.25 * rel_err(unfused, ref)
-    outs = [gate_up_act_streamk(x, wg, None, wu, None, "silu") for _ in range(100)]
-    assert all(torch.equal(o, first) for o in outs)
+    _gate_up_right_and_deterministic(gate_up_act_streamk, M, 4096, 11008, calls=100)
 
 
 @pytest.mark.parametrize("M,K,I", [(1, 4096, 11008), (37, 4096, 11008), (64, 8192, 3584), (128, 3584, 18944)])
@@ -352,15 +358,7 @@ def test_gpu_splitk_gate_up_is_race_free_and_deterministic(M, K, I):
     from mlp_fuser.kernels.splitk import gate_up_act_splitk, gate_up_splitk_config
 
     assert gate_up_splitk_config(M, I, K, 2, torch.device("cuda"))[3] > 1 or M >= 128  # it does split here
-    g = torch.Generator(device="cuda").manual_seed(M)
-    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-    wg, wu = (torch.randn(2, I, K, device="cuda", generator=g) * K**-0.5).bfloat16()
-    first = gate_up_act_splitk(x, wg, None, wu, None, "silu")
-    ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())
-    unfused = torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())
-    assert rel_err(first, ref) <= 1.25 * rel_err(unfused, ref)
-    outs = [gate_up_act_splitk(x, wg, None, wu, None, "silu") for _ in range(50)]
-    assert all(torch.equal(o, first) for o in outs)
+    _gate_up_right_and_deterministic(gate_up_act_splitk, M, K, I, calls=50)
 
 
 def test_gpu_bench_times_the_variants_of_a_row_in_turns():
