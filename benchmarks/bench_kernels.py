@@ -135,6 +135,7 @@ def graph_gap():
 
 def _host_times(module, patched, w, x):
     """(label, implementation chosen or "", host µs per call) for each variant of ``overhead`` at one shape and M."""
+    import mlp_fuser
     from mlp_fuser import config, dispatch
 
     op = torch.ops.mlp_fuser.gated_mlp.default
@@ -144,6 +145,11 @@ def _host_times(module, patched, w, x):
         return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[2]), w[4])
 
     compiled = torch.compile(unfused, dynamic=False)
+    # the same function through mlp_fuser's backend: Inductor's code calls the op's entry directly, or (the direct
+    # call off while it compiles, Inductor's cache off so the other graph's code cannot answer) the registered op;
+    # each its own backend object, so that Dynamo keeps their graphs apart
+    fused = torch.compile(unfused, backend=mlp_fuser.make_backend(), dynamic=False)
+    fused_dispatcher = torch.compile(unfused, backend=mlp_fuser.make_backend(), dynamic=False)
 
     def with_setting(name, value, fn):
         """``fn`` run with ``mlp_fuser.config.<name>`` set to ``value`` (restored after each call)."""
@@ -166,6 +172,13 @@ def _host_times(module, patched, w, x):
     with torch.no_grad():
         op(x, *w, "silu")
         patched(x)
+        fused(x)
+        old_direct, config.inductor_direct = config.inductor_direct, False
+        try:
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                fused_dispatcher(x)
+        finally:
+            config.inductor_direct = old_direct
         p = dispatch.Problem("cuda", x.dtype, M, K, I, K, True)
         variants = [("module, unfused (3 nn.Linear, silu, mul)", "", lambda: module(x)),
                     ("module, patched", dispatch.chosen(p, eager=True), lambda: patched(x)),
@@ -173,7 +186,10 @@ def _host_times(module, patched, w, x):
                     ("op via torch.ops", dispatch.chosen(p), lambda: op(x, *w, "silu")),
                     ("op via torch.ops, no launch plans", "", no_plans(lambda: op(x, *w, "silu"))),
                     ("unfused aten calls", "", lambda: unfused(x)),
-                    ("unfused, torch.compile (guards included)", "", lambda: compiled(x))]
+                    ("unfused, torch.compile (guards included)", "", lambda: compiled(x)),
+                    ("torch.compile, mlp_fuser backend (Inductor's code calls the op's entry)",
+                     dispatch.chosen(p, eager=True), lambda: fused(x)),
+                    ("torch.compile, mlp_fuser backend, through the dispatcher", "", lambda: fused_dispatcher(x))]
         variants += [(f"op, forced {i.name}", "", forced(i.name)) for i in dispatch.IMPLS]
         for label, choice, fn in variants:
             for _ in range(20):
@@ -212,6 +228,7 @@ def overhead():
         def forward(self, x):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    torch._dynamo.config.recompile_limit = 64  # three compiled functions per shape and M share one code object
     op = torch.ops.mlp_fuser.gated_mlp.default
     shapes = [("SmolLM2 576x1536", 576, 1536), ("1B 2048x5632", 2048, 5632), ("8B 4096x14336", 4096, 14336)]
     table: dict[str, dict[str, float]] = {}
