@@ -261,6 +261,7 @@ def describe(p: Problem) -> str:
 
 _CALLS = 3  # calls per timed sample
 _TIE = 0.02  # GPU times this close count as a tie, broken by host time
+_GPU_BOUND_M = 512  # rows from which a layer's other work (attention, its projections) keeps the GPU busy too
 _SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clocks: longer than the CPU needs to queue _CALLS calls
 
 
@@ -273,7 +274,11 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
 def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "") -> tuple[str, str]:
     """(the choice for CUDA graphs, the choice for eager calls). For graphs: the fastest candidate by GPU time (ties
     within ``_TIE`` go to the lighter one on the host). For eager calls: the least GPU plus host time per call, as
-    a model run without graphs waits on whichever of the two is longer, mostly the host at small M. Each sample
+    a model run without graphs waits on the host at small M (decode: the rest of the layer costs the host far more
+    than the GPU). From ``_GPU_BOUND_M`` rows (a prefill), where the fastest GPU time also exceeds every
+    candidate's host time, the rest of the layer is GPU work as well and the call's host time hides behind the
+    GPU's whatever is chosen: the choice for graphs stands (run 26: the sum took a 17% slower GPU path at M = 2048
+    to save 55 µs of host, 8% of a 1b prefill). Each sample
     queues ``_CALLS`` calls behind a spin kernel, so the GPU runs them back to back whatever the host costs
     (CUDA-graph replay would show the same, but a capture here would allocate from whatever memory pool the
     caller has set up), and the host's time to queue them is measured too. The GPU is kept busy for a moment first
@@ -317,7 +322,8 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
     # without CUDA graphs waits on the host).
     best_gpu = min(gpu.values())
     best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=cpu.get)
-    best_eager = min(gpu, key=lambda n: gpu[n] + cpu[n])
+    gpu_bound = p.M >= _GPU_BOUND_M and best_gpu > max(cpu.values())
+    best_eager = best if gpu_bound else min(gpu, key=lambda n: gpu[n] + cpu[n])
     log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
              describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
     return best, best_eager

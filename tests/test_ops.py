@@ -278,7 +278,8 @@ def test_output_can_be_updated_in_place_under_autograd():
 def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     """For CUDA graphs, candidates within 2% of the fastest GPU time are a tie, won by the one that costs the host
     least, and a clear GPU win stands whatever the host cost; for eager calls (patch) the least GPU plus host time
-    wins. GPU and host time come from stand-in clocks here."""
+    wins, unless M is a prefill's and the fastest GPU time exceeds every candidate's host time (the host hides
+    behind the GPU): there the choice for graphs stands. GPU and host time come from stand-in clocks here."""
     clock = {"gpu": 0.0, "host": 0.0}
 
     class Event:
@@ -306,8 +307,16 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     p = dispatch.Problem("cuda", torch.bfloat16, 1, 8, 8, 8, True)
     tie = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.01, 1e-5), impl("slow_gpu", 1.10, 1e-7)]
     assert dispatch._time_candidates(tie, (), p) == ("light_host", "light_host")
-    clear = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.05, 1e-5)]
+    clear = [impl("heavy_host", 1.00, 2e-3), impl("light_host", 1.05, 1e-5)]
     assert dispatch._time_candidates(clear, (), p) == ("heavy_host", "light_host")
+    # GPU time over every host time (run 26's 1b prefill, M = 2048: 204.8 µs GPU / 103.4 host against 247.2 / 48.8):
+    # the lighter host is no gain, the slower GPU is a loss
+    host_hidden = [impl("heavy_host", 1.00, 0.4e-3), impl("light_host", 1.20, 0.1e-3)]
+    prefill = p._replace(M=2048)
+    assert dispatch._time_candidates(host_hidden, (), prefill) == ("heavy_host", "heavy_host")
+    assert dispatch._time_candidates(host_hidden, (), p) == ("heavy_host", "light_host")  # decode: the host decides
+    host_bound = [impl("heavy_host", 1.00, 1.1e-3), impl("light_host", 1.20, 0.1e-3)]
+    assert dispatch._time_candidates(host_bound, (), prefill) == ("heavy_host", "light_host")
     gpu_bound = [impl("heavy_host", 1.00, 1e-5), impl("light_host", 1.50, 1e-6)]
     assert dispatch._time_candidates(gpu_bound, (), p) == ("heavy_host", "heavy_host")
 
