@@ -199,7 +199,7 @@ def test_empty():
 @pytest.mark.parametrize("K,I,O,act,layout", [(4096, 11008, 4096, "silu", "linear"),
                                                (8192, 3584, 8192, "gelu_tanh", "merged")])
 @pytest.mark.parametrize("M", [16, 64, 128])
-def test_decode_shapes_bf16(M, K, I, O, act, layout):
+def test_gpu_decode_shapes_bf16(M, K, I, O, act, layout):
     """The target shapes with the default config, in bf16: against float64, and 50 calls bitwise equal (programs
     race for items, pieces arrive in any order; the sum order is fixed)."""
     dtype = torch.bfloat16
