@@ -1,6 +1,6 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
-    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down] [persistent]
+    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
@@ -11,8 +11,6 @@
   ``linear_splitk`` with its default config and a grid of (BLOCK_N, BLOCK_K, SPLIT_K, stages); µs and % of the
   floor (w_down once at the measured copy bandwidth). Which config, if any, beats cuBLAS where the MLP's rows are
   furthest from the floor.
-- persistent: the whole MLP in one persistent launch (``kernels/persistent.py``) against the op's two-launch paths
-  at M = 16-128, with a few configs around its default; µs and % of the floor.
 CUDA-graph medians (``triton.testing.do_bench_cudagraph``) unless said; every output is checked.
 """
 
@@ -339,78 +337,13 @@ def down_sweep(shapes=((4096, 11008), (8192, 3584)), ms=(16, 32, 64, 128)):
     return rows
 
 
-def _mlp_us(fn, args, ref, tol):
-    """µs of ``fn(*args)`` (the whole MLP), or None when its output is not within ``tol`` of ``ref`` (float64)."""
-    from mlp_fuser.reference import rel_err
-
-    if not rel_err(fn(*args), ref) <= tol:
-        return None
-    return _us(functools.partial(fn, *args))
-
-
-def persistent_sweep(shapes=((4096, 11008), (8192, 3584), (4096, 14336)), ms=(16, 64, 128)):
-    """The whole MLP in one persistent launch (``fused_mlp_persistent``) against the op's two-launch paths, SwiGLU
-    bf16: cuBLAS gate and up + act·mul + cuBLAS down (``cublas_act_mul``), the fused gate/up GEMM + cuBLAS down
-    (``triton_gemm``); the persistent kernel with its default config, with the other PROGRAMS_PER_SM, and with
-    twice and half the chunks. Outputs checked against float64 (within 1.25x the unfused module's error)."""
-    from mlp_fuser import dispatch
-    from mlp_fuser.bench import measure_ceilings
-    from mlp_fuser.kernels.common import cdiv
-    from mlp_fuser.kernels.persistent import fused_mlp_persistent, persistent_config
-    from mlp_fuser.reference import reference_mlp, rel_err
-
-    _, tbps = measure_ceilings()
-    impls = {i.name: i.fn for i in dispatch.IMPLS}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rows = [f"whole MLP, SwiGLU bf16, CUDA-graph µs (% of the floor: weights once at {tbps:.2f} TB/s); persistent "
-            "configs (BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_O, CHUNK_TILES, PROGRAMS_PER_SM, warps, stages)",
-            "| K, I | M | floor | cublas_act_mul | triton_gemm | persistent default | variants | best / best peer |",
-            "|---|---|---|---|---|---|---|---|"]
-    for K, I in shapes:
-        wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K ** 0.5 for _ in range(2))
-        wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I ** 0.5
-        for M in ms:
-            x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
-            args = (x, wg, None, wu, None, wd, None, "silu")
-            ref = reference_mlp(*(a.double() if isinstance(a, torch.Tensor) else a for a in args))
-            tol = 1.25 * rel_err(reference_mlp(*args), ref) + 1e-6
-            floor = (3 * I * K + 2 * M * K) * 2 / (tbps * 1e12) * 1e6
-            peers = {n: _mlp_us(impls[n], args, ref, tol) for n in ("cublas_act_mul", "triton_gemm")}
-            default = persistent_config(M, K, I, K, 2, x.device)
-            chunks = cdiv(cdiv(I, default[1]), default[4])
-            tiles = cdiv(I, default[1])
-            configs = {"default": default, "other per-SM": (*default[:5], 3 - default[5], *default[6:])}
-            for label, c in (("2x chunks", 2 * chunks), ("half chunks", max(1, chunks // 2))):
-                configs[label] = (*default[:4], cdiv(tiles, c), *default[5:])
-            got = {}
-            for label, c in configs.items():
-                try:
-                    got[label] = _mlp_us(lambda *a, c=c: fused_mlp_persistent(*a, c), args, ref, tol)
-                except Exception as e:  # out of shared memory, ...: say so, keep the others
-                    print(f"  {K}x{I} M={M} {label} {c}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-                    got[label] = None
-
-            def cell(us, floor=floor):
-                return "WRONG/failed" if us is None else f"{us:.1f} ({100 * floor / us:.0f}%)"
-
-            ok = {k: v for k, v in got.items() if v is not None}
-            best = min(ok, key=ok.get) if ok else None
-            peer = min((v for v in peers.values() if v is not None), default=None)
-            ratio = "-" if best is None or peer is None else f"{peer / ok[best]:.3f}x ({best})"
-            variants = "; ".join(f"{k} {cell(v)} {configs[k][4:6]}" for k, v in got.items() if k != "default")
-            rows.append(f"| {K}, {I} | {M} | {floor:.1f} | {cell(peers['cublas_act_mul'])} | "
-                        f"{cell(peers['triton_gemm'])} | {cell(got['default'])} {default} | {variants} | {ratio} |")
-            print(rows[-1], flush=True)
-    return rows
-
-
 if __name__ == "__main__":
     steps = sys.argv[1:] or ["act_mul", "small_m", "overhead"]
     out = []
     for step in steps:
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
-                             "overhead": overhead, "down": down_sweep, "persistent": persistent_sweep}
+                             "overhead": overhead, "down": down_sweep}
             out += steps_by_name[step]()
         except Exception:  # report, keep the other steps' numbers
             import traceback
