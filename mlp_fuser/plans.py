@@ -15,9 +15,11 @@ on: each tensor's shape, strides, dtype, device and 16-byte alignment, the activ
 same kernels with the same integers; only the data pointers differ, and the plan reads them per call.
 
 Planned implementations: ``triton_gemm_splitk`` and ``triton_small_m`` (Triton launches only; small_m's fp32
-calls without b_down, which return its accumulator, are not planned: that output must start at zero) and
-``triton_gemm`` (a Triton launch, then cuBLAS for the down projection). The others take the full path on every
-call, and so does every call while a Triton launch hook (a profiler) is set: those must go through Triton.
+calls without b_down, which return its accumulator, are not planned: that output must start at zero),
+``triton_gemm`` (a Triton launch, then cuBLAS for the down projection) and ``cublas_act_mul`` (cuBLAS for gate and
+up, the act·mul launch, cuBLAS for down: the choice at prefill sizes, where a patched model's host time can still
+decide). The reference takes the full path on every call, and so does every call while a Triton launch hook (a
+profiler) is set: those must go through Triton.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from torch import Tensor
 from . import config
 from .kernels.common import Launcher, _launch_hooks
 
-# name -> (how the workspace starts: "empty" or "zeros", whether the down projection is cuBLAS after the launches)
-PLANNED = {"triton_gemm_splitk": ("empty", False), "triton_small_m": ("zeros", False), "triton_gemm": ("empty", True)}
+# name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
+# down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
+PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_small_m": ("zeros", ""), "triton_gemm": ("empty", "down"),
+           "cublas_act_mul": ("empty", "all")}
 _PLANS: dict[tuple, Callable[..., Tensor]] = {}
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
@@ -101,10 +105,13 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
     (not a planned implementation, a launch that was not compiled, a tensor it cannot account for)."""
     if name not in PLANNED or not launches or _launch_hooks():
         return None
-    start, cublas_tail = PLANNED[name]
+    start, cublas = PLANNED[name]
     x2, wg, bg, wu, bu, wd, bd, activation = args
     if x2.data_ptr() != x.data_ptr():  # x2 must be a view of x: the plan passes x's pointer
         return None
+    if cublas == "all":
+        return _build_cublas_act_mul(name, x, args, launches)
+    cublas_tail = cublas == "down"
     names = {id(t): n for n, t in zip(_INPUTS, (x2, wg, bg, wu, bu, wd, bd)) if t is not None}
     out_shape = (*x.shape[:-1], wd.shape[0])
     pieces: dict[int, tuple[str, int, int]] = {}  # id(intermediate) -> (expression, byte offset, bytes)
@@ -141,7 +148,6 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
         exprs += ["None"] * len(launcher.pad)
         gx, gy, gz = grid
         calls.append(f"    _run{i}({gx}, {gy}, {gz}, s, _fn{i}, _meta{i}, None, None, None, {', '.join(exprs)})")
-    device = x.device
     lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})"]
     lines += [f"    p_{n} = {n}.data_ptr()" for n in _INPUTS if n in used]
     if cublas_tail:  # the launches write h (the only intermediate), which cuBLAS then reads as a tensor
@@ -157,10 +163,53 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
         if pieces:
             lines += [f"    w = _{start}(({nbytes},), dtype=_u8, device=_device).data_ptr()"]
         lines += calls + ["    return y"]
+    return _compile(name, lines, consts, x)
+
+
+def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[..., Tensor]:
+    """The plan function from its source lines; ``consts`` the compiled kernels' launchers and handles it calls."""
     text = "\n".join(lines) + "\n"
     namespace = dict(consts, _stream=_stream, _empty=torch.empty, _zeros=torch.zeros, _linear=F.linear,
-                     _dtype=x.dtype, _device=device, _u8=torch.uint8)
+                     _dtype=x.dtype, _device=x.device, _u8=torch.uint8)
     exec(compile(text, f"<mlp_fuser plan: {name}>", "exec"), namespace)  # noqa: S102 (source built above)
     plan = namespace["plan"]
     plan.__source__ = text
     return plan
+
+
+def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> Callable[..., Tensor] | None:
+    """The plan of ``cublas_act_mul``: g = x @ w_gateᵀ + b_gate and u (cuBLAS, tensors of the call's own), then its
+    one launch, act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for
+    the down projection of h. None where the record is not that one launch."""
+    x2, wg, bg, wu, bu, wd, bd, _ = args
+    if len(launches) != 1:
+        return None
+    launcher, key, largs = launches[0]
+    hit = launcher.cache.get(key)
+    tensors = [a for a in largs if isinstance(a, Tensor)]
+    h_shape = (x2.shape[0], wg.shape[0])
+    if hit is None or len(tensors) != 3 or any(t.shape != h_shape or not t.is_contiguous() for t in tensors):
+        return None
+    g, u, h = tensors
+    if (u is g) != (wu is None) or h is g or h is u:
+        return None
+    compiled, (gx, gy, gz), device_index = hit
+    names = {id(g): "p_g", id(u): "p_u", id(h): "p_h"}
+    exprs = []
+    for a in largs:
+        if isinstance(a, Tensor):
+            exprs.append(names[id(a)])
+        elif a is None or type(a) in (int, bool) or (type(a) is float and math.isfinite(a)):
+            exprs.append(repr(a))
+        else:
+            return None
+    exprs += ["None"] * len(launcher.pad)
+    consts = {"_run0": compiled.run, "_fn0": compiled.function, "_meta0": compiled.packed_metadata}
+    lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})",
+             "    g = _linear(x, wg, bg)", "    p_g = g.data_ptr()"]
+    # u held in a name until the launch is queued: freed earlier, its memory could become h's
+    lines += ["    u = _linear(x, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
+    lines += [f"    h = _empty({(*x.shape[:-1], wg.shape[0])}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
+              f"    _run0({gx}, {gy}, {gz}, s, _fn0, _meta0, None, None, None, {', '.join(exprs)})",
+              "    return _linear(h, wd, bd)"]
+    return _compile(name, lines, consts, x)

@@ -8,6 +8,7 @@ separate piece of one workspace, the output the tensor returned.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _mlp_cases import make_case
 
 from mlp_fuser import config, dispatch, plans
@@ -38,7 +39,7 @@ class AlwaysHit(dict):
 @pytest.fixture
 def recorded(monkeypatch):
     log = []
-    launchers = [v for m in ("gemm", "splitk", "small_m") for v in vars(__import__(f"mlp_fuser.kernels.{m}",
+    launchers = [v for m in ("gemm", "splitk", "small_m", "act_mul") for v in vars(__import__(f"mlp_fuser.kernels.{m}",
                  fromlist=["_"])).values() if isinstance(v, common.Launcher)]
     for i, launcher in enumerate(launchers):
         monkeypatch.setattr(launcher, "cache", AlwaysHit(log, i))
@@ -101,6 +102,39 @@ def test_a_plan_launches_what_the_full_path_launched(recorded, name, case):
         assert p + n <= q, "intermediates overlap in the workspace"
     for p, _ in spans:
         assert p not in {t.data_ptr() for t in inputs if t is not None} | {y_plan.data_ptr()}
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorded, monkeypatch, gated):
+    """Its launch reads tensors the plan itself makes with cuBLAS (g, u) and writes h, which the down projection then
+    reads: the pointers in the launch must be those of this call's g, u and of the h that goes down."""
+    made = []  # (input, weight, output) of every F.linear, in order
+    linear = F.linear
+
+    def recording_linear(x, w, b=None):
+        y = linear(x, w, b)
+        made.append((x, w, y))
+        return y
+
+    monkeypatch.setattr(F, "linear", recording_linear)
+    c = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
+    impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
+    plans.clear()
+    plans.run_and_plan("k", impl.name, impl.fn, c.x, (c.x.reshape(-1, 32), c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act))
+    plan = plans.get("k")
+    assert plan is not None
+    d = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
+    made.clear()
+    recorded.clear()
+    y = plan(d.x, d.wg, d.bg, d.wu, d.bu, d.wd, d.bd)
+    [(_, _, largs)] = recorded
+    assert [w for _, w, _ in made] == ([d.wg, d.wu, d.wd] if gated else [d.wg, d.wd])
+    g = made[0][2]
+    u = made[1][2] if gated else g
+    h, _, out = made[-1]
+    torch.testing.assert_close(g, linear(d.x, d.wg, d.bg), rtol=0, atol=0)
+    assert largs[:3] == (g.data_ptr(), u.data_ptr(), h.data_ptr()) and largs[3] == g.numel()
+    assert h.shape == (*d.x.shape[:-1], 48) and y is out
 
 
 def test_the_signature_tells_apart_everything_a_launch_depends_on():
