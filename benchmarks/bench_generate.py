@@ -304,9 +304,10 @@ def run(args, results):
                                    for p in members)
                     write(results, args.out)
                     continue
+                models = {}
                 try:
                     for i, path in enumerate(members):
-                        m = model if i == 0 else copy.deepcopy(model)
+                        m = models[path] = model if i == 0 else copy.deepcopy(model)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
                         if path == "patch":
                             mlp_fuser.patch(m)
@@ -330,6 +331,9 @@ def run(args, results):
                             f"err {err:.1e}")
                         if args.profile_cpu and device == "cuda":
                             profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
+                        if args.time_modules and path in ("eager", "patch"):
+                            time_modules(f"{label} prefill {path}", models[path], lambda _n, fwd=fwd: fwd(ids), device,
+                                         what=f"one forward over {ids.shape[1]} tokens")
                     write(results, args.out)
                 finally:
                     mlp_fuser.unpatch(model)
@@ -363,10 +367,11 @@ def profile_cpu(label, fn, iters=3):
         log(f"    {e.self_device_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:90]}")
 
 
-def time_modules(label, model, gen, device, tokens=16):
+def time_modules(label, model, gen, device, tokens=16, what=""):
     """Host time spent inside each layer's MLP and attention modules during one generate of ``tokens`` new tokens
     (wall clock around each call, no synchronisation: where the host is the bottleneck this is what a call costs in
-    the model), and how many kernel launches went through Triton's own slow path meanwhile."""
+    the model), the host's time for the whole call, and how many kernel launches went through Triton's own slow
+    path meanwhile. ``what``: what ``gen`` runs, when not a generate (a prefill's forward)."""
     from mlp_fuser.kernels.common import Launcher
 
     stats: dict[str, list] = {}
@@ -390,7 +395,9 @@ def time_modules(label, model, gen, device, tokens=16):
             wrapped.append((module, own))
     slow = Launcher.slow_calls
     try:
+        t0 = time.perf_counter()
         gen(tokens)
+        issued = time.perf_counter() - t0  # the host's time to queue the whole call, where nothing waits for the GPU
         sync(device)
     finally:
         for module, own in wrapped:
@@ -398,9 +405,9 @@ def time_modules(label, model, gen, device, tokens=16):
                 del module.__dict__["forward"]
             else:
                 module.forward = own
-    log(f"  host time inside modules, {label}, one generate of {tokens} tokens: "
-        + ", ".join(f"{n} {t / c * 1e6:.1f} µs per call (slowest {m * 1e6:.0f}, {c} calls)"
-                    for n, (t, c, m) in stats.items())
+    log(f"  host time inside modules, {label}, {what or f'one generate of {tokens} tokens'} ({issued * 1e3:.2f} ms "
+        "on the host in all): " + ", ".join(f"{n} {t / c * 1e6:.1f} µs per call (slowest {m * 1e6:.0f}, {c} calls)"
+                                           for n, (t, c, m) in stats.items())
         + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}")
 
 
@@ -672,7 +679,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step", action="store_true", help="static paths: time the compiled decode step alone (GPU, "
                     "host per call, back to back), inside a generate but without its own work")
     ap.add_argument("--time-modules", action="store_true",
-                    help="eager and patch: host µs per call inside the MLP and attention modules, in the model")
+                    help="eager and patch: host µs per call inside the MLP and attention modules, in the model "
+                         "(decode: one generate; prefill: one forward), and the host's time for the whole call")
     args = ap.parse_args(argv)
     args.profiled = ({(int(b), p) for b, p in (a.split(":") for a in args.profile_at.split(","))} if args.profile_at
                      else PROFILED if args.profile else set())

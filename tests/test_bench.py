@@ -133,6 +133,26 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     assert [(r["path"], r["error"]) for r in rows] == [(p, "not reached (budget)") for p in ["eager", "patch"] * 2]
 
 
+def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys):
+    # --time-modules on the prefill pair eager / patch: host µs per call inside every layer's MLP and attention during
+    # one forward over the prompt (the patched MLP is the fused forward), and the whole forward's host time.
+    import re
+
+    bench_generate = _bench_generate()
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "prefill", "--prefill-paths", "eager,patch",
+                                "--time-modules", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    layers = len(bench_generate.build("1b", "cpu", torch.float32, True).model.layers)
+    for path in ("eager", "patch"):
+        line = next(x for x in err.splitlines() if f"host time inside modules, 1b (tiny) prefill {path}," in x)
+        assert "one forward over 64 tokens" in line, line
+        whole = float(re.search(r"\(([0-9.]+) ms on the host in all\)", line)[1])
+        per_call = {n: (float(us), int(c)) for n, us, c in re.findall(r"(\w+) ([0-9.]+) µs per call \(slowest \d+, "
+                                                                       r"(\d+) calls\)", line)}
+        assert set(per_call) == {"mlp", "self_attn"} and all(c == layers for _, c in per_call.values()), line
+        assert 0 < layers * sum(us for us, _ in per_call.values()) / 1e3 < whole, line
+
+
 def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_path):
     # --gpus 2 on the CPU: two worker processes (one GPU each on a GPU machine), their rows merged in the single-process
     # order, the compile group's tokens compared with eager's from the other worker.
