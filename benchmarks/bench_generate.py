@@ -135,18 +135,24 @@ def generate_fn(model, path, ids):
 
 
 def time_decode(gens, device, new_tokens, rounds=3):
-    """{path: ms per decode token} for warmed-up generate functions: each path's best of ``rounds`` generations of
-    ``new_tokens`` and of 1 token, the paths taking turns within each round, so that a slow stretch of the host (a
-    shared machine's) falls on every path alike rather than on whichever ran then."""
+    """({path: ms per decode token}, {path: the same per round}) for warmed-up generate functions: each path's best
+    of ``rounds`` generations of ``new_tokens`` and of 1 token, the paths taking turns within each round, so that a
+    slow stretch of the host (a shared machine's) falls on every path alike rather than on whichever ran then. The
+    per-round figures give paired ratios (a path against its baseline timed next to it in the same round), which a
+    stretch that favoured one path in one round cannot move as much as it moves a best-of."""
     best = {path: {} for path in gens}
+    per_round = {path: [] for path in gens}
     for _ in range(rounds):
         for path, gen in gens.items():
+            took = {}
             for n in (new_tokens, 1):
                 t0 = time.perf_counter()
                 gen(n)
                 sync(device)
-                best[path][n] = min(best[path].get(n, float("inf")), time.perf_counter() - t0)
-    return {path: (b[new_tokens] - b[1]) / (new_tokens - 1) * 1e3 for path, b in best.items()}
+                took[n] = time.perf_counter() - t0
+                best[path][n] = min(best[path].get(n, float("inf")), took[n])
+            per_round[path].append((took[new_tokens] - took[1]) / (new_tokens - 1) * 1e3)
+    return {path: (b[new_tokens] - b[1]) / (new_tokens - 1) * 1e3 for path, b in best.items()}, per_round
 
 
 def mark_divergence(results):
@@ -264,7 +270,7 @@ def run(args, results):
                             log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                             results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                                 error=type(e).__name__))
-                    times = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
+                    times, per_round = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
                     for path, (gen, _, m, out, warm_s) in live.items():
                         if (batch, path) in args.profiled:
                             profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
@@ -275,7 +281,8 @@ def run(args, results):
                         step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens)
                                 if args.step and path.startswith("static") else {})
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
-                                            ms=times[path], warmup_s=warm_s, tokens=out[:, prompt:].tolist(), **step))
+                                            ms=times[path], round_ms=per_round[path], warmup_s=warm_s,
+                                            tokens=out[:, prompt:].tolist(), **step))
                         row = mark_divergence(results)[-1]
                         div = row.get("diverges_at")
                         tokens = ("not compared (eager ran elsewhere)" if "diverges_at" not in row else "same as eager"
@@ -617,6 +624,8 @@ def write(results, out):
         base = next((b for b in results if b["model"] == r["model"] and b["phase"] == r["phase"]
                      and b["path"] == base_path and "ms" in b), None)
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
+        if base and len(r.get("round_ms", ())) == len(base.get("round_ms", ())) > 1:  # paired, round by round
+            vs += " (rounds " + ", ".join(f"{b / a:.3f}" for a, b in zip(r["round_ms"], base["round_ms"])) + ")"
         if r["phase"] == "prefill":
             tok = f"logits rel err {r['logits_rel_err']:.1e}"
         elif "diverges_at" not in r:

@@ -126,6 +126,11 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     assert all(r["diverges_at"] is None for r in rows[:3])  # fp32 on the CPU: the same tokens
     assert all(r["logits_rel_err"] < 1e-5 for r in rows[3:])
     assert mlp_fuser.config.plans
+    # the decode rows keep each round's figure; the table gives the paired ratio of every round beside the best-of's
+    assert all(len(r["round_ms"]) == 3 for r in rows[:3])  # (on this tiny model a 1-token generate can take longer)
+    eager, patch = rows[0]["round_ms"], rows[1]["round_ms"]
+    paired = ", ".join(f"{e / p:.3f}" for p, e in zip(patch, eager))
+    assert f"x eager (rounds {paired}) |" in (tmp_path / "generate.md").read_text()
     # a budget already spent: nothing starts, every row says so
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,prefill", "--batches", "1",
                                 "--prefill-paths", "eager,patch", "--budget-s", "0", "--out", str(tmp_path)]) == 0
