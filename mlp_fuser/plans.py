@@ -120,7 +120,7 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
         hit = launcher.cache.get(key)
         if hit is None:
             return None
-        compiled, grid, device_index = hit
+        device_index = hit[2]
         exprs = []
         for a in largs:
             if isinstance(a, Tensor):
@@ -139,15 +139,11 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
                     pieces[id(a)] = (f"(w + {nbytes})" if nbytes else "w", nbytes, a.nbytes)
                     exprs.append(pieces[id(a)][0])
                     nbytes += -(-a.nbytes // _ALIGN) * _ALIGN
-            elif a is None or type(a) in (int, bool) or (type(a) is float and math.isfinite(a)):
-                exprs.append(repr(a))  # source that evaluates back to the same value
+            elif _literal(a) is not None:
+                exprs.append(_literal(a))
             else:
                 return None
-        consts[f"_run{i}"], consts[f"_fn{i}"], consts[f"_meta{i}"] = (compiled.run, compiled.function,
-                                                                      compiled.packed_metadata)
-        exprs += ["None"] * len(launcher.pad)
-        gx, gy, gz = grid
-        calls.append(f"    _run{i}({gx}, {gy}, {gz}, s, _fn{i}, _meta{i}, None, None, None, {', '.join(exprs)})")
+        calls.append(_launch_line(i, launcher, hit, exprs, consts))
     lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})"]
     lines += [f"    p_{n} = {n}.data_ptr()" for n in _INPUTS if n in used]
     if cublas_tail:  # the launches write h (the only intermediate), which cuBLAS then reads as a tensor
@@ -164,6 +160,22 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
             lines += [f"    w = _{start}(({nbytes},), dtype=_u8, device=_device).data_ptr()"]
         lines += calls + ["    return y"]
     return _compile(name, lines, consts, x)
+
+
+def _literal(a) -> str | None:
+    """Source that evaluates back to ``a``, a launch's argument that is not a tensor; None where there is none."""
+    if a is None or type(a) in (int, bool) or (type(a) is float and math.isfinite(a)):
+        return repr(a)
+    return None
+
+
+def _launch_line(i: int, launcher: Launcher, hit: tuple, exprs: list[str], consts: dict) -> str:
+    """The plan's line for its launch number ``i``: ``hit`` the launcher's cache entry (compiled kernel, grid, device),
+    ``exprs`` the source of each argument; the compiled kernel's handles go into ``consts``."""
+    compiled, (gx, gy, gz), _ = hit
+    consts.update({f"_run{i}": compiled.run, f"_fn{i}": compiled.function, f"_meta{i}": compiled.packed_metadata})
+    args = ", ".join([*exprs, *["None"] * len(launcher.pad)])
+    return f"    _run{i}({gx}, {gy}, {gz}, s, _fn{i}, _meta{i}, None, None, None, {args})"
 
 
 def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[..., Tensor]:
@@ -193,23 +205,15 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     g, u, h = tensors
     if (u is g) != (wu is None) or h is g or h is u:
         return None
-    compiled, (gx, gy, gz), device_index = hit
     names = {id(g): "p_g", id(u): "p_u", id(h): "p_h"}
-    exprs = []
-    for a in largs:
-        if isinstance(a, Tensor):
-            exprs.append(names[id(a)])
-        elif a is None or type(a) in (int, bool) or (type(a) is float and math.isfinite(a)):
-            exprs.append(repr(a))
-        else:
-            return None
-    exprs += ["None"] * len(launcher.pad)
-    consts = {"_run0": compiled.run, "_fn0": compiled.function, "_meta0": compiled.packed_metadata}
-    lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})",
+    exprs = [names[id(a)] if isinstance(a, Tensor) else _literal(a) for a in largs]
+    if None in exprs:
+        return None
+    consts: dict = {}
+    lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({hit[2]})",
              "    g = _linear(x, wg, bg)", "    p_g = g.data_ptr()"]
     # u held in a name until the launch is queued: freed earlier, its memory could become h's
     lines += ["    u = _linear(x, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
     lines += [f"    h = _empty({(*x.shape[:-1], wg.shape[0])}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
-              f"    _run0({gx}, {gy}, {gz}, s, _fn0, _meta0, None, None, None, {', '.join(exprs)})",
-              "    return _linear(h, wd, bd)"]
+              _launch_line(0, launcher, hit, exprs, consts), "    return _linear(h, wd, bd)"]
     return _compile(name, lines, consts, x)
