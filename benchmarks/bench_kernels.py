@@ -173,12 +173,8 @@ def _host_times(module, patched, w, x):
         op(x, *w, "silu")
         patched(x)
         fused(x)
-        old_direct, config.inductor_direct = config.inductor_direct, False
-        try:
-            with torch._inductor.config.patch(fx_graph_cache=False):
-                fused_dispatcher(x)
-        finally:
-            config.inductor_direct = old_direct
+        with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, with the direct call off
+            with_setting("inductor_direct", False, lambda: fused_dispatcher(x))()
         p = dispatch.Problem("cuda", x.dtype, M, K, I, K, True)
         variants = [("module, unfused (3 nn.Linear, silu, mul)", "", lambda: module(x)),
                     ("module, patched", dispatch.chosen(p, eager=True), lambda: patched(x)),

@@ -139,8 +139,8 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
                     pieces[id(a)] = (f"(w + {nbytes})" if nbytes else "w", nbytes, a.nbytes)
                     exprs.append(pieces[id(a)][0])
                     nbytes += -(-a.nbytes // _ALIGN) * _ALIGN
-            elif _literal(a) is not None:
-                exprs.append(_literal(a))
+            elif (literal := _literal(a)) is not None:
+                exprs.append(literal)
             else:
                 return None
         calls.append(_launch_line(i, launcher, hit, exprs, consts))
