@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -400,13 +401,23 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
 
             module.forward = timed
             wrapped.append((module, own))
-    slow = Launcher.slow_calls
+    slow, collected, gc_t0 = Launcher.slow_calls, [0.0, 0], [0.0]
+
+    def on_gc(phase, info):  # Python's garbage collector: its passes and their time during the call
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            collected[0] += time.perf_counter() - gc_t0[0]
+            collected[1] += 1
+
+    gc.callbacks.append(on_gc)
     try:
         t0 = time.perf_counter()
         gen(tokens)
         issued = time.perf_counter() - t0  # the host's time to queue the whole call, where nothing waits for the GPU
         sync(device)
     finally:
+        gc.callbacks.remove(on_gc)
         for module, own in wrapped:
             if own is None:
                 del module.__dict__["forward"]
@@ -415,7 +426,8 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
     log(f"  host time inside modules, {label}, {what or f'one generate of {tokens} tokens'} ({issued * 1e3:.2f} ms "
         "on the host in all): " + ", ".join(f"{n} {t / c * 1e6:.1f} µs per call (slowest {m * 1e6:.0f}, {c} calls)"
                                            for n, (t, c, m) in stats.items())
-        + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}")
+        + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}; garbage collector: "
+        f"{collected[1]} passes, {collected[0] * 1e6:.0f} µs")
 
 
 def host_split(label, model, gen, device, tokens=16):
@@ -423,7 +435,6 @@ def host_split(label, model, gen, device, tokens=16):
     token, host time inside ``model.forward`` (no synchronisation), inside the op (``ops._forward``, plans
     included), in Python's garbage collector (``gc.callbacks``), and the synchronisations torch reports
     (``torch.cuda.set_sync_debug_mode``)."""
-    import gc
     import warnings
 
     from mlp_fuser import ops

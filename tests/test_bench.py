@@ -156,6 +156,7 @@ def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys)
                                                                        r"(\d+) calls\)", line)}
         assert set(per_call) == {"mlp", "self_attn"} and all(c == layers for _, c in per_call.values()), line
         assert 0 < layers * sum(us for us, _ in per_call.values()) / 1e3 < whole, line
+        assert re.search(r"garbage collector: \d+ passes, \d+ µs$", line), line
 
 
 def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_path):
