@@ -168,16 +168,20 @@ def mark_divergence(results):
     return results
 
 
-def time_prefill(fwds, ids, device, iters=10):
-    """{path: median ms of one forward} for ``fwds`` ({path: ids -> logits}), after two warm-up calls each; the
-    paths take turns call by call (see ``time_decode``)."""
+def time_prefill(fwds, ids, device, iters=20):
+    """({path: median ms of one forward}, {path: the ms of every call}) for ``fwds`` ({path: ids -> logits}), after
+    two warm-up calls each. The paths take turns call by call (see ``time_decode``), in an order reversed every other
+    round (A B, B A, ...), so that neither path always runs first after the other's synchronisation; the lists give
+    paired ratios, call against the baseline's call of the same round. A prefill without CUDA graphs is mostly bound
+    by the host here (run 31: the host's time to queue a 1b forward was 98% of its wall time), so single figures
+    move by several percent between identical models: the paired median is the figure to compare."""
     for fwd in fwds.values():
         for _ in range(2):
             fwd(ids)
     sync(device)
     times = {path: [] for path in fwds}
-    for _ in range(iters):
-        for path, fwd in fwds.items():
+    for i in range(iters):
+        for path, fwd in (fwds.items() if i % 2 == 0 else reversed(fwds.items())):
             if device == "cuda":
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -189,7 +193,7 @@ def time_prefill(fwds, ids, device, iters=10):
                 t0 = time.perf_counter()
                 fwd(ids)
                 times[path].append((time.perf_counter() - t0) * 1e3)
-    return {path: statistics.median(t) for path, t in times.items()}
+    return {path: statistics.median(t) for path, t in times.items()}, times
 
 
 # Relative cost of one unit of work (a decode group at one batch size, or a prefill pair), from runs 14-15: the
@@ -331,10 +335,10 @@ def run(args, results):
                             log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                             results.append(dict(model=label, phase="prefill", path=path, unit=unit,
                                                 error=type(e).__name__))
-                    times = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
+                    times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
                     for path, (fwd, err, first_s) in fwds.items():
                         results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
-                                            logits_rel_err=err))
+                                            call_ms=calls[path], logits_rel_err=err))
                         log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
                             f"err {err:.1e}")
                         if args.profile_cpu and device == "cuda":
@@ -637,6 +641,8 @@ def write(results, out):
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
         if base and len(r.get("round_ms", ())) == len(base.get("round_ms", ())) > 1:  # paired, round by round
             vs += " (rounds " + ", ".join(f"{b / a:.3f}" for a, b in zip(r["round_ms"], base["round_ms"])) + ")"
+        if base and len(r.get("call_ms", ())) == len(base.get("call_ms", ())) > 1:  # a prefill's calls, paired
+            vs += f" (paired median {statistics.median(b / a for a, b in zip(r['call_ms'], base['call_ms'])):.3f}x)"
         if r["phase"] == "prefill":
             tok = f"logits rel err {r['logits_rel_err']:.1e}"
         elif "diverges_at" not in r:

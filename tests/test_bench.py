@@ -131,6 +131,14 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     eager, patch = rows[0]["round_ms"], rows[1]["round_ms"]
     paired = ", ".join(f"{e / p:.3f}" for p, e in zip(patch, eager))
     assert f"x eager (rounds {paired}) |" in (tmp_path / "generate.md").read_text()
+    # the prefill rows keep every call's figure (20, the paths' order reversed every other round); the table gives
+    # the median of the paired ratios (eager's call over patch's call of the same round)
+    import statistics
+
+    eager, patch = rows[3]["call_ms"], rows[4]["call_ms"]
+    assert len(eager) == len(patch) == 20
+    paired = statistics.median(e / p for p, e in zip(patch, eager))
+    assert f"x eager (paired median {paired:.3f}x) |" in (tmp_path / "generate.md").read_text()
     # a budget already spent: nothing starts, every row says so
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,prefill", "--batches", "1",
                                 "--prefill-paths", "eager,patch", "--budget-s", "0", "--out", str(tmp_path)]) == 0
