@@ -98,12 +98,17 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def block_m(M):
+    """The tile's M side: the dot's N slot after the swap, 16 to 128."""
+    return max(16, triton.next_power_of_2(min(M, 128)))
+
+
 def down(h, w, cfg, tma=True):
     """y = h @ wᵀ for h (M, K) and w (N, K), both contiguous. cfg = (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)."""
     M, K = h.shape
     N = w.shape[0]
     BN, BK, split, warps, stages = cfg
-    BM = max(16, triton.next_power_of_2(min(M, 64)))
+    BM = block_m(M)
     k_per_split = cdiv(cdiv(K, split), BK) * BK
     split = cdiv(K, k_per_split)
     grid = (cdiv(N, BN), split, cdiv(M, BM))
@@ -146,6 +151,7 @@ def main():
     ap.add_argument("--shapes", default="4096x11008,4096x14336,3584x18944,8192x3584", help="N x K of w_down")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--budget-s", type=float, default=120)
+    ap.add_argument("--device", default="cuda", help="cpu: the script itself, under TRITON_INTERPRET=1 (tiny shapes)")
     args = ap.parse_args()
     if args.check:
         sys.exit(1 if check() else 0)
@@ -154,39 +160,38 @@ def main():
     sys.path.insert(0, ".")
     from mlp_fuser.kernels.splitk import linear_splitk
 
-    t_start = time.perf_counter()
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    t_start, dev = time.perf_counter(), args.device
+    big = torch.empty(1 << (30 if dev == "cuda" else 20), dtype=torch.uint8, device=dev)
     copy_bw = 2 * big.numel() / graph_us(lambda b=big: b.clone(), reps=5) * 1e-6  # TB/s, read + write
     del big
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy "
-          f"bandwidth {copy_bw:.2f} TB/s", flush=True)
+    print(f"{torch.cuda.get_device_name() if dev == 'cuda' else dev}, torch {torch.__version__}, triton "
+          f"{triton.__version__}; copy bandwidth {copy_bw:.2f} TB/s", flush=True)
     rows = []
     for dname in args.dtypes.split(","):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
         for shape in args.shapes.split(","):
             N, K = map(int, shape.split("x"))
-            w = torch.randn(N, K, device="cuda", dtype=dtype) / K ** 0.5
+            w = torch.randn(N, K, device=dev, dtype=dtype) / K ** 0.5
             for M in map(int, args.ms.split(",")):
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"budget spent: stop before {dname} {shape} M={M}", flush=True)
                     return report(rows)
-                h = torch.randn(M, K, device="cuda", dtype=dtype)
+                h = torch.randn(M, K, device=dev, dtype=dtype)
                 ref = h.double() @ w.double().T
                 floor = (N * K + M * K + M * N) * 2 / copy_bw * 1e-6
                 cands = {"cublas": lambda h=h, w=w: F.linear(h, w),
                          "splitk": lambda h=h, w=w: linear_splitk(h, w, None)}
                 for BN in (64, 128):
                     for BK in (128, 256):
-                        tiles = cdiv(N, BN) * cdiv(M, 64)
+                        tiles = cdiv(N, BN) * cdiv(M, block_m(M))
                         for mult in (1, 2, 3):
                             split = max(1, min(cdiv(mult * 132, tiles), K // (2 * BK)))
-                            for stages in (4, 6):
-                                if stages * (BN + max(16, min(M, 64))) * BK * 2 > 200 * 1024:
+                            for stages in (3, 4, 6):
+                                if stages * (BN + block_m(M)) * BK * 2 > 200 * 1024:
                                     continue
                                 cfg = (BN, BK, split, 4, stages)
                                 cands[f"tma {cfg}"] = lambda cfg=cfg, h=h, w=w: down(h, w, cfg, True)
-                                if mult == 2 and stages == 4:
+                                if mult == 2 and stages == 3:
                                     cands[f"plain {cfg}"] = lambda cfg=cfg, h=h, w=w: down(h, w, cfg, False)
                 res = {}
                 for name, fn in cands.items():
@@ -197,11 +202,14 @@ def main():
                     except Exception as e:  # a config that does not compile or fit: named, not fatal
                         print(f"  {dname} {shape} M={M} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 cub_err = res["cublas"][1]
-                best = min((v[0], k) for k, v in res.items() if k.startswith("tma") and v[1] <= 1.25 * cub_err + 1e-3)
-                plain = min((v[0], k) for k, v in res.items() if k.startswith("plain"))
+                best = min(((v[0], k) for k, v in res.items() if k.startswith("tma") and v[1] <= 1.25 * cub_err + 1e-3),
+                           default=(float("inf"), "none"))
+                plain = min(((v[0], k) for k, v in res.items() if k.startswith("plain")),
+                            default=(float("inf"), "none"))
                 row = dict(dtype=dname, shape=shape, M=M, floor=floor, cublas=res["cublas"][0],
-                           splitk=res["splitk"][0], tma=best[0], tma_cfg=best[1], plain=plain[0], plain_cfg=plain[1],
-                           err=res[best[1]][1], cublas_err=cub_err)
+                           splitk=res.get("splitk", (float("inf"),))[0], tma=best[0], tma_cfg=best[1],
+                           plain=plain[0], plain_cfg=plain[1],
+                           err=res.get(best[1], (0, float("nan")))[1], cublas_err=cub_err)
                 rows.append(row)
                 print(f"{dname} {shape} M={M}: floor {floor:.1f} us; cublas {row['cublas']:.1f}, splitk "
                       f"{row['splitk']:.1f}, best tma {best[0]:.1f} {best[1]} (err {row['err']:.1e} vs cublas "
@@ -210,7 +218,12 @@ def main():
 
 
 def graph_us(fn, reps=20, rounds=5):
-    """Median µs per call of ``fn`` replayed in a CUDA graph of ``reps`` calls."""
+    """Median µs per call of ``fn`` replayed in a CUDA graph of ``reps`` calls (on the CPU: plain calls)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
