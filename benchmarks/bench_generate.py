@@ -17,8 +17,8 @@ mlp_fuser where it applies:
   default dynamic cache (the slowest to compile: about 60 s per batch size and path at 1b, 110 s at 8b);
   on request ``backend_nodirect``, the backend with Inductor's code calling the registered op through the dispatcher
   (``MLP_FUSER_INDUCTOR_DIRECT=0``), timed in turns with the other two;
-- ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 10, the paths
-  of a pair (eager and patch; compile and backend) taking turns call by call.
+- ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 20, the paths
+  of a pair (eager and patch; compile and backend) taking turns call by call (``time_prefill``).
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -33,12 +33,16 @@ process each (its own GPU and share of the CPU cores), heaviest units first (``U
 900 s on one GPU; its longest unit, the compile group at one batch size, took about 280 s alone on 16 cores (run 19),
 so four GPUs should fit it in one 600-s call (not yet run whole: in run 16 that unit missed its 330-s deadline while
 unpinned workers shared the cores). The paths compared with each other still share one GPU and take turns; only the
-tokens are compared across workers.
+tokens are compared across workers. The workers still share the host's memory, caches and clocks: a host-bound path
+(eager, patch, prefill) timed while another worker compiles can slow by half (run 32), so ``--quiet-timing`` makes
+each worker's timed rounds wait until no other worker is warming up or timing (``host_phase``), at some cost in wall
+time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -88,6 +92,29 @@ def build(name, device, dtype, tiny):
 def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+TIMING_LOCK = "BENCH_GENERATE_TIMING_LOCK"  # set by --gpus N --quiet-timing for its workers: a file they all lock
+
+
+@contextlib.contextmanager
+def host_phase(kind: str):
+    """With ``--quiet-timing``, the workers of ``--gpus N`` share one host without disturbing each other's timings: a
+    worker's timed rounds ("time": an exclusive lock) wait until no other worker is warming up (compiling: "warm", a
+    shared lock) or timing. Run 32 showed why: eager's 8b decode rounds took 24.7, 43.4 and 44.4 ms/token while the
+    other worker compiled. Without the lock (one process, or the flag off) this does nothing."""
+    path = os.environ.get(TIMING_LOCK)
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if kind == "time" else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def generate_fn(model, path, ids):
@@ -237,6 +264,8 @@ def run(args, results):
     inputs = {b: torch.randint(3, vocab, (b, prompt), device=device, generator=g) for b in batches}
     todo = units(args)
     took, start = {}, time.perf_counter()  # seconds of each group's last batch
+    if os.environ.get(TIMING_LOCK):
+        log(f"timed rounds hold {os.environ[TIMING_LOCK]} (warm-ups share it)")
 
     def skip(what: str, estimate: float | None) -> bool:
         """Whether ``what`` would start past the budget (or, with the time its group took for the previous batch
@@ -266,16 +295,18 @@ def run(args, results):
                         gen, done = generate_fn(m, path, ids)
                         try:
                             t0 = time.perf_counter()
-                            for _ in range(2):
-                                out = gen(new_tokens)
-                            sync(device)
+                            with host_phase("warm"):
+                                for _ in range(2):
+                                    out = gen(new_tokens)
+                                sync(device)
                             live[path] = (gen, done, m, out, time.perf_counter() - t0)
                         except Exception as e:  # report, keep the other paths' numbers
                             done()
                             log(f"{label} b={batch} {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                             results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                                 error=type(e).__name__))
-                    times, per_round = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
+                    with host_phase("time"):
+                        times, per_round = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
                     for path, (gen, _, m, out, warm_s) in live.items():
                         if (batch, path) in args.profiled:
                             profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
@@ -329,13 +360,15 @@ def run(args, results):
                             fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
                         try:
                             t0 = time.perf_counter()
-                            err = rel(fwd(ids), ref_logits)
+                            with host_phase("warm"):
+                                err = rel(fwd(ids), ref_logits)
                             fwds[path] = (fwd, err, time.perf_counter() - t0)
                         except Exception as e:
                             log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                             results.append(dict(model=label, phase="prefill", path=path, unit=unit,
                                                 error=type(e).__name__))
-                    times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
+                    with host_phase("time"):
+                        times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
                     for path, (fwd, err, first_s) in fwds.items():
                         results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
                                             call_ms=calls[path], logits_rel_err=err))
@@ -696,6 +729,8 @@ def main(argv=None) -> int:
                     "pair) over this many GPUs, one worker process each ('all': every visible GPU)")
     ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: stop the workers this many seconds "
                     "after they start and merge what they measured (their units left are listed as not reached)")
+    ap.add_argument("--quiet-timing", action="store_true", help="with --gpus: a worker's timed rounds wait until no "
+                    "other worker warms up (compiles) or times (see host_phase)")
     ap.add_argument("--units", default="", help="only these units, e.g. d0:1,d2:8,p1 (set by --gpus for its workers)")
     ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
@@ -725,7 +760,13 @@ def main(argv=None) -> int:
         f"{mlp_fuser.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     n = torch.cuda.device_count() if args.gpus == "all" else int(args.gpus)
     if n > 1:
-        results = run_parallel(args, argv, n)
+        if args.quiet_timing:  # the workers inherit the lock's path
+            os.makedirs(args.out, exist_ok=True)
+            os.environ[TIMING_LOCK] = os.path.abspath(os.path.join(args.out, "timing.lock"))
+        try:
+            results = run_parallel(args, argv, n)
+        finally:
+            os.environ.pop(TIMING_LOCK, None)
         print("\n".join(write(results, args.out)))
         return 0
     results = []

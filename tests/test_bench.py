@@ -1,6 +1,7 @@
 """The benchmark's plan, time budget, row arithmetic and target table: plain Python, checked without a GPU."""
 
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -196,6 +197,46 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["path"], r["error"].split(",")[0]) for r in rows] == [("eager", "not reached (worker ended"),
                                                                      ("compile", "not reached (worker ended")]
+
+
+def test_generate_benchmark_quiet_timing_keeps_one_workers_timing_apart(tmp_path, monkeypatch, capsys):
+    # --quiet-timing: a worker's timed rounds hold the lock file exclusively, its warm-ups share it, so no worker
+    # times while another compiles or times; both workers of --gpus 2 get the lock's path.
+    import json
+    import subprocess
+
+    bench_generate = _bench_generate()
+    lock = tmp_path / "timing.lock"
+    probe = ("import fcntl, sys\nf = open(sys.argv[1], 'a')\ntry:\n    fcntl.flock(f, {} | fcntl.LOCK_NB)\n"
+             "    print('free')\nexcept OSError:\n    print('busy')")
+
+    def other_worker(kind):  # what another process gets, without waiting
+        flag = "fcntl.LOCK_EX" if kind == "time" else "fcntl.LOCK_SH"
+        return subprocess.run([sys.executable, "-c", probe.format(flag), str(lock)], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    monkeypatch.setenv(bench_generate.TIMING_LOCK, str(lock))
+    with bench_generate.host_phase("warm"):
+        assert (other_worker("warm"), other_worker("time")) == ("free", "busy")
+    with bench_generate.host_phase("time"):
+        assert (other_worker("warm"), other_worker("time")) == ("busy", "busy")
+    assert (other_worker("warm"), other_worker("time")) == ("free", "free")
+    monkeypatch.delenv(bench_generate.TIMING_LOCK)
+    with bench_generate.host_phase("time"):  # no lock asked for: nothing held
+        assert other_worker("time") == "free"
+
+    out = tmp_path / "run"
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,prefill", "--batches", "1",
+                                "--prefill-paths", "eager,patch", "--gpus", "2", "--quiet-timing", "--out",
+                                str(out)]) == 0
+    err = capsys.readouterr().err
+    for k in (0, 1):
+        assert f"[gpu {k}] timed rounds hold {out / 'timing.lock'}" in err, err
+    rows = json.loads((out / "generate.json").read_text())
+    assert [(r["unit"], r["path"]) for r in rows] == [("d0:1", "eager"), ("d0:1", "patch"), ("p0", "eager"),
+                                                      ("p0", "patch")]
+    assert all(r["ms"] > 0 for r in rows)
+    assert bench_generate.TIMING_LOCK not in os.environ  # not left behind in the caller's process
 
 
 @pytest.mark.slow
