@@ -312,7 +312,7 @@ def down_sweep(shapes=((4096, 11008), (8192, 3584)), ms=(16, 32, 64, 128)):
 
             timed = functools.partial(_splitk_us, h, w, ref, tol)
             cublas = _us(functools.partial(F.linear, h, w))
-            default = splitk_config(M, N, K, h.device)
+            default = splitk_config(M, N, K, h.element_size(), h.device)
             d_us = timed(default)
             bm, warps = default[0], default[4]
             best = None

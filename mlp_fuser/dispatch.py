@@ -83,7 +83,7 @@ def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
 
 def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
     M, (O, I) = x2.shape[0], wd.shape
-    config = splitk_config(M, O, I, x2.device)
+    config = splitk_config(M, O, I, x2.element_size(), x2.device)
     counters = splitk_counters(M, O, I, config, x2.device)  # zeroed by gate_up_act
     return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
 

@@ -46,7 +46,7 @@ def test_counters_zeroed_by_gate_up_act(dtype, monkeypatch):
     from mlp_fuser import dispatch
 
     M, K, I, O = 5, 48, 1024, 40  # I long enough for the default config to split it, on the GPU and the CPU
-    assert splitk._plan(M, O, I, splitk.splitk_config(M, O, I, torch.device(KERNEL_DEVICE)))[1] > 1
+    assert splitk._plan(M, O, I, splitk.splitk_config(M, O, I, dtype.itemsize, torch.device(KERNEL_DEVICE)))[1] > 1
     made, real = [], splitk.splitk_counters
 
     def poisoned(*args):
