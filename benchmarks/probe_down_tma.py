@@ -1,15 +1,17 @@
 """Probe (issue 10): the down projection y = h @ w_downᵀ at M = 1-128 as a swap-AB split-K GEMM whose weight
-tiles arrive by TMA, against cuBLAS and our split-K kernel, in one run (CUDA-graph medians, bf16 and fp16).
+tiles arrive by TMA, against cuBLAS and ``linear_splitk``, in one run (CUDA-graph medians, bf16 and fp16).
 
     python3 benchmarks/probe_down_tma.py [--ms 1,16,32,64,128] [--budget-s 120]
-    TRITON_INTERPRET=1 python3 benchmarks/probe_down_tma.py --check     # the kernels against float64 on the CPU
+    TRITON_INTERPRET=1 python3 benchmarks/probe_down_tma.py --check     # the kernel against float64 on the CPU
 
-Why: the two-launch MLP at M = 16-64 is held back by the down GEMM, cuBLAS at 73-80% of its floor (run 23), and
-36 split-K configs of ``linear_splitk`` (plain tl.load, h as the dot's M side) did not beat it. Here the weight rows
-take the dot's M slot (acc[BLOCK_N, BLOCK_M] = w_tile @ h_tileᵀ, so Hopper's wgmma runs at M < 64), each program
-streams a K range of BLOCK_N weight rows through a NUM_STAGES-deep TMA pipeline, and the last program of a column
-block sums the fp32 partials in split order (deterministic), as ``linear_splitk`` does.
-A probe: nothing in mlp_fuser calls it; it earns a place in dispatch only by beating cuBLAS here.
+Why: the two-launch MLP at M = 16-64 was held back by the down GEMM, cuBLAS at 73-80% of its floor (run 23), and 36
+split-K configs of the old ``linear_splitk`` (h in the dot's M side) did not beat it. Here the weight rows take the
+dot's M slot (acc[BLOCK_N, BLOCK_M] = w_tile @ h_tileᵀ, so Hopper's wgmma runs at M < 64), each program streams a K
+range of BLOCK_N weight rows through a NUM_STAGES-deep TMA pipeline, and the last program of a column block sums the
+fp32 partials in split order (deterministic). Run 33 timed it with a plain-load twin of the same schedule, which
+was as fast: that twin is now ``linear_splitk`` itself (``mlp_fuser/kernels/splitk.py``), so this probe compares
+TMA loads against it. The floor column uses a copy bandwidth measured by a clone inside a CUDA graph, which ran low
+in run 33 (2.8 TB/s): read the ratios. A probe: nothing in mlp_fuser calls it.
 """
 from __future__ import annotations
 
@@ -58,42 +60,6 @@ def _down_tma_kernel(w_desc, h_desc, y_ptr, parts_ptr, counters_ptr, M, N, K, K_
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _down_swapab_kernel(w_ptr, h_ptr, y_ptr, parts_ptr, counters_ptr, M, N, K, K_PER_SPLIT, stride_wn, stride_hm,
-                        stride_ym, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The same schedule with plain loads (the control: what TMA changes)."""
-    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_lo = split * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    w_rows = tl.minimum(offs_n, N - 1)  # clamped rows: loads need no mask along N (those columns are not stored)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k + offs_k
-        w = tl.load(w_ptr + w_rows[:, None] * stride_wn + kk[None, :], mask=kk[None, :] < K, other=0.0)
-        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + kk[None, :], mask=(offs_m[:, None] < M) & (kk[None, :] < K),
-                    other=0.0)
-        acc = tl.dot(w, h.T, acc)
-    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tile = pid_m * tl.num_programs(0) + pid_n
-        part_ptrs = parts_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(part_ptrs + split * M * N, acc, mask=mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def cdiv(a, b):
     return -(-a // b)
 
@@ -103,7 +69,7 @@ def block_m(M):
     return max(16, triton.next_power_of_2(min(M, 128)))
 
 
-def down(h, w, cfg, tma=True):
+def down(h, w, cfg):
     """y = h @ wᵀ for h (M, K) and w (N, K), both contiguous. cfg = (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)."""
     M, K = h.shape
     N = w.shape[0]
@@ -115,14 +81,9 @@ def down(h, w, cfg, tma=True):
     y = torch.empty(M, N, device=h.device, dtype=h.dtype)
     parts = torch.empty(split * M * N if split > 1 else 1, device=h.device, dtype=torch.float32)
     counters = torch.zeros(grid[0] * grid[2], device=h.device, dtype=torch.int32)
-    if tma:
-        _down_tma_kernel[grid](TensorDescriptor.from_tensor(w, [BN, BK]), TensorDescriptor.from_tensor(h, [BM, BK]),
-                               y, parts, counters, M, N, K, k_per_split, y.stride(0), SPLIT_K=split, BLOCK_N=BN,
-                               BLOCK_M=BM, BLOCK_K=BK, NUM_STAGES=stages, num_warps=warps)
-    else:
-        _down_swapab_kernel[grid](w, h, y, parts, counters, M, N, K, k_per_split, w.stride(0), h.stride(0),
-                                  y.stride(0), SPLIT_K=split, BLOCK_N=BN, BLOCK_M=BM, BLOCK_K=BK, NUM_STAGES=stages,
-                                  num_warps=warps)
+    _down_tma_kernel[grid](TensorDescriptor.from_tensor(w, [BN, BK]), TensorDescriptor.from_tensor(h, [BM, BK]),
+                           y, parts, counters, M, N, K, k_per_split, y.stride(0), SPLIT_K=split, BLOCK_N=BN,
+                           BLOCK_M=BM, BLOCK_K=BK, NUM_STAGES=stages, num_warps=warps)
     return y
 
 
@@ -132,15 +93,14 @@ def check():
     bad = 0
     for (M, N, K) in [(1, 64, 96), (5, 40, 200), (17, 64, 256), (33, 72, 160)]:
         for cfg in [(32, 32, 1, 4, 1), (32, 32, 3, 4, 1), (64, 32, 2, 4, 2)]:
-            for tma in (True, False):
-                h = torch.randn(M, K, dtype=torch.float32)
-                w = torch.randn(N, K, dtype=torch.float32)
-                y = down(h, w, cfg, tma)
-                ref = (h.double() @ w.double().T)
-                err = ((y.double() - ref).norm() / ref.norm()).item()
-                ok = torch.isfinite(y).all().item() and err < 1e-2
-                bad += not ok
-                print(f"M={M} N={N} K={K} cfg={cfg} tma={tma}: rel err {err:.1e} {'ok' if ok else 'WRONG'}")
+            h = torch.randn(M, K, dtype=torch.float32)
+            w = torch.randn(N, K, dtype=torch.float32)
+            y = down(h, w, cfg)
+            ref = (h.double() @ w.double().T)
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            ok = torch.isfinite(y).all().item() and err < 1e-2
+            bad += not ok
+            print(f"M={M} N={N} K={K} cfg={cfg}: rel err {err:.1e} {'ok' if ok else 'WRONG'}")
     return bad
 
 
@@ -190,9 +150,7 @@ def main():
                                 if stages * (BN + block_m(M)) * BK * 2 > 200 * 1024:
                                     continue
                                 cfg = (BN, BK, split, 4, stages)
-                                cands[f"tma {cfg}"] = lambda cfg=cfg, h=h, w=w: down(h, w, cfg, True)
-                                if mult == 2 and stages == 3:
-                                    cands[f"plain {cfg}"] = lambda cfg=cfg, h=h, w=w: down(h, w, cfg, False)
+                                cands[f"tma {cfg}"] = lambda cfg=cfg, h=h, w=w: down(h, w, cfg)
                 res = {}
                 for name, fn in cands.items():
                     try:
@@ -204,16 +162,13 @@ def main():
                 cub_err = res["cublas"][1]
                 best = min(((v[0], k) for k, v in res.items() if k.startswith("tma") and v[1] <= 1.25 * cub_err + 1e-3),
                            default=(float("inf"), "none"))
-                plain = min(((v[0], k) for k, v in res.items() if k.startswith("plain")),
-                            default=(float("inf"), "none"))
                 row = dict(dtype=dname, shape=shape, M=M, floor=floor, cublas=res["cublas"][0],
                            splitk=res.get("splitk", (float("inf"),))[0], tma=best[0], tma_cfg=best[1],
-                           plain=plain[0], plain_cfg=plain[1],
                            err=res.get(best[1], (0, float("nan")))[1], cublas_err=cub_err)
                 rows.append(row)
                 print(f"{dname} {shape} M={M}: floor {floor:.1f} us; cublas {row['cublas']:.1f}, splitk "
                       f"{row['splitk']:.1f}, best tma {best[0]:.1f} {best[1]} (err {row['err']:.1e} vs cublas "
-                      f"{cub_err:.1e}), best plain {plain[0]:.1f} {plain[1]}", flush=True)
+                      f"{cub_err:.1e})", flush=True)
     report(rows)
 
 
@@ -249,12 +204,12 @@ def graph_us(fn, reps=20, rounds=5):
 
 def report(rows):
     print("| dtype | w_down N x K | M | floor us | cuBLAS us (% floor) | splitk us | best TMA us (% floor) | "
-          "TMA vs cuBLAS | best plain swap-AB us | TMA config (BN, BK, split, warps, stages) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "TMA vs cuBLAS | TMA config (BN, BK, split, warps, stages) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dtype']} | {r['shape']} | {r['M']} | {r['floor']:.1f} | {r['cublas']:.1f} "
               f"({100 * r['floor'] / r['cublas']:.0f}%) | {r['splitk']:.1f} | {r['tma']:.1f} "
-              f"({100 * r['floor'] / r['tma']:.0f}%) | {r['cublas'] / r['tma']:.3f}x | {r['plain']:.1f} | "
+              f"({100 * r['floor'] / r['tma']:.0f}%) | {r['cublas'] / r['tma']:.3f}x | "
               f"{r['tma_cfg'][4:]} |")
 
 
