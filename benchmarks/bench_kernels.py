@@ -7,8 +7,9 @@
 - small_m: every candidate of the dispatcher at M = 1-16 (SwiGLU, three sizes), against torch.compile; µs.
 - graph_gap: at large M, the op inside a CUDA graph and with plain launches, beside its kernels without the op.
 - overhead: the op's CPU cost per call without CUDA graphs (plain eager), and where it goes (cProfile).
-- down: the down projection alone at M = 16-128 (y = h @ w_downᵀ, K = the MLP's I): cuBLAS (F.linear) against
-  ``linear_splitk`` with its default config and a grid of (BLOCK_N, BLOCK_K, SPLIT_K, stages); µs and % of the
+- down: the down projection alone at M = 1-128 (y = h @ w_downᵀ, K = the MLP's I): cuBLAS (F.linear) against
+  ``linear_splitk`` (swap-AB since run 35) with its default config and a grid of (BLOCK_N, BLOCK_K, SPLIT_K,
+  stages); µs and % of the
   floor (w_down once at the measured copy bandwidth). Which config, if any, beats cuBLAS where the MLP's rows are
   furthest from the floor.
 CUDA-graph medians (``triton.testing.do_bench_cudagraph``) unless said; every output is checked.
@@ -288,7 +289,7 @@ def _splitk_us(h, w, ref, tol, config):
     return _us(fn)
 
 
-def down_sweep(shapes=((4096, 11008), (8192, 3584)), ms=(16, 32, 64, 128)):
+def down_sweep(shapes=((4096, 11008), (3584, 18944), (8192, 3584)), ms=(1, 16, 32, 64, 128)):
     """The down projection: cuBLAS against linear_splitk's default and a grid of configs (see the module doc)."""
     from mlp_fuser.bench import measure_ceilings
     from mlp_fuser.kernels.splitk import splitk_config
