@@ -412,6 +412,29 @@ def profile_cpu(label, fn, iters=3):
         log(f"    {e.self_device_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:90]}")
 
 
+class GcClock:
+    """Python's garbage collector while the block runs (a ``gc.callbacks`` entry): its passes, the full ones among
+    them, and their seconds."""
+
+    def __init__(self):
+        self.seconds, self.passes, self.full, self._t0 = 0.0, 0, 0, 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.passes += 1
+            self.full += info["generation"] == 2
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
 def time_modules(label, model, gen, device, tokens=16, what=""):
     """Host time spent inside each layer's MLP and attention modules during one generate of ``tokens`` new tokens
     (wall clock around each call, no synchronisation: where the host is the bottleneck this is what a call costs in
@@ -438,23 +461,14 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
 
             module.forward = timed
             wrapped.append((module, own))
-    slow, collected, gc_t0 = Launcher.slow_calls, [0.0, 0], [0.0]
-
-    def on_gc(phase, info):  # Python's garbage collector: its passes and their time during the call
-        if phase == "start":
-            gc_t0[0] = time.perf_counter()
-        else:
-            collected[0] += time.perf_counter() - gc_t0[0]
-            collected[1] += 1
-
-    gc.callbacks.append(on_gc)
+    slow = Launcher.slow_calls
     try:
-        t0 = time.perf_counter()
-        gen(tokens)
-        issued = time.perf_counter() - t0  # the host's time to queue the whole call, where nothing waits for the GPU
-        sync(device)
+        with GcClock() as collected:
+            t0 = time.perf_counter()
+            gen(tokens)
+            issued = time.perf_counter() - t0  # the host's time to queue the whole call: nothing waits for the GPU
+            sync(device)
     finally:
-        gc.callbacks.remove(on_gc)
         for module, own in wrapped:
             if own is None:
                 del module.__dict__["forward"]
@@ -464,7 +478,7 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
         "on the host in all): " + ", ".join(f"{n} {t / c * 1e6:.1f} µs per call (slowest {m * 1e6:.0f}, {c} calls)"
                                            for n, (t, c, m) in stats.items())
         + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}; garbage collector: "
-        f"{collected[1]} passes, {collected[0] * 1e6:.0f} µs")
+        f"{collected.passes} passes, {collected.seconds * 1e6:.0f} µs")
 
 
 def host_split(label, model, gen, device, tokens=16):
@@ -476,8 +490,8 @@ def host_split(label, model, gen, device, tokens=16):
 
     from mlp_fuser import ops
 
-    acc = dict(fwd=0.0, fwd_n=0, op=0.0, op_n=0, gc=0.0, gc_n=0, gc2=0)
-    real_op, t_fwd, gc_t0 = ops._forward, [0.0], [0.0]
+    acc = dict(fwd=0.0, fwd_n=0, op=0.0, op_n=0)
+    real_op, t_fwd = ops._forward, [0.0]
 
     def pre(module, args):  # forward hooks, not a replaced forward: Dynamo's guards on the model stay as they were
         t_fwd[0] = time.perf_counter()
@@ -493,23 +507,14 @@ def host_split(label, model, gen, device, tokens=16):
         acc["op_n"] += 1
         return out
 
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_t0[0] = time.perf_counter()
-        else:
-            acc["gc"] += time.perf_counter() - gc_t0[0]
-            acc["gc_n"] += 1
-            acc["gc2"] += info["generation"] == 2
-
     hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
     ops._forward = op
-    gc.callbacks.append(on_gc)
     try:
         gen(tokens)  # whatever the hooks cost the first time
         sync(device)
         acc.update(dict.fromkeys(acc, 0))
         t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, GcClock() as collected:
             warnings.simplefilter("always")
             if device == "cuda":
                 torch.cuda.set_sync_debug_mode(1)
@@ -521,7 +526,6 @@ def host_split(label, model, gen, device, tokens=16):
         sync(device)
         wall = time.perf_counter() - t0
     finally:
-        gc.callbacks.remove(on_gc)
         ops._forward = real_op
         for h in hooks:
             h.remove()
@@ -529,7 +533,7 @@ def host_split(label, model, gen, device, tokens=16):
     log(f"  host split, {label}, one generate of {tokens} tokens: wall {wall / tokens * 1e3:.3f} ms/token; inside "
         f"forward {acc['fwd'] / tokens * 1e3:.3f} ms/token ({acc['fwd_n']:.0f} calls); inside the op "
         f"{acc['op'] / max(acc['op_n'], 1) * 1e6:.1f} µs/call ({acc['op_n'] / tokens:.0f} per token); gc "
-        f"{acc['gc'] * 1e3:.2f} ms in {acc['gc_n']:.0f} collections ({acc['gc2']:.0f} full); synchronisations "
+        f"{collected.seconds * 1e3:.2f} ms in {collected.passes} collections ({collected.full} full); synchronisations "
         f"reported (second generate): {syncs}")
 
 

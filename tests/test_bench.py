@@ -199,6 +199,21 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
                                                                      ("compile", "not reached (worker ended")]
 
 
+def test_generate_benchmark_gc_clock_counts_the_collections_inside_its_block():
+    # GcClock (--time-modules, --host-split): the collector's passes while the block runs, the full ones among them,
+    # and their time; nothing after the block.
+    import gc
+
+    bench_generate = _bench_generate()
+    with bench_generate.GcClock() as clock:
+        gc.collect()
+        gc.collect()
+        gc.collect(0)
+    assert (clock.passes, clock.full) == (3, 2) and clock.seconds > 0
+    gc.collect()
+    assert clock.passes == 3 and clock not in gc.callbacks
+
+
 def test_generate_benchmark_quiet_timing_keeps_one_workers_timing_apart(tmp_path, monkeypatch, capsys):
     # --quiet-timing: a worker's timed rounds hold the lock file exclusively, its warm-ups share it, so no worker
     # times while another compiles or times; both workers of --gpus 2 get the lock's path.
