@@ -17,7 +17,6 @@ A probe: nothing in mlp_fuser calls it; it earns a place only by beating the oth
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from probe_down_tma import cdiv, graph_us  # the same CUDA-graph timer as the down projection's probe
 
 
 @triton.jit
@@ -73,10 +73,6 @@ def _gate_up_swapab_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, parts_ptr, counters_ptr
             tl.store(h_ptrs, (_silu(g) * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def cdiv(a, b):
-    return -(-a // b)
-
-
 def gate_up_swapab(x, wg, wu, cfg):
     """h = silu(x @ wgᵀ) * (x @ wuᵀ) for x (M, K), wg and wu (N, K), unit stride along K. cfg = (BLOCK_N, BLOCK_K,
     SPLIT_K, warps, stages)."""
@@ -119,36 +115,6 @@ def check():
             bad += not ok
             print(f"M={M} N={N} K={K} cfg={cfg}: rel err {err:.1e} {'ok' if ok else 'WRONG'}")
     return bad
-
-
-def graph_us(fn, reps=20, rounds=5):
-    """Median µs per call of ``fn`` replayed in a CUDA graph of ``reps`` calls (on the CPU: plain calls)."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=side):
-            for _ in range(reps):
-                fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(ts)
 
 
 def main():
