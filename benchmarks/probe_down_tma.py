@@ -98,7 +98,7 @@ def check():
             y = down(h, w, cfg)
             ref = (h.double() @ w.double().T)
             err = ((y.double() - ref).norm() / ref.norm()).item()
-            ok = torch.isfinite(y).all().item() and err < 1e-2
+            ok = torch.isfinite(y).all().item() and err < 1e-5  # fp32 in the interpreter: exact products
             bad += not ok
             print(f"M={M} N={N} K={K} cfg={cfg}: rel err {err:.1e} {'ok' if ok else 'WRONG'}")
     return bad
