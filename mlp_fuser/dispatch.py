@@ -25,6 +25,7 @@ from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import m_bucket
 from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
+from .kernels.swapab import gate_up_act_swapab
 from .reference import reference_mlp, reference_mlp_backward
 
 log = logging.getLogger("mlp_fuser")
@@ -88,6 +89,14 @@ def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
     return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
 
 
+def _triton_swapab(x2, wg, bg, wu, bu, wd, bd, act):
+    M, (O, I) = x2.shape[0], wd.shape
+    config = splitk_config(M, O, I, x2.element_size(), x2.device)
+    counters = splitk_counters(M, O, I, config, x2.device)  # zeroed by gate_up_act_swapab
+    return linear_splitk(gate_up_act_swapab(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config,
+                         counters=counters)
+
+
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     g = F.linear(x2, wg, bg)
     u = F.linear(x2, wu, bu) if wu is not None else None
@@ -102,6 +111,9 @@ IMPLS: list[Impl] = [
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
                "split-K GEMM streaming w_down once: two launches"),
+    Impl("triton_swapab", _triton_swapab, frozenset({"cuda"}), max_m=64, triton=True,
+         notes="gate and up with the weight rows in the dot's M side (wgmma at a few tokens), act*mul in its epilogue "
+               "(zeroing the next kernel's counters), then the split-K GEMM streaming w_down: two launches"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections, one Triton kernel for act*mul"),
     Impl("reference", reference_mlp, None,

@@ -14,8 +14,8 @@ on: each tensor's shape, strides, dtype, device and 16-byte alignment, the activ
 ``config.autotune``, TF32 for fp32). Equal signatures mean the full path would validate, choose and launch the
 same kernels with the same integers; only the data pointers differ, and the plan reads them per call.
 
-Planned implementations: ``triton_gemm_splitk`` and ``triton_small_m`` (Triton launches only; small_m's fp32
-calls without b_down, which return its accumulator, are not planned: that output must start at zero),
+Planned implementations: ``triton_gemm_splitk``, ``triton_swapab`` and ``triton_small_m`` (Triton launches only;
+small_m's fp32 calls without b_down, which return its accumulator, are not planned: that output must start at zero),
 ``triton_gemm`` (a Triton launch, then cuBLAS for the down projection) and ``cublas_act_mul`` (cuBLAS for gate and
 up, the act·mul launch, cuBLAS for down: the choice at prefill sizes, where a patched model's host time can still
 decide). The reference takes the full path on every call, and so does every call while a Triton launch hook (a
@@ -36,8 +36,8 @@ from .kernels.common import Launcher, _launch_hooks
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
-PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_small_m": ("zeros", ""), "triton_gemm": ("empty", "down"),
-           "cublas_act_mul": ("empty", "all")}
+PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), "triton_small_m": ("zeros", ""),
+           "triton_gemm": ("empty", "down"), "cublas_act_mul": ("empty", "all")}
 _PLANS: dict[tuple, Callable[..., Tensor]] = {}
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)

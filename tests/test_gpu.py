@@ -6,7 +6,7 @@ Skipped where CUDA is absent; run on the H200 with `pytest tests/test_gpu.py tes
 import pytest
 import torch
 from _mlp_cases import make_case
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, poisoned_empty
 
 from mlp_fuser import config, dispatch, plans
 from mlp_fuser.reference import reference_mlp, rel_err
@@ -359,6 +359,18 @@ def test_gpu_splitk_gate_up_is_race_free_and_deterministic(M, K, I):
 
     assert gate_up_splitk_config(M, I, K, 2, torch.device("cuda"))[3] > 1 or M >= 128  # it does split here
     _gate_up_right_and_deterministic(gate_up_act_splitk, M, K, I, calls=50)
+
+
+@pytest.mark.parametrize("M,K,I", [(1, 4096, 11008), (16, 4096, 14336), (37, 3584, 18944), (64, 8192, 3584),
+                                   (5, 4096, 11000)])
+def test_gpu_swapab_gate_up_is_right_at_real_sizes(M, K, I):
+    """gate_up_act_swapab with its own config at the harness's gate/up sizes (I = 11000: a partial block of weight
+    rows, whose clamped rows must not be stored), its output poisoned: within 1.25x the unfused error against
+    float64, and 20 more calls bitwise equal."""
+    from mlp_fuser.kernels.swapab import gate_up_act_swapab
+
+    with poisoned_empty():
+        _gate_up_right_and_deterministic(gate_up_act_swapab, M, K, I, calls=20)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

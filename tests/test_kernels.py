@@ -24,7 +24,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
-from mlp_fuser.kernels import act_mul, backward, fused_mlp_small_m, gate_up_act, gemm, splitk
+from mlp_fuser.kernels import act_mul, backward, fused_mlp_small_m, gate_up_act, gemm, splitk, swapab
 from mlp_fuser.reference import reference_gate_up, reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
@@ -192,6 +192,23 @@ def test_gate_up_act_splitk(s, dtype):
             h = splitk.gate_up_act_splitk(x, wg, bg, wu, bu, s.act, config)
         check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
         assert torch.equal(h, splitk.gate_up_act_splitk(x, wg, bg, wu, bu, s.act, config))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("s", SHAPES, ids=str)
+def test_gate_up_act_swapab(s, dtype):
+    """The swap-AB gate/up kernel (weight rows in the dot's M side): its default blocks for the shape, then 16-row
+    weight blocks (so I = 5 or 127 ends in a partial block whose clamped rows must not be stored), twice: the
+    second call also zeroes a poisoned int32 workspace, as it does for linear_splitk's counters."""
+    x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()) + 2)
+    ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
+    for config in (None, (16, 16, 32, 4, 1)):
+        with poisoned_empty():
+            h = swapab.gate_up_act_swapab(x, wg, bg, wu, bu, s.act, config=config)
+        check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
+        zero = torch.full((300,), -7, dtype=torch.int32, device=x.device)  # more than one 256-wide store
+        assert torch.equal(h, swapab.gate_up_act_swapab(x, wg, bg, wu, bu, s.act, zero=zero, config=config))
+        assert not zero.any()
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

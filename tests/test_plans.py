@@ -39,8 +39,9 @@ class AlwaysHit(dict):
 @pytest.fixture
 def recorded(monkeypatch):
     log = []
-    launchers = [v for m in ("gemm", "splitk", "small_m", "act_mul") for v in vars(__import__(f"mlp_fuser.kernels.{m}",
-                 fromlist=["_"])).values() if isinstance(v, common.Launcher)]
+    modules = ("gemm", "splitk", "swapab", "small_m", "act_mul")
+    launchers = [v for m in modules for v in vars(__import__(f"mlp_fuser.kernels.{m}", fromlist=["_"])).values()
+                 if isinstance(v, common.Launcher)]
     for i, launcher in enumerate(launchers):
         monkeypatch.setattr(launcher, "cache", AlwaysHit(log, i))
         monkeypatch.setattr(launcher, "pad", (None, None), raising=False)

@@ -40,9 +40,11 @@ def test_calls_of_different_shapes_interleaved():
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-def test_counters_zeroed_by_gate_up_act(dtype, monkeypatch):
-    """triton_gemm_splitk's two launches: gate_up_act zeroes the split-K kernel's arrival counters, which start as
-    garbage here (poisoned), so a counter left unzeroed leaves tiles unwritten or reduced twice."""
+@pytest.mark.parametrize("impl", ["triton_gemm_splitk", "triton_swapab"])
+def test_counters_zeroed_by_the_gate_up_kernel(impl, dtype, monkeypatch):
+    """The two launches of triton_gemm_splitk and triton_swapab: their gate/up kernel zeroes the split-K kernel's
+    arrival counters, which start as garbage here (poisoned), so a counter left unzeroed leaves tiles unwritten or
+    reduced twice."""
     from mlp_fuser import dispatch
 
     M, K, I, O = 5, 48, 1024, 40  # I long enough for the default config to split it, on the GPU and the CPU
@@ -60,7 +62,7 @@ def test_counters_zeroed_by_gate_up_act(dtype, monkeypatch):
     wg, wu = ((torch.randn(I, K, device=KERNEL_DEVICE) * K**-0.5).to(dtype) for _ in range(2))
     wd = (torch.randn(O, I, device=KERNEL_DEVICE) * I**-0.5).to(dtype)
     ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t()) @ wd.double().t()
-    y = dispatch._triton_gemm_splitk(x, wg, None, wu, None, wd, None, "silu")
+    y = dispatch.IMPLS_BY_NAME[impl].fn(x, wg, None, wu, None, wd, None, "silu")
     assert len(made) == 1
     F = torch.nn.functional
     unfused = F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)

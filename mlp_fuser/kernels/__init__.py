@@ -13,6 +13,9 @@
   ``splitk.gate_up_act_splitk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract on the same
   schedule (the last program of a tile runs the act·mul epilogue); not a dispatch candidate (NOTES: v1's outcome),
   timed by ``benchmarks/bench_impls.py``.
+- ``swapab.gate_up_act_swapab(x2, w_gate, b_gate, w_up, b_up, activation, zero=None)``: gate_up_act's contract for
+  a few tokens, the weight rows in the dot's M side (wgmma at M = 16), all of K per program; with linear_splitk it
+  is the dispatcher's ``triton_swapab``.
 - ``streamk.gate_up_act_streamk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract with a
   stream-K schedule (a persistent grid, equal K steps per program, pieces of tiles summed in K order by the last
   program of each tile), so every SM streams weights at M = 16-256; ``streamk_config`` picks its blocks.
@@ -21,7 +24,7 @@
   ``num_sms`` and ``INTERPRET``.
 
 Weights are (out, in) tensors with any strides; ``w_up=None`` means a plain (ungated) MLP; biases are optional.
-The package exports the first three; ``splitk``, ``streamk`` and ``common`` are imported as modules.
+The package exports the first three; ``splitk``, ``swapab``, ``streamk`` and ``common`` are imported as modules.
 """
 
 from .act_mul import act_mul
