@@ -11,7 +11,7 @@ F="INFO:torch\|\] W1\|\] I1\|^W1\|^I1\|warnings.warn\|UserWarning"
 date -u; S=$(date +%s)
 timeout 170 python3 benchmarks/bench_generate.py --out $OUT/8b --model 8b --paths static,static_backend --batches 8 \
   2>&1 | grep -v "$F" > $OUT/gen8b.log
-L=$(( 330 - ($(date +%s) - S) )); date -u; echo "8b static B=8 took $(( $(date +%s) - S )) s; $L s left"
+L=$(( 290 - ($(date +%s) - S) )); date -u; echo "8b static B=8 took $(( $(date +%s) - S )) s; $L s left"
 timeout $L python3 benchmarks/runs/2026-11-30-run40/swapab_configs.py $(( L - 25 )) > $OUT/configs.log 2>&1
 date -u
 grep "ms/token\|not started\|rror" $OUT/gen8b.log | cut -c1-200
