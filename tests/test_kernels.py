@@ -211,6 +211,25 @@ def test_gate_up_act_swapab(s, dtype):
         assert not zero.any()
 
 
+def test_swapab_config_picks_run_40s_fastest(monkeypatch):
+    """The swap-AB blocks rule on an H200 (132 SMs, 228 KiB each; run 40's sweep, bf16): the fastest config of each
+    row where it was (BLOCK_M, 64, BLOCK_K, 4 warps, stages); fp32 halves BLOCK_K and stays within 200 KiB."""
+    monkeypatch.setattr(swapab, "INTERPRET", False)
+    monkeypatch.setattr(swapab, "num_sms", lambda device: 132)
+    monkeypatch.setattr(swapab, "smem_per_sm", lambda device: 228 * 1024)
+    rule = swapab.swapab_config.__wrapped__  # not the cache: the patched machine
+    cpu = torch.device("cpu")
+    fastest = {  # N (= I), M -> (BLOCK_K, stages), measured fastest in run 40
+        (11008, 1): (128, 3), (11008, 16): (128, 3), (11008, 32): (64, 4), (11008, 64): (64, 4),
+        (18944, 32): (64, 3), (18944, 64): (64, 3), (14336, 1): (128, 3), (14336, 16): (128, 3),
+        (3584, 1): (128, 4), (3584, 16): (128, 4), (3584, 32): (128, 4), (3584, 64): (128, 4),
+    }
+    for (N, M), (bk, stages) in fastest.items():
+        assert rule(M, N, 2, cpu) == (max(16, m_bucket(M)), 64, bk, 4, stages), (N, M)
+    bm, _, bk, _, stages = rule(64, 3584, 4, cpu)
+    assert bk == 64 and gemm.k_loop_fits(stages, bm, bk, 64, 2, 4)
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("M", [1, 17, 67])
 def test_gate_up_act_autotuned(M, dtype):

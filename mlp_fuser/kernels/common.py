@@ -51,6 +51,15 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@cache
+def smem_per_sm(device: torch.device) -> int:
+    """Shared memory of one SM in bytes (the H200's 228 KiB where torch does not report it)."""
+    if device.type != "cuda":
+        return 228 * 1024
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+
+
 def aligned(*tensors: torch.Tensor) -> int:
     """A bit per tensor: its data pointer is 16-byte aligned (Triton specializes kernels on that)."""
     bits = 0
