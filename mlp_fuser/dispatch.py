@@ -111,7 +111,9 @@ IMPLS: list[Impl] = [
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
                "split-K GEMM streaming w_down once: two launches"),
-    Impl("triton_swapab", _triton_swapab, frozenset({"cuda"}), max_m=64, triton=True,
+    # max_m 32: at M = 33-64 it was slower than triton_gemm or cublas_act_mul on all four shapes of run 40, yet taken
+    # once within the dispatcher's 2% tie at 3584x18944 M = 64 (run 41: 118.6 µs against compile's 113.8)
+    Impl("triton_swapab", _triton_swapab, frozenset({"cuda"}), max_m=32, triton=True,
          notes="gate and up with the weight rows in the dot's M side (wgmma at a few tokens), act*mul in its epilogue "
                "(zeroing the next kernel's counters), then the split-K GEMM streaming w_down: two launches"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
