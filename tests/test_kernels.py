@@ -24,7 +24,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
-from mlp_fuser.kernels import act_mul, backward, fused_mlp_small_m, gate_up_act, gemm, splitk, swapab
+from mlp_fuser.kernels import act_mul, backward, common, fused_mlp_small_m, gate_up_act, gemm, splitk, swapab
 from mlp_fuser.reference import reference_gate_up, reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
@@ -215,8 +215,8 @@ def test_swapab_config_picks_run_40s_fastest(monkeypatch):
     """The swap-AB blocks rule on an H200 (132 SMs, 228 KiB each; run 40's sweep, bf16): the fastest config of each
     row where it was (BLOCK_M, 64, BLOCK_K, 4 warps, stages); fp32 halves BLOCK_K and stays within 200 KiB."""
     monkeypatch.setattr(swapab, "INTERPRET", False)
-    monkeypatch.setattr(swapab, "num_sms", lambda device: 132)
-    monkeypatch.setattr(swapab, "smem_per_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(common, "num_sms", lambda device: 132)
+    monkeypatch.setattr(common, "smem_per_sm", lambda device: 228 * 1024)
     rule = swapab.swapab_config.__wrapped__  # not the cache: the patched machine
     cpu = torch.device("cpu")
     fastest = {  # N (= I), M -> (BLOCK_K, stages), measured fastest in run 40

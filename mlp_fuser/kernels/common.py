@@ -60,6 +60,14 @@ def smem_per_sm(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
 
 
+def stand_ins(w_gate: torch.Tensor, b_gate, w_up, b_up, fill: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(w_up, b_gate, b_up) as a kernel takes them: an operand the call does not have is replaced by a tensor that is
+    there (w_gate for w_up, ``fill`` for a bias), a valid pointer with valid strides that the kernel, its HAS_* flag
+    off, never reads."""
+    return (w_up if w_up is not None else w_gate, b_gate if b_gate is not None else fill,
+            b_up if b_up is not None else fill)
+
+
 def aligned(*tensors: torch.Tensor) -> int:
     """A bit per tensor: its data pointer is 16-byte aligned (Triton specializes kernels on that)."""
     bits = 0

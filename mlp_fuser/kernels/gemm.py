@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket, stand_ins
 
 
 def _configs() -> list[triton.Config]:
@@ -181,9 +181,7 @@ def gate_up_act(
         if zero is not None:
             zero.zero_()
         return h
-    wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
-    bg = b_gate if b_gate is not None else h
-    bu = b_up if b_up is not None else h
+    wu, bg, bu = stand_ins(w_gate, b_gate, w_up, b_up, h)
 
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket, stand_ins
 from .gemm import gate_up_tile
 
 
@@ -137,9 +137,7 @@ def fused_mlp_small_m(
     if M == 0 or O == 0:
         return torch.empty((M, O), dtype=x2.dtype, device=x2.device)
     y32 = torch.zeros((M, O), dtype=torch.float32, device=x2.device)
-    wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
-    bg = b_gate if b_gate is not None else y32
-    bu = b_up if b_up is not None else y32
+    wu, bg, bu = stand_ins(w_gate, b_gate, w_up, b_up, y32)
 
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * cdiv(I, meta["BLOCK_I"]),)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, num_sms
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, num_sms, stand_ins
 from .gemm import gate_up_acc, gate_up_finish
 
 
@@ -251,9 +251,7 @@ def gate_up_act_splitk(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Ten
         counters = torch.zeros(tiles, device=x2.device, dtype=torch.int32)
     else:  # never read: any valid pointers
         parts = counters = h
-    wu = w_up if has_up else w_gate  # valid pointers and strides, never read
-    bg = b_gate if has_bg else h
-    bu = b_up if has_bu else h
+    wu, bg, bu = stand_ins(w_gate, b_gate, w_up, b_up, h)
     (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
     key = (x2.get_device(), x2.dtype, M, N, K, k_per_split, sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, num_sms
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, num_sms, stand_ins
 
 
 @triton.jit
@@ -161,9 +161,7 @@ def gate_up_act_streamk(x2: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up:
     shared = grid > 1 and (iters % k_iters != 0)  # else every program takes whole tiles: no partials
     partials = torch.empty(tiles * max_parts * 2 * BM * BN if shared else 1, device=x2.device, dtype=torch.float32)
     counters = (torch.zeros if shared else torch.empty)(tiles, device=x2.device, dtype=torch.int32)
-    wu = w_up if w_up is not None else w_gate  # valid pointers and strides, never read
-    bg = b_gate if b_gate is not None else h
-    bu = b_up if b_up is not None else h
+    wu, bg, bu = stand_ins(w_gate, b_gate, w_up, b_up, h)
     (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
     has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None

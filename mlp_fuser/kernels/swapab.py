@@ -27,17 +27,8 @@ import triton
 import triton.language as tl
 
 from ..activations import get_activation
-from .common import (
-    INTERPRET,
-    Launcher,
-    aligned,
-    cdiv,
-    dot_precision,
-    k_loop_fits,
-    next_power_of_2,
-    num_sms,
-    smem_per_sm,
-)
+from . import common
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, stand_ins
 from .gemm import gate_up_finish
 
 
@@ -100,7 +91,7 @@ def swapab_config(M: int, N: int, itemsize: int, device: torch.device) -> tuple[
         return 16, 32, 32, 4, 1
     block_m, block_n = max(16, next_power_of_2(min(M, 64))), 64
     programs = cdiv(N, block_n) * cdiv(M, block_m)
-    sms, per_sm_bytes = num_sms(device), smem_per_sm(device)
+    sms, per_sm_bytes = common.num_sms(device), common.smem_per_sm(device)
     best = (None, (block_m, block_n, 32 * 2 // max(2, itemsize), 4, 2))  # only if none below fits
     for block_k, stages in ((128, 3), (128, 4), (64, 3), (64, 4)):
         block_k = block_k * 2 // max(2, itemsize)
@@ -133,9 +124,7 @@ def gate_up_act_swapab(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Ten
         return h
     BM, BN, BK, warps, stages = config or swapab_config(M, N, x2.element_size(), x2.device)
     has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None
-    wu = w_up if has_up else w_gate  # valid pointers and strides, never read
-    bg = b_gate if has_bg else h
-    bu = b_up if has_bu else h
+    wu, bg, bu = stand_ins(w_gate, b_gate, w_up, b_up, h)
     (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
     n_zero = zero.numel() if zero is not None else 0
