@@ -236,6 +236,18 @@ def test_generate_benchmark_quiet_timing_keeps_one_workers_timing_apart(tmp_path
     with bench_generate.host_phase("time"):
         assert (other_worker("warm"), other_worker("time")) == ("busy", "busy")
     assert (other_worker("warm"), other_worker("time")) == ("free", "free")
+    # the time spent waiting for the lock is counted (the budget's estimates leave it out): another worker holds it
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\nf = open(sys.argv[1], 'a')\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(0.6)", str(lock)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    waited = bench_generate.lock_waited_s
+    with bench_generate.host_phase("warm"):
+        assert bench_generate.lock_waited_s - waited >= 0.3
+    holder.wait()
+    waited = bench_generate.lock_waited_s
+    with bench_generate.host_phase("time"):  # a free lock: next to nothing
+        assert bench_generate.lock_waited_s - waited < 0.3
     monkeypatch.delenv(bench_generate.TIMING_LOCK)
     with bench_generate.host_phase("time"):  # no lock asked for: nothing held
         assert other_worker("time") == "free"
