@@ -21,7 +21,7 @@
   program of each tile), so every SM streams weights at M = 16-256; ``streamk_config`` picks its blocks.
 - ``common``: what they share: ``Launcher`` (launches a compiled kernel directly once its specialization is
   known), ``m_bucket``, ``cdiv``, ``next_power_of_2``, ``dot_precision``, ``k_loop_fits``, ``aligned``,
-  ``num_sms`` and ``INTERPRET``.
+  ``num_sms``, ``smem_per_sm``, ``stand_ins`` (the absent operands' pointer arguments) and ``INTERPRET``.
 
 Weights are (out, in) tensors with any strides; ``w_up=None`` means a plain (ungated) MLP; biases are optional.
 The package exports the first three; ``splitk``, ``swapab``, ``streamk`` and ``common`` are imported as modules.

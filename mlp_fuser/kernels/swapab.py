@@ -1,6 +1,6 @@
 """h = act(x @ w_gateᵀ + b_gate) * (x @ w_upᵀ + b_up) for a few tokens, with the weight rows in the dot's M side.
 
-At decode sizes (M = 1-64) gate and up are a stream of 2·I·K weight bytes. ``gate_up_act`` puts the tokens in the
+At decode sizes (a few tokens) gate and up are a stream of 2·I·K weight bytes. ``gate_up_act`` puts the tokens in the
 dot's M side, so at M = 16 its tiles run Ampere's mma.sync; here the roles swap ("swap-AB", as ``linear_splitk``
 does for the down projection): each program owns BLOCK_N weight rows, all of K, and computes
 
@@ -13,8 +13,9 @@ so a handful of tokens (BLOCK_M = 16) still fills Hopper's wgmma, and the weight
 
 Whole K per program, no split: in the probe (run 36, H200, bf16 and fp16, ``benchmarks/probe_gate_up_swapab.py``)
 every config that won had SPLIT_K = 1; I = 11008 at BLOCK_N = 64 is 172 programs, 1.3 per SM. Where the weight rows
-are too few to fill the SMs (I = 3584: 56 programs), it lost to ``gate_up_act`` (0.91-0.98×), and the dispatcher,
-which times both, keeps that one.
+are too few to fill the SMs (I = 3584: 56 programs) the probe's configs lost to ``gate_up_act`` (0.91-0.98×); the
+deeper pipeline ``swapab_config`` picks there narrowed that (run 40), and the dispatcher, which times both, keeps the
+faster. In dispatch (``triton_swapab``) it runs up to M = 32: from there on ``triton_gemm`` or cuBLAS won (run 40).
 Like ``gate_up_act``, program 0 can zero a small int32 workspace of the next kernel (``linear_splitk``'s counters).
 """
 
@@ -92,18 +93,14 @@ def swapab_config(M: int, N: int, itemsize: int, device: torch.device) -> tuple[
     block_m, block_n = max(16, next_power_of_2(min(M, 64))), 64
     programs = cdiv(N, block_n) * cdiv(M, block_m)
     sms, per_sm_bytes = common.num_sms(device), common.smem_per_sm(device)
-    best = (None, (block_m, block_n, 32 * 2 // max(2, itemsize), 4, 2))  # only if none below fits
+    options = []  # ((-bytes in flight per SM, footprint), config); BLOCK_K 64 with 3 stages fits at any M and dtype
     for block_k, stages in ((128, 3), (128, 4), (64, 3), (64, 4)):
         block_k = block_k * 2 // max(2, itemsize)
-        if not k_loop_fits(stages, block_m, block_k, block_n, 2, itemsize):
-            continue
-        smem = stages * (block_m * block_k + 2 * block_k * block_n) * itemsize
-        ctas = max(1, per_sm_bytes // (smem + 1024))  # the driver reserves 1 KiB per CTA
-        in_flight = min(ctas, cdiv(programs, sms)) * smem
-        key = (-in_flight, smem)
-        if best[0] is None or key < best[0]:
-            best = (key, (block_m, block_n, block_k, 4, stages))
-    return best[1]
+        if k_loop_fits(stages, block_m, block_k, block_n, 2, itemsize):
+            smem = stages * (block_m * block_k + 2 * block_k * block_n) * itemsize
+            ctas = max(1, per_sm_bytes // (smem + 1024))  # the driver reserves 1 KiB per CTA
+            options.append(((-min(ctas, cdiv(programs, sms)) * smem, smem), (block_m, block_n, block_k, 4, stages)))
+    return min(options)[1]
 
 
 _launch = Launcher(_gate_up_act_swapab_kernel)
