@@ -286,18 +286,19 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
 
 
 def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "") -> tuple[str, str]:
-    """(the choice for CUDA graphs, the choice for eager calls). For graphs: the fastest candidate by GPU time (ties
-    within ``_TIE`` go to the lighter one on the host). For eager calls: the least GPU plus host time per call, as
-    a model run without graphs waits on the host at small M (decode: the rest of the layer costs the host far more
-    than the GPU). From ``_GPU_BOUND_M`` rows (a prefill), where the fastest GPU time also exceeds every
-    candidate's host time, the rest of the layer is GPU work as well and the call's host time hides behind the
-    GPU's whatever is chosen: the choice for graphs stands (run 26: the sum took a 17% slower GPU path at M = 2048
-    to save 55 µs of host, 8% of a 1b prefill). Each sample
-    queues ``_CALLS`` calls behind a spin kernel, so the GPU runs them back to back whatever the host costs
-    (CUDA-graph replay would show the same, but a capture here would allocate from whatever memory pool the
-    caller has set up), and the host's time to queue them is measured too. The GPU is kept busy for a moment first
-    and the candidates are timed in interleaved rounds: right after an idle stretch (a model's compilation)
-    the clocks are still ramping up, and timing one candidate after another would favour the last ones."""
+    """(the choice for CUDA graphs, the choice for eager calls). For graphs: the fastest candidate by GPU time; among
+    those within ``_TIE`` of it (a tie: within the timing's noise), the least GPU plus host time, so the lighter host
+    wins where it saves more than its GPU time loses (run 38 at 8b M = 8 took the one 1.4% slower on the GPU for 0.3 µs
+    less host per call, under CUDA graphs, where the host's time is not replayed). For eager calls: the least GPU plus
+    host time per call, as a model run without graphs waits on the host at small M (decode: the rest of the layer costs
+    the host far more than the GPU). From ``_GPU_BOUND_M`` rows (a prefill), where the fastest GPU time also exceeds
+    every candidate's host time, the rest of the layer is GPU work as well and the call's host time hides behind the
+    GPU's whatever is chosen: the choice for graphs stands (run 26: the sum took a 17% slower GPU path at M = 2048 to
+    save 55 µs of host, 8% of a 1b prefill). Each sample queues ``_CALLS`` calls behind a spin kernel, so the GPU runs
+    them back to back whatever the host costs (CUDA-graph replay would show the same, but a capture here would allocate
+    from whatever memory pool the caller has set up), and the host's time to queue them is measured too. The GPU is kept
+    busy for a moment first and the candidates are timed in interleaved rounds: right after an idle stretch (a model's
+    compilation) the clocks are still ramping up, and timing one candidate after another would favour the last ones."""
     runnable: dict[str, ImplFn] = {}
     for impl in candidates:
         if impl.name == "reference":
@@ -332,10 +333,10 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
         torch.cuda.synchronize()
     gpu = {name: _median([s.elapsed_time(e) for s, e in pairs]) for name, pairs in events.items()}
     cpu = {name: _median(times) for name, times in host.items()}
-    # The fastest on the GPU; among those within _TIE of it, the one that costs the host least (a model run
-    # without CUDA graphs waits on the host).
+    # The fastest on the GPU; among those within _TIE of it, the least GPU plus host time (a call made without CUDA
+    # graphs waits on the host; one replayed in a graph does not, so a host saving must outweigh the GPU's loss).
     best_gpu = min(gpu.values())
-    best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=cpu.get)
+    best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=lambda n: gpu[n] + cpu[n])
     gpu_bound = p.M >= _GPU_BOUND_M and best_gpu > max(cpu.values())
     best_eager = best if gpu_bound else min(gpu, key=lambda n: gpu[n] + cpu[n])
     log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,

@@ -276,10 +276,11 @@ def test_output_can_be_updated_in_place_under_autograd():
 
 
 def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
-    """For CUDA graphs, candidates within 2% of the fastest GPU time are a tie, won by the one that costs the host
-    least, and a clear GPU win stands whatever the host cost; for eager calls (patch) the least GPU plus host time
-    wins, unless M is a prefill's and the fastest GPU time exceeds every candidate's host time (the host hides
-    behind the GPU): there the choice for graphs stands. GPU and host time come from stand-in clocks here."""
+    """For CUDA graphs, candidates within 2% of the fastest GPU time are a tie, won by the least GPU plus host time (the
+    lighter host where it saves more than the GPU loses), and a clear GPU win stands whatever the host cost; for eager
+    calls (patch) the least GPU plus host time wins, unless M is a prefill's and the fastest GPU time exceeds every
+    candidate's host time (the host hides behind the GPU): there the choice for graphs stands. GPU and host time come
+    from stand-in clocks here."""
     clock = {"gpu": 0.0, "host": 0.0}
 
     class Event:
@@ -307,6 +308,10 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     p = dispatch.Problem("cuda", torch.bfloat16, 1, 8, 8, 8, True)
     tie = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.01, 1e-5), impl("slow_gpu", 1.10, 1e-7)]
     assert dispatch._time_candidates(tie, (), p) == ("light_host", "light_host")
+    # a tie where the hosts cost about the same (run 38, 8b M = 8: 89.9 µs GPU / 21.4 host against 91.2 / 21.1): the
+    # faster GPU, not 0.3 µs of host
+    near = [impl("fast_gpu", 0.899, 0.214e-3), impl("slightly_lighter_host", 0.912, 0.211e-3)]
+    assert dispatch._time_candidates(near, (), p) == ("fast_gpu", "fast_gpu")
     clear = [impl("heavy_host", 1.00, 2e-3), impl("light_host", 1.05, 1e-5)]
     assert dispatch._time_candidates(clear, (), p) == ("heavy_host", "light_host")
     # GPU time over every host time (run 26's 1b prefill, M = 2048: 204.8 µs GPU / 103.4 host against 247.2 / 48.8):
