@@ -274,7 +274,7 @@ def describe(p: Problem) -> str:
 # ---- timing -------------------------------------------------------------------------------------
 
 _CALLS = 3  # calls per timed sample
-_TIE = 0.02  # GPU times this close count as a tie, broken by host time
+_TIE = 0.02  # GPU times this close count as a tie, broken by GPU plus host time
 _GPU_BOUND_M = 512  # rows from which a layer's other work (attention, its projections) keeps the GPU busy too
 _SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clocks: longer than the CPU needs to queue _CALLS calls
 
