@@ -82,19 +82,19 @@ def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
     return F.linear(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
 
 
-def _triton_gemm_splitk(x2, wg, bg, wu, bu, wd, bd, act):
-    M, (O, I) = x2.shape[0], wd.shape
-    config = splitk_config(M, O, I, x2.element_size(), x2.device)
-    counters = splitk_counters(M, O, I, config, x2.device)  # zeroed by gate_up_act
-    return linear_splitk(gate_up_act(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
+def _then_splitk_down(gate_up) -> ImplFn:
+    """The MLP as ``gate_up`` (gate_up_act's contract; it zeroes the split-K kernel's counters on its way), then the
+    split-K down GEMM: two launches."""
+    def impl(x2, wg, bg, wu, bu, wd, bd, act):
+        M, (O, I) = x2.shape[0], wd.shape
+        config = splitk_config(M, O, I, x2.element_size(), x2.device)
+        counters = splitk_counters(M, O, I, config, x2.device)
+        return linear_splitk(gate_up(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
+    return impl
 
 
-def _triton_swapab(x2, wg, bg, wu, bu, wd, bd, act):
-    M, (O, I) = x2.shape[0], wd.shape
-    config = splitk_config(M, O, I, x2.element_size(), x2.device)
-    counters = splitk_counters(M, O, I, config, x2.device)  # zeroed by gate_up_act_swapab
-    return linear_splitk(gate_up_act_swapab(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config,
-                         counters=counters)
+_triton_gemm_splitk = _then_splitk_down(gate_up_act)
+_triton_swapab = _then_splitk_down(gate_up_act_swapab)
 
 
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
@@ -335,10 +335,13 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
     cpu = {name: _median(times) for name, times in host.items()}
     # The fastest on the GPU; among those within _TIE of it, the least GPU plus host time (a call made without CUDA
     # graphs waits on the host; one replayed in a graph does not, so a host saving must outweigh the GPU's loss).
+    def total(n):
+        return gpu[n] + cpu[n]
+
     best_gpu = min(gpu.values())
-    best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=lambda n: gpu[n] + cpu[n])
+    best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=total)
     gpu_bound = p.M >= _GPU_BOUND_M and best_gpu > max(cpu.values())
-    best_eager = best if gpu_bound else min(gpu, key=lambda n: gpu[n] + cpu[n])
+    best_eager = best if gpu_bound else min(gpu, key=total)
     log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
              describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
     return best, best_eager
