@@ -23,7 +23,7 @@ from torch import Tensor
 from . import config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
-from .kernels.common import m_bucket, pdl_supported
+from .kernels.common import PDL_MODES, m_bucket, pdl_supported
 from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
 from .kernels.swapab import gate_up_act_swapab
 from .reference import reference_mlp, reference_mlp_backward
@@ -78,9 +78,12 @@ class Impl:
 # ---- the implementations ----------------------------------------------------------------------
 
 
-def _pdl(x2: Tensor) -> bool:
-    """Whether this call's Triton kernels go out with programmatic dependent launch (``config.pdl``)."""
-    return config.pdl and pdl_supported(x2.device)
+def _pdl(x2: Tensor) -> int:
+    """How this call's Triton kernels go out: with programmatic dependent launch in ``config.pdl``'s mode, or 0."""
+    mode = PDL_MODES.get(config.pdl)
+    if mode is None:
+        raise ValueError(f"mlp_fuser: MLP_FUSER_PDL={config.pdl!r} is not one of {sorted(PDL_MODES)}")
+    return mode if mode and pdl_supported(x2.device) else 0
 
 
 def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):

@@ -79,13 +79,27 @@ def pdl_supported(device: torch.device) -> bool:
     return hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
 
 
+# How a kernel launched with PDL lets the next one launch (its ``GDC`` constexpr; ``config.pdl`` picks it by name):
+# 0 no PDL; 1 "exit": as its programs exit (no explicit signal); 2 "loop": each program signals after its main loop;
+# 3 "start": each program signals as it starts.
+PDL_MODES = {"off": 0, "exit": 1, "loop": 2, "start": 3}
+
+
 @triton.jit
 def pdl_prologue(GDC: tl.constexpr):
-    """A kernel's first step where it was launched with PDL (``GDC``): wait until the kernel ahead has finished and
-    its writes are visible (our inputs may be its outputs, our workspace its), then let the next kernel launch
-    (it waits the same way). Nothing without ``GDC``."""
-    if GDC:
+    """A kernel's first step where it was launched with PDL (``GDC`` > 0): wait until the kernel ahead has finished
+    and its writes are visible (our inputs may be its outputs, our workspace its); in mode 3 ("start") then let the
+    next kernel launch. Nothing without ``GDC``."""
+    if GDC > 0:
         tl.extra.cuda.gdc_wait()
+    if GDC == 3:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_after_loop(GDC: tl.constexpr):
+    """After a kernel's main loop, in mode 2 ("loop"): let the next kernel launch (it waits for this one's end)."""
+    if GDC == 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -20,7 +20,18 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket, pdl_prologue, stand_ins
+from .common import (
+    INTERPRET,
+    Launcher,
+    aligned,
+    cdiv,
+    dot_precision,
+    k_loop_fits,
+    m_bucket,
+    pdl_after_loop,
+    pdl_prologue,
+    stand_ins,
+)
 
 
 def _configs() -> list[triton.Config]:
@@ -161,6 +172,7 @@ def _gate_up_act_kernel(
         stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
         ACT, HAS_UP, HAS_BG, HAS_BU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )
+    pdl_after_loop(GDC)
     h_ptrs = h_ptr + offs_m[:, None] * N + offs_n[None, :]  # h rounded to x's dtype once, at the store
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -170,11 +182,11 @@ _launch_gate_up_act = Launcher(_gate_up_act_kernel)
 
 def gate_up_act(
     x2: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor | None, b_up: Tensor | None, activation: str,
-    zero: Tensor | None = None, pdl: bool = False,
+    zero: Tensor | None = None, pdl: int = 0,
 ) -> Tensor:
     """h (M, I) = act(x2 @ w_gateᵀ + b_gate) * (x2 @ w_upᵀ + b_up), in x2's dtype; w_up None: no product.
     ``zero``: a contiguous int32 tensor the kernel sets to 0 on the way (the next kernel's counters). ``pdl``: launch
-    with programmatic dependent launch (only where ``common.pdl_supported``)."""
+    with programmatic dependent launch in that mode of ``common.PDL_MODES`` (only where ``common.pdl_supported``)."""
     act = get_activation(activation)
     M, K = x2.shape
     N = w_gate.shape[0]
@@ -200,6 +212,6 @@ def gate_up_act(
         M, N, K, n_zero, m_bucket(M),
         sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
         ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision, GDC=pdl,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
     return h

@@ -40,6 +40,7 @@ from .common import (
     k_loop_fits,
     next_power_of_2,
     num_sms,
+    pdl_after_loop,
     pdl_prologue,
     stand_ins,
 )
@@ -75,6 +76,7 @@ def _linear_splitk_kernel(
         h = tl.load(h_ptr + offs_m[:, None] * stride_hm + kk[None, :] * stride_hk,
                     mask=(offs_m[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
         acc = tl.dot(w, h.T, acc, input_precision=PRECISION)
+    pdl_after_loop(GDC)
 
     mask_y = (offs_n[:, None] < N) & (offs_m[None, :] < M)  # the tile's valid elements, in y and in the partials
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
@@ -132,10 +134,10 @@ def splitk_counters(M: int, N: int, K: int, config: tuple, device: torch.device)
 
 def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None,
                   out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                  pdl: bool = False) -> torch.Tensor:
+                  pdl: int = 0) -> torch.Tensor:
     """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y (or ``out``, (M, N)) in h's dtype.
     ``counters``: from ``splitk_counters``, zeroed since (else this call zeroes its own). ``pdl``: launch with
-    programmatic dependent launch (only where ``common.pdl_supported``)."""
+    programmatic dependent launch in that mode of ``common.PDL_MODES`` (only where ``common.pdl_supported``)."""
     M, K = h.shape
     N = w.shape[0]
     y = torch.empty((M, N), device=h.device, dtype=h.dtype) if out is None else out
@@ -163,7 +165,7 @@ def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conf
         M, N, K, k_per_split,
         shm, shk, swn, swk, sym, syn,
         HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=precision, GDC=pdl,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages, launch_pdl=pdl > 0,
     )
     return y
 

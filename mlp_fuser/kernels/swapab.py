@@ -37,6 +37,7 @@ from .common import (
     dot_precision,
     k_loop_fits,
     next_power_of_2,
+    pdl_after_loop,
     pdl_prologue,
     stand_ins,
 )
@@ -80,6 +81,7 @@ def _gate_up_act_swapab_kernel(
                          other=0.0)
             acc_u = tl.dot(wu, x.T, acc_u, input_precision=PRECISION)
 
+    pdl_after_loop(GDC)
     # back to h's orientation (BLOCK_M, BLOCK_N): the shared epilogue, and a store along h's contiguous rows
     mask_n = offs_n < N
     h = gate_up_finish(tl.trans(acc_g), tl.trans(acc_u), bg_ptr, bu_ptr, offs_n, mask_n, stride_bg, stride_bu, ACT,
@@ -119,10 +121,10 @@ _launch = Launcher(_gate_up_act_swapab_kernel)
 
 def gate_up_act_swapab(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor | None,
                        b_up: torch.Tensor | None, activation: str, zero: torch.Tensor | None = None,
-                       config=None, pdl: bool = False) -> torch.Tensor:
+                       config=None, pdl: int = 0) -> torch.Tensor:
     """``gate_up_act``'s contract (h (M, I) in x2's dtype; w_up None: no product; ``zero``: a contiguous int32 tensor
-    set to 0 on the way; ``pdl``: a programmatic dependent launch), computed with the weight rows in the dot's M
-    side: for few tokens."""
+    set to 0 on the way; ``pdl``: a programmatic dependent launch, a mode of ``common.PDL_MODES``), computed with the
+    weight rows in the dot's M side: for few tokens."""
     act = get_activation(activation)
     M, K = x2.shape
     N = w_gate.shape[0]
@@ -146,6 +148,6 @@ def gate_up_act_swapab(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Ten
         M, N, K, n_zero,
         sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
         ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision, GDC=pdl,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages, launch_pdl=pdl > 0,
     )
     return h
