@@ -52,7 +52,7 @@ VARIANTS = {
     "act_mul_backward gelu plain, no h": "k.backward.act_mul_backward(randn(256, 512), randn(512, 1024), "
                                          "randn(256, 1024), None, 'gelu', False)",
 }
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 def strip_debug(ptx: str) -> str:

@@ -16,11 +16,6 @@
 - ``MLP_FUSER_INDUCTOR_DIRECT=0``: Inductor's generated code calls the registered op through the dispatcher, as
   for any custom op, instead of the op's Python entry (``mlp_fuser.inductor``). Applies to graphs compiled after
   it is set (graphs already compiled, or loaded from Inductor's cache, keep the call they were generated with).
-- ``MLP_FUSER_PDL``: ``off`` (the default), ``exit``, ``loop`` or ``start``: launch the two-kernel implementations'
-  kernels with programmatic dependent launch where the GPU has it (``kernels.common.pdl_supported``, Hopper on):
-  each waits for the kernel ahead of it before touching memory, and lets the next one launch as its programs exit,
-  after their main loop, or as they start (``kernels.common.PDL_MODES``). Off by default: "start" was slower (run
-  42, ``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -33,4 +28,3 @@ autotune: bool = os.environ.get("MLP_FUSER_AUTOTUNE", "1") != "0"
 triton_backward: bool = os.environ.get("MLP_FUSER_TRITON_BACKWARD", "0") == "1"
 plans: bool = os.environ.get("MLP_FUSER_PLANS", "1") != "0"
 inductor_direct: bool = os.environ.get("MLP_FUSER_INDUCTOR_DIRECT", "1") != "0"
-pdl: str = os.environ.get("MLP_FUSER_PDL", "off")

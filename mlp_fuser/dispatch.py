@@ -23,7 +23,7 @@ from torch import Tensor
 from . import config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
-from .kernels.common import PDL_MODES, m_bucket, pdl_supported
+from .kernels.common import m_bucket
 from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
 from .kernels.swapab import gate_up_act_swapab
 from .reference import reference_mlp, reference_mlp_backward
@@ -78,28 +78,18 @@ class Impl:
 # ---- the implementations ----------------------------------------------------------------------
 
 
-def _pdl(x2: Tensor) -> int:
-    """How this call's Triton kernels go out: with programmatic dependent launch in ``config.pdl``'s mode, or 0."""
-    mode = PDL_MODES.get(config.pdl)
-    if mode is None:
-        raise ValueError(f"mlp_fuser: MLP_FUSER_PDL={config.pdl!r} is not one of {sorted(PDL_MODES)}")
-    return mode if mode and pdl_supported(x2.device) else 0
-
-
 def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
-    return F.linear(gate_up_act(x2, wg, bg, wu, bu, act, pdl=_pdl(x2)), wd, bd)
+    return F.linear(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
 
 
 def _then_splitk_down(gate_up) -> ImplFn:
     """The MLP as ``gate_up`` (gate_up_act's contract; it zeroes the split-K kernel's counters on its way), then the
-    split-K down GEMM: two launches, the second starting while the first ends where PDL is there."""
+    split-K down GEMM: two launches."""
     def impl(x2, wg, bg, wu, bu, wd, bd, act):
         M, (O, I) = x2.shape[0], wd.shape
         config = splitk_config(M, O, I, x2.element_size(), x2.device)
         counters = splitk_counters(M, O, I, config, x2.device)
-        pdl = _pdl(x2)
-        h = gate_up(x2, wg, bg, wu, bu, act, zero=counters, pdl=pdl)
-        return linear_splitk(h, wd, bd, config, counters=counters, pdl=pdl)
+        return linear_splitk(gate_up(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
     return impl
 
 

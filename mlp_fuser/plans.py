@@ -10,10 +10,9 @@ validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs
 
 A signature holds everything the call's validity, the dispatcher's choice and the kernels' specialisation depend
 on: each tensor's shape, strides, dtype, device and 16-byte alignment, the activation, whether the call is eager
-(``patch``, which has its own choice) and the settings that change the choice or the launches
-(``config.force_impl``, ``config.autotune``, ``config.pdl``, TF32 for fp32). Equal signatures mean the full path
-would validate, choose and launch the same kernels with the same integers; only the data pointers differ, and the
-plan reads them per call.
+(``patch``, which has its own choice) and the settings that change the choice (``config.force_impl``,
+``config.autotune``, TF32 for fp32). Equal signatures mean the full path would validate, choose and launch the
+same kernels with the same integers; only the data pointers differ, and the plan reads them per call.
 
 Planned implementations: ``triton_gemm_splitk``, ``triton_swapab`` and ``triton_small_m`` (Triton launches only;
 small_m's fp32 calls without b_down, which return its accumulator, are not planned: that output must start at zero),
@@ -52,7 +51,7 @@ _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -> tuple:
     """The call's key: see the module's docstring."""
     return (
-        activation, eager, config.force_impl, config.autotune, config.pdl,
+        activation, eager, config.force_impl, config.autotune,
         x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
         x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
         wg.shape, wg.stride(), wg.dtype, wg.device, wg.data_ptr() & 15,

@@ -1,6 +1,5 @@
-"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule, whether
-programmatic dependent launch is there, and ``Launcher``, which launches a compiled kernel directly once its
-specialization is known.
+"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule, and
+``Launcher``, which launches a compiled kernel directly once its specialization is known.
 
 Nothing here imports the rest of mlp_fuser: the kernels depend only downward.
 """
@@ -14,7 +13,6 @@ from functools import cache
 
 import torch
 import triton
-import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs kernels on CPU tensors
 
@@ -60,47 +58,6 @@ def smem_per_sm(device: torch.device) -> int:
         return 228 * 1024
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-
-
-@cache
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched with programmatic dependent launch (PDL): CUDA with compute
-    capability 9.0 or more (Hopper on), a Triton with the grid dependency control instructions, not the interpreter.
-
-    A kernel launched so (``launch_pdl=True``) may start before the kernel ahead of it on the stream has finished:
-    as soon as every program of that kernel has started and signalled (``gdc_launch_dependents``) or exited. Each of
-    ours then waits (``gdc_wait``) for that kernel to finish and its writes to be visible before touching memory, so
-    only its launch and its programs' placement overlap the kernel ahead. It is also how a CUDA graph captures the
-    pair: a programmatic edge."""
-    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from triton.language.extra import cuda as tl_cuda  # noqa: PLC0415 (only asked about on CUDA)
-
-    return hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
-
-
-# How a kernel launched with PDL lets the next one launch (its ``GDC`` constexpr; ``config.pdl`` picks it by name):
-# 0 no PDL; 1 "exit": as its programs exit (no explicit signal); 2 "loop": each program signals after its main loop;
-# 3 "start": each program signals as it starts.
-PDL_MODES = {"off": 0, "exit": 1, "loop": 2, "start": 3}
-
-
-@triton.jit
-def pdl_prologue(GDC: tl.constexpr):
-    """A kernel's first step where it was launched with PDL (``GDC`` > 0): wait until the kernel ahead has finished
-    and its writes are visible (our inputs may be its outputs, our workspace its); in mode 3 ("start") then let the
-    next kernel launch. Nothing without ``GDC``."""
-    if GDC > 0:
-        tl.extra.cuda.gdc_wait()
-    if GDC == 3:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_after_loop(GDC: tl.constexpr):
-    """After a kernel's main loop, in mode 2 ("loop"): let the next kernel launch (it waits for this one's end)."""
-    if GDC == 2:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def stand_ins(w_gate: torch.Tensor, b_gate, w_up, b_up, fill: torch.Tensor) -> tuple[torch.Tensor, ...]:

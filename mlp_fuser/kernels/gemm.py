@@ -20,18 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import (
-    INTERPRET,
-    Launcher,
-    aligned,
-    cdiv,
-    dot_precision,
-    k_loop_fits,
-    m_bucket,
-    pdl_after_loop,
-    pdl_prologue,
-    stand_ins,
-)
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket, stand_ins
 
 
 def _configs() -> list[triton.Config]:
@@ -142,10 +131,9 @@ def _gate_up_act_kernel(
     M_BUCKET,  # a power of two >= M: the autotuning key, unused by the kernel
     stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
     ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-    PRECISION: tl.constexpr, GDC: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pdl_prologue(GDC)  # launched with PDL: the kernel ahead (x's producer) finishes first
     # -- grouped ordering of the program ids (L2 reuse) ----------------------------------------------
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -172,7 +160,6 @@ def _gate_up_act_kernel(
         stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
         ACT, HAS_UP, HAS_BG, HAS_BU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )
-    pdl_after_loop(GDC)
     h_ptrs = h_ptr + offs_m[:, None] * N + offs_n[None, :]  # h rounded to x's dtype once, at the store
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -182,11 +169,10 @@ _launch_gate_up_act = Launcher(_gate_up_act_kernel)
 
 def gate_up_act(
     x2: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor | None, b_up: Tensor | None, activation: str,
-    zero: Tensor | None = None, pdl: int = 0,
+    zero: Tensor | None = None,
 ) -> Tensor:
     """h (M, I) = act(x2 @ w_gateᵀ + b_gate) * (x2 @ w_upᵀ + b_up), in x2's dtype; w_up None: no product.
-    ``zero``: a contiguous int32 tensor the kernel sets to 0 on the way (the next kernel's counters). ``pdl``: launch
-    with programmatic dependent launch in that mode of ``common.PDL_MODES`` (only where ``common.pdl_supported``)."""
+    ``zero``: a contiguous int32 tensor the kernel sets to 0 on the way (the next kernel's counters)."""
     act = get_activation(activation)
     M, K = x2.shape
     N = w_gate.shape[0]
@@ -205,13 +191,12 @@ def gate_up_act(
     has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None
     n_zero = zero.numel() if zero is not None else 0
     key = (x2.get_device(), x2.dtype, M, N, K, sxm, sxk, sgn, sgk, sun, suk, sbg, sbu, aligned(x2, w_gate, bg, wu, bu),
-           act.name, has_up, has_bg, has_bu, precision, n_zero, pdl)
+           act.name, has_up, has_bg, has_bu, precision, n_zero)
     _launch_gate_up_act(
         key, grid,
         x2, w_gate, bg, wu, bu, h, zero if zero is not None else h,
         M, N, K, n_zero, m_bucket(M),
         sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
-        ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision, GDC=pdl,
-        launch_pdl=pdl > 0,
+        ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision,
     )
     return h

@@ -31,19 +31,7 @@ import triton
 import triton.language as tl
 
 from ..activations import get_activation
-from .common import (
-    INTERPRET,
-    Launcher,
-    aligned,
-    cdiv,
-    dot_precision,
-    k_loop_fits,
-    next_power_of_2,
-    num_sms,
-    pdl_after_loop,
-    pdl_prologue,
-    stand_ins,
-)
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, num_sms, stand_ins
 from .gemm import gate_up_acc, gate_up_finish
 
 
@@ -52,10 +40,9 @@ def _linear_splitk_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, K_PER_SPLIT,
     stride_hm, stride_hk, stride_wn, stride_wk, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pdl_prologue(GDC)  # launched with PDL: the kernel ahead (h's producer, the counters' zeroing) finishes first
     tile = tl.program_id(0)  # the output tile, row-major over (M blocks, N blocks)
     split = tl.program_id(1)  # the K range
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -76,7 +63,6 @@ def _linear_splitk_kernel(
         h = tl.load(h_ptr + offs_m[:, None] * stride_hm + kk[None, :] * stride_hk,
                     mask=(offs_m[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
         acc = tl.dot(w, h.T, acc, input_precision=PRECISION)
-    pdl_after_loop(GDC)
 
     mask_y = (offs_n[:, None] < N) & (offs_m[None, :] < M)  # the tile's valid elements, in y and in the partials
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
@@ -133,11 +119,9 @@ def splitk_counters(M: int, N: int, K: int, config: tuple, device: torch.device)
 
 
 def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config=None,
-                  out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                  pdl: int = 0) -> torch.Tensor:
+                  out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``h @ w.T + b`` for 2-D h (M, K) and w (N, K), any strides; y (or ``out``, (M, N)) in h's dtype.
-    ``counters``: from ``splitk_counters``, zeroed since (else this call zeroes its own). ``pdl``: launch with
-    programmatic dependent launch in that mode of ``common.PDL_MODES`` (only where ``common.pdl_supported``)."""
+    ``counters``: from ``splitk_counters``, zeroed since (else this call zeroes its own)."""
     M, K = h.shape
     N = w.shape[0]
     y = torch.empty((M, N), device=h.device, dtype=h.dtype) if out is None else out
@@ -158,14 +142,14 @@ def linear_splitk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conf
     (shm, shk), (swn, swk), (sym, syn) = h.stride(), w.stride(), y.stride()
     precision = dot_precision(h.dtype)
     key = (h.get_device(), h.dtype, M, N, K, k_per_split, shm, shk, swn, swk, sym, syn, aligned(h, w, bb, y),
-           b is not None, split, precision, BM, BN, BK, warps, stages, pdl)
+           b is not None, split, precision, BM, BN, BK, warps, stages)
     _launch_linear_splitk(
         key, (tiles, split),
         h, w, bb, y, parts, counters,
         M, N, K, k_per_split,
         shm, shk, swn, swk, sym, syn,
-        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=precision, GDC=pdl,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages, launch_pdl=pdl > 0,
+        HAS_BIAS=b is not None, SPLIT_K=split, PRECISION=precision,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
     )
     return y
 

@@ -29,18 +29,7 @@ import triton.language as tl
 
 from ..activations import get_activation
 from . import common
-from .common import (
-    INTERPRET,
-    Launcher,
-    aligned,
-    cdiv,
-    dot_precision,
-    k_loop_fits,
-    next_power_of_2,
-    pdl_after_loop,
-    pdl_prologue,
-    stand_ins,
-)
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, stand_ins
 from .gemm import gate_up_finish
 
 
@@ -51,9 +40,8 @@ def _gate_up_act_swapab_kernel(
     n_zero,  # int32 elements at zero_ptr to set to 0 for the next kernel (split-K's counters); 0: none
     stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
     ACT: tl.constexpr, HAS_UP: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PRECISION: tl.constexpr,
-    GDC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pdl_prologue(GDC)  # launched with PDL: the kernel ahead (x's producer) finishes first
     pid_n = tl.program_id(0)  # a block of weight rows = columns of h
     pid_m = tl.program_id(1)  # a block of tokens
     if n_zero > 0:
@@ -81,7 +69,6 @@ def _gate_up_act_swapab_kernel(
                          other=0.0)
             acc_u = tl.dot(wu, x.T, acc_u, input_precision=PRECISION)
 
-    pdl_after_loop(GDC)
     # back to h's orientation (BLOCK_M, BLOCK_N): the shared epilogue, and a store along h's contiguous rows
     mask_n = offs_n < N
     h = gate_up_finish(tl.trans(acc_g), tl.trans(acc_u), bg_ptr, bu_ptr, offs_n, mask_n, stride_bg, stride_bu, ACT,
@@ -121,10 +108,9 @@ _launch = Launcher(_gate_up_act_swapab_kernel)
 
 def gate_up_act_swapab(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor | None,
                        b_up: torch.Tensor | None, activation: str, zero: torch.Tensor | None = None,
-                       config=None, pdl: int = 0) -> torch.Tensor:
+                       config=None) -> torch.Tensor:
     """``gate_up_act``'s contract (h (M, I) in x2's dtype; w_up None: no product; ``zero``: a contiguous int32 tensor
-    set to 0 on the way; ``pdl``: a programmatic dependent launch, a mode of ``common.PDL_MODES``), computed with the
-    weight rows in the dot's M side: for few tokens."""
+    set to 0 on the way), computed with the weight rows in the dot's M side: for few tokens."""
     act = get_activation(activation)
     M, K = x2.shape
     N = w_gate.shape[0]
@@ -141,13 +127,13 @@ def gate_up_act_swapab(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Ten
     n_zero = zero.numel() if zero is not None else 0
     key = (x2.get_device(), x2.dtype, M, N, K, sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
            aligned(x2, w_gate, bg, wu, bu, h), act.name, has_up, has_bg, has_bu, precision, n_zero, BM, BN, BK, warps,
-           stages, pdl)
+           stages)
     _launch(
         key, (cdiv(N, BN), cdiv(M, BM)),
         x2, w_gate, bg, wu, bu, h, zero if zero is not None else h,
         M, N, K, n_zero,
         sxm, sxk, sgn, sgk, sun, suk, sbg, sbu,
-        ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision, GDC=pdl,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages, launch_pdl=pdl > 0,
+        ACT=act.triton_fn, HAS_UP=has_up, HAS_BG=has_bg, HAS_BU=has_bu, PRECISION=precision,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages,
     )
     return h
