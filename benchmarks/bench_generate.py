@@ -442,31 +442,38 @@ class GcClock:
 
 
 def time_modules(label, model, gen, device, tokens=16, what=""):
-    """Host time spent inside each layer's MLP and attention modules during one generate of ``tokens`` new tokens
-    (wall clock around each call, no synchronisation: where the host is the bottleneck this is what a call costs in
-    the model), the host's time for the whole call, and how many kernel launches went through Triton's own slow
-    path meanwhile. ``what``: what ``gen`` runs, when not a generate (a prefill's forward)."""
+    """Host time spent inside the model's modules during one generate of ``tokens`` new tokens (wall clock around each
+    call, no synchronisation: where the host is the bottleneck this is what a call costs in the model): each decoder
+    layer (``layer``, its whole call) and each of its children (``mlp``, ``self_attn``, the norms, by attribute name),
+    the model's ``embed_tokens``, ``rotary_emb``, ``norm`` and ``lm_head``; the host's time for the whole call, and how
+    many kernel launches went through Triton's own slow path meanwhile. ``what``: what ``gen`` runs, when not a
+    generate (a prefill's forward). A second line gives each name's total in ms and the layers' own glue (a layer's
+    time less its children's: the residual adds)."""
     from mlp_fuser.kernels.common import Launcher
 
+    targets = []
+    for layer in model.model.layers:
+        targets.append(("layer", layer))
+        targets += list(layer.named_children())
+    targets += [(n, getattr(model.model, n)) for n in ("embed_tokens", "rotary_emb", "norm") if hasattr(model.model, n)]
+    targets += [("lm_head", model.lm_head)] if hasattr(model, "lm_head") else []
     stats: dict[str, list] = {}
     wrapped = []
-    for name in ("mlp", "self_attn"):
-        for layer in model.model.layers:
-            module = getattr(layer, name)
-            own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
+    for name, module in targets:
+        own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
 
-            def timed(*a, _f=own or module.forward, _name=name, **k):
-                t0 = time.perf_counter()
-                out = _f(*a, **k)
-                dt = time.perf_counter() - t0
-                s = stats.setdefault(_name, [0.0, 0, 0.0])
-                s[0] += dt
-                s[1] += 1
-                s[2] = max(s[2], dt)
-                return out
+        def timed(*a, _f=own or module.forward, _name=name, **k):
+            t0 = time.perf_counter()
+            out = _f(*a, **k)
+            dt = time.perf_counter() - t0
+            s = stats.setdefault(_name, [0.0, 0, 0.0])
+            s[0] += dt
+            s[1] += 1
+            s[2] = max(s[2], dt)
+            return out
 
-            module.forward = timed
-            wrapped.append((module, own))
+        module.forward = timed
+        wrapped.append((module, own))
     slow = Launcher.slow_calls
     try:
         with GcClock() as collected:
@@ -485,6 +492,11 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
                                            for n, (t, c, m) in stats.items())
         + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}; garbage collector: "
         f"{collected.passes} passes, {collected.seconds * 1e6:.0f} µs")
+    children = {n for n, _ in targets if n != "layer"} & {n for n, _ in model.model.layers[0].named_children()}
+    glue = stats["layer"][0] - sum(stats[n][0] for n in children if n in stats) if "layer" in stats else 0.0
+    log(f"  host ms in all, {label}: " + ", ".join(f"{n} {t * 1e3:.3f}" for n, (t, _, _) in stats.items())
+        + f", layers' own glue {glue * 1e3:.3f}, outside every timed module "
+        f"{(issued - sum(stats[n][0] for n in stats if n not in children)) * 1e3:.3f}")
 
 
 def host_split(label, model, gen, device, tokens=16):

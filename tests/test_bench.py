@@ -148,8 +148,9 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
 
 
 def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys):
-    # --time-modules on the prefill pair eager / patch: host µs per call inside every layer's MLP and attention during
-    # one forward over the prompt (the patched MLP is the fused forward), and the whole forward's host time.
+    # --time-modules on the prefill pair eager / patch: host µs per call inside every decoder layer and each of its
+    # children (the patched MLP is the fused forward) and the model's other modules during one forward over the
+    # prompt, the whole forward's host time, and a line of totals with the layers' own glue.
     import re
 
     bench_generate = _bench_generate()
@@ -163,9 +164,15 @@ def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys)
         whole = float(re.search(r"\(([0-9.]+) ms on the host in all\)", line)[1])
         per_call = {n: (float(us), int(c)) for n, us, c in re.findall(r"(\w+) ([0-9.]+) µs per call \(slowest \d+, "
                                                                        r"(\d+) calls\)", line)}
-        assert set(per_call) == {"mlp", "self_attn"} and all(c == layers for _, c in per_call.values()), line
-        assert 0 < layers * sum(us for us, _ in per_call.values()) / 1e3 < whole, line
+        per_layer = {"layer", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        assert set(per_call) == per_layer | {"embed_tokens", "rotary_emb", "norm", "lm_head"}, line
+        assert all(per_call[n][1] == layers for n in per_layer) and per_call["lm_head"][1] == 1, line
+        children = layers * sum(per_call[n][0] for n in per_layer - {"layer"}) / 1e3
+        assert 0 < children < layers * per_call["layer"][0] / 1e3 < whole, line
         assert re.search(r"garbage collector: \d+ passes, \d+ µs$", line), line
+        totals = next(x for x in err.splitlines() if f"host ms in all, 1b (tiny) prefill {path}:" in x)
+        glue = float(re.search(r"layers' own glue ([0-9.]+)", totals)[1])
+        assert abs(glue - (layers * per_call["layer"][0] / 1e3 - children)) < 0.01, totals
 
 
 def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_path):
