@@ -38,10 +38,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # the default; only fp32 operands are affected by it
 
 
+def k_loop_bytes(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> int:
+    """Shared memory of ``stages`` pipelined K steps, each one x tile and ``n_weights`` weight tiles."""
+    return stages * (block_m * block_k + n_weights * block_k * block_n) * itemsize
+
+
 def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
-    """Whether ``stages`` pipelined K steps, each one x tile and ``n_weights`` weight tiles, fit in the shared
-    memory budget (200 KiB of the H200's 227, the rest left to the epilogue)."""
-    return stages * (block_m * block_k + n_weights * block_k * block_n) * itemsize <= 200 * 1024
+    """Whether ``k_loop_bytes`` fit in the shared memory budget (200 KiB of the H200's 227, the rest left to the
+    epilogue)."""
+    return k_loop_bytes(stages, block_m, block_k, block_n, n_weights, itemsize) <= 200 * 1024
 
 
 @cache

@@ -103,6 +103,15 @@ def gate_up_finish(
 
 
 @triton.jit
+def zero_workspace(zero_ptr, n_zero):
+    """Set ``n_zero`` int32 elements at ``zero_ptr`` to 0 (a workspace of the next kernel on the stream, such as
+    linear_splitk's arrival counters), 256 at a time: one program's job, which saves that kernel a memset launch."""
+    for start in range(0, n_zero, 256):
+        offs_z = start + tl.arange(0, 256)
+        tl.store(zero_ptr + offs_z, 0, mask=offs_z < n_zero)
+
+
+@triton.jit
 def gate_up_tile(
     x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, offs_m, offs_n, mask_m, mask_n, K,
     stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_bg, stride_bu,
@@ -147,9 +156,7 @@ def _gate_up_act_kernel(
     # -- a workspace of the next kernel zeroed here, which saves that kernel a memset launch ------------
     if n_zero > 0:
         if pid == 0:
-            for start in range(0, n_zero, 256):
-                offs_z = start + tl.arange(0, 256)
-                tl.store(zero_ptr + offs_z, 0, mask=offs_z < n_zero)
+            zero_workspace(zero_ptr, n_zero)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and h
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the weights = columns of h

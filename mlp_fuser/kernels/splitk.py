@@ -31,7 +31,18 @@ import triton
 import triton.language as tl
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, num_sms, stand_ins
+from .common import (
+    INTERPRET,
+    Launcher,
+    aligned,
+    cdiv,
+    dot_precision,
+    k_loop_bytes,
+    k_loop_fits,
+    next_power_of_2,
+    num_sms,
+    stand_ins,
+)
 from .gemm import gate_up_acc, gate_up_finish
 
 
@@ -215,7 +226,7 @@ def gate_up_splitk_config(M: int, N: int, K: int, itemsize: int, device: torch.d
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     block_n, block_k = 64, (128 if itemsize <= 2 else 32)
     stages = 4 if k_loop_fits(4, block_m, block_k, block_n, 2, itemsize) else 2
-    smem = stages * (block_m * block_k + 2 * block_k * block_n) * itemsize
+    smem = k_loop_bytes(stages, block_m, block_k, block_n, 2, itemsize)
     slots = num_sms(device) * max(1, min(4, (220 * 1024) // smem))  # programs resident at once
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     weight_bytes = 2 * N * K * itemsize

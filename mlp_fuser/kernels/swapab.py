@@ -29,8 +29,18 @@ import triton.language as tl
 
 from ..activations import get_activation
 from . import common
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, next_power_of_2, stand_ins
-from .gemm import gate_up_finish
+from .common import (
+    INTERPRET,
+    Launcher,
+    aligned,
+    cdiv,
+    dot_precision,
+    k_loop_bytes,
+    k_loop_fits,
+    next_power_of_2,
+    stand_ins,
+)
+from .gemm import gate_up_finish, zero_workspace
 
 
 @triton.jit
@@ -46,9 +56,7 @@ def _gate_up_act_swapab_kernel(
     pid_m = tl.program_id(1)  # a block of tokens
     if n_zero > 0:
         if pid_n == 0 and pid_m == 0:
-            for start in range(0, n_zero, 256):
-                offs_z = start + tl.arange(0, 256)
-                tl.store(zero_ptr + offs_z, 0, mask=offs_z < n_zero)
+            zero_workspace(zero_ptr, n_zero)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and h
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the weights
@@ -97,7 +105,7 @@ def swapab_config(M: int, N: int, itemsize: int, device: torch.device) -> tuple[
     for block_k, stages in ((128, 3), (128, 4), (64, 3), (64, 4)):
         block_k = block_k * 2 // max(2, itemsize)
         if k_loop_fits(stages, block_m, block_k, block_n, 2, itemsize):
-            smem = stages * (block_m * block_k + 2 * block_k * block_n) * itemsize
+            smem = k_loop_bytes(stages, block_m, block_k, block_n, 2, itemsize)
             ctas = max(1, per_sm_bytes // (smem + 1024))  # the driver reserves 1 KiB per CTA
             options.append(((-min(ctas, cdiv(programs, sms)) * smem, smem), (block_m, block_n, block_k, 4, stages)))
     return min(options)[1]
