@@ -12,9 +12,9 @@ launched. Each recorded launch is compiled with ``triton.compile(ASTSource(...),
 32))`` under the specialization Triton derives from those arguments (dtypes, 16-byte alignment, integers equal
 to 1 or divisible by 16), once per autotuner config that the kernel's own prune keeps for them.
 
-Compared: the PTX without debug info (``.loc``/``.file`` lines and ``.debug_*`` sections: line numbers move
-when only comments do). PTX names kernel parameters ``<kernel>_param_<index>``, so renamed Python parameters
-need no further normalisation; a kernel renamed in Python would show as DIFFERENT. Prints one line per
+Compared: the PTX without debug info (``.loc``/``.file`` lines, ``.debug_*`` sections and inlining-scope labels:
+line numbers move when only comments do). PTX names kernel parameters ``<kernel>_param_<index>``, so renamed Python
+parameters need no further normalisation; a kernel renamed in Python would show as DIFFERENT. Prints one line per
 (variant, kernel, config); exits 1 if any is DIFFERENT or missing.
 """
 
@@ -39,6 +39,11 @@ VARIANTS = {
                               "randn(512, 1024), None, 'silu')",
     "small_m GELU + biases": "k.fused_mlp_small_m(randn(4, 512), randn(1024, 512), randn(1024), None, None, "
                              "randn(512, 1024), randn(512), 'gelu')",
+    "swapab SwiGLU no bias, zeroing": "swapab.gate_up_act_swapab(randn(16, 512), randn(1024, 512), None, "
+                                      "randn(1024, 512), None, 'silu', zero=torch.empty(40, dtype=torch.int32), "
+                                      "config=(16, 64, 128, 4, 3))",
+    "swapab GELU + bias": "swapab.gate_up_act_swapab(randn(16, 512), randn(1024, 512), randn(1024), None, None, "
+                          "'gelu', config=(16, 64, 128, 4, 3))",
     "splitk SPLIT_K=1 no bias": "linear_splitk(randn(16, 2048), randn(512, 2048), None, (16, 64, 128, 1, 4, 4))",
     "splitk SPLIT_K=1 + bias": "linear_splitk(randn(16, 2048), randn(512, 2048), randn(512), (16, 64, 128, 1, 4, 4))",
     "splitk SPLIT_K=4 no bias": "linear_splitk(randn(16, 2048), randn(512, 2048), None, (16, 64, 128, 4, 4, 4))",
@@ -56,8 +61,12 @@ OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 def strip_debug(ptx: str) -> str:
+    """The PTX less its debug info: the ``.debug_*`` sections, ``.loc``/``.file`` lines, and the ``$L__tmpN`` labels
+    that mark inlined functions' scopes for the debugger (no branch targets them; a helper factored out of a kernel
+    adds some and renumbers the rest)."""
     ptx = ptx.split("\t.section\t.debug_")[0]
-    return "\n".join(line for line in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", line)).strip()
+    lines = [line for line in ptx.splitlines() if not re.match(r"\s*(\.(loc|file)\b|\$L__tmp\d+:$)", line)]
+    return "\n".join(lines).strip()
 
 
 def compile_launch(kernel, args, kwargs) -> dict[str, str]:
@@ -102,14 +111,14 @@ def dump(tree: str) -> dict[str, str]:
 
     import mlp_fuser
     from mlp_fuser import kernels as k
-    from mlp_fuser.kernels import common
+    from mlp_fuser.kernels import common, swapab
     from mlp_fuser.kernels.splitk import linear_splitk
 
     if not os.path.realpath(mlp_fuser.__file__).startswith(os.path.realpath(tree) + os.sep):
         raise SystemExit(f"imported {mlp_fuser.__file__}, not the tree {tree}")
     launches = []
     common.Launcher.__call__ = lambda self, key, grid, *args, **kw: launches.append((self.kernel, args, kw))
-    env = {"k": k, "linear_splitk": linear_splitk,
+    env = {"k": k, "linear_splitk": linear_splitk, "swapab": swapab, "torch": torch,
            "randn": lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)}
     out = {}
     for name, code in VARIANTS.items():
