@@ -492,7 +492,7 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
                                            for n, (t, c, m) in stats.items())
         + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}; garbage collector: "
         f"{collected.passes} passes, {collected.seconds * 1e6:.0f} µs")
-    children = {n for n, _ in targets if n != "layer"} & {n for n, _ in model.model.layers[0].named_children()}
+    children = {n for n, _ in model.model.layers[0].named_children()}  # timed inside "layer": not added to it again
     glue = stats["layer"][0] - sum(stats[n][0] for n in children if n in stats) if "layer" in stats else 0.0
     log(f"  host ms in all, {label}: " + ", ".join(f"{n} {t * 1e3:.3f}" for n, (t, _, _) in stats.items())
         + f", layers' own glue {glue * 1e3:.3f}, outside every timed module "
