@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             for impl in IMPLS:
                 if dispatch.IMPLS_BY_NAME[impl].why_not(dispatch.Problem(dev, dtype, M, K, I, K, gated)) is None:
                     cands[impl] = lambda impl=impl, x=x, ws=ws, act=act: dispatch.IMPLS_BY_NAME[impl].fn(x, *ws, act)
-            rule = swapab_config(M, I, x.element_size(), x.device)
+            rule = swapab_config(M, I, x.element_size(), x.device, 2 if gated else 1)
             cands[f"rule {rule}"] = lambda swap=swap: swap(None)
             bm = args.block_m or rule[0]
             for bn in ints(args.block_n):

@@ -228,6 +228,27 @@ def test_swapab_config_picks_run_40s_fastest(monkeypatch):
         assert rule(M, N, 2, cpu) == (max(16, m_bucket(M)), 64, bk, 4, stages), (N, M)
     bm, _, bk, _, stages = rule(64, 3584, 4, cpu)
     assert bk == 64 and gemm.k_loop_fits(stages, bm, bk, 64, 2, 4)
+    # A plain MLP's program streams one weight (run 47, GELU+bias 4096x11008, bf16: BLOCK_K 128 with 4 stages was the
+    # fastest of twelve configs at M = 1, 16 and 32; counting two weights picked 3 stages, or BLOCK_K 64, instead)
+    for M in (1, 16, 32):
+        assert rule(M, 11008, 2, cpu, 1) == (max(16, M), 64, 128, 4, 4), M
+
+
+def test_swapab_counts_the_weights_it_loads(monkeypatch):
+    """gate_up_act_swapab asks its config for the weights its program streams: two gated, one plain."""
+    seen = []
+    real = swapab.swapab_config
+
+    def spy(*args):
+        seen.append(args[4])
+        return real(*args)
+
+    monkeypatch.setattr(swapab, "swapab_config", spy)
+    for gated in (True, False):
+        s = Shape(3, 64, 40, 32, "gelu", gated, (False, False, False), "linear", "contiguous")
+        x, wg, bg, wu, bu, _, _ = make_inputs(s, torch.float32, seed=11)
+        swapab.gate_up_act_swapab(x, wg, bg, wu, bu, s.act)
+    assert seen == [2, 1]
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

@@ -86,16 +86,21 @@ def _gate_up_act_swapab_kernel(
 
 
 @cache
-def swapab_config(M: int, N: int, itemsize: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def swapab_config(M: int, N: int, itemsize: int, device: torch.device,
+                  n_weights: int = 2) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M tokens and N weight rows: 64 rows per program, and of
     BLOCK_K 128 or 64 (halved for fp32) with 3 or 4 stages, the one that keeps the most weight bytes in flight per
-    SM: its pipeline's footprint (stages × one x tile and two weight tiles) times the programs an SM runs at once
-    (as many as fit in its shared memory, at most the programs per SM there are); the smaller footprint on a tie.
+    SM: its pipeline's footprint (stages × one x tile and ``n_weights`` weight tiles: 2 gated, 1 plain) times the
+    programs an SM runs at once (as many as fit in its shared memory, at most the programs per SM there are); the
+    smaller footprint on a tie.
 
     Fitted on run 40 (H200, bf16 and fp16, four gate/up shapes, M = 1-64, 32 rows, each config timed): it picks the
     fastest config on 26 rows and is within 4.1% on the others (3584x18944 at M <= 16 and 4096x14336 at M = 32-64),
     where the fixed rule it replaced was up to 25% off (the 70B shard, whose 56 programs leave SMs idle and want
-    the deepest pipeline). A model of those measurements, not of every GPU: other shapes are predicted."""
+    the deepest pipeline). A model of those measurements, not of every GPU: other shapes are predicted. Its first
+    prediction off the fitted rows: a plain MLP's program streams one weight, so it affords twice the stages' bytes;
+    counting one weight picks BLOCK_K 128 with 4 stages for GELU+bias 4096x11008 at M = 1-32, the fastest of the
+    twelve configs run 47 timed there (47.5 / 49.6 / 52.4 µs against 48.6 / 50.2 / 56.4 counting two)."""
     if INTERPRET:
         return 16, 32, 32, 4, 1
     block_m, block_n = max(16, next_power_of_2(min(M, 64))), 64
@@ -104,8 +109,8 @@ def swapab_config(M: int, N: int, itemsize: int, device: torch.device) -> tuple[
     options = []  # ((-bytes in flight per SM, footprint), config); BLOCK_K 64 with 3 stages fits at any M and dtype
     for block_k, stages in ((128, 3), (128, 4), (64, 3), (64, 4)):
         block_k = block_k * 2 // max(2, itemsize)
-        if k_loop_fits(stages, block_m, block_k, block_n, 2, itemsize):
-            smem = k_loop_bytes(stages, block_m, block_k, block_n, 2, itemsize)
+        if k_loop_fits(stages, block_m, block_k, block_n, n_weights, itemsize):
+            smem = k_loop_bytes(stages, block_m, block_k, block_n, n_weights, itemsize)
             ctas = max(1, per_sm_bytes // (smem + 1024))  # the driver reserves 1 KiB per CTA
             options.append(((-min(ctas, cdiv(programs, sms)) * smem, smem), (block_m, block_n, block_k, 4, stages)))
     return min(options)[1]
@@ -127,8 +132,8 @@ def gate_up_act_swapab(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Ten
         if zero is not None:
             zero.zero_()
         return h
-    BM, BN, BK, warps, stages = config or swapab_config(M, N, x2.element_size(), x2.device)
     has_up, has_bg, has_bu = w_up is not None, b_gate is not None, b_up is not None
+    BM, BN, BK, warps, stages = config or swapab_config(M, N, x2.element_size(), x2.device, 2 if has_up else 1)
     wu, bg, bu = stand_ins(w_gate, b_gate, w_up, b_up, h)
     (sxm, sxk), (sgn, sgk), (sun, suk) = x2.stride(), w_gate.stride(), wu.stride()
     sbg, sbu, precision = bg.stride(0), bu.stride(0), dot_precision(x2.dtype)
