@@ -457,22 +457,34 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
         targets += list(layer.named_children())
     targets += [(n, getattr(model.model, n)) for n in ("embed_tokens", "rotary_emb", "norm") if hasattr(model.model, n)]
     targets += [("lm_head", model.lm_head)] if hasattr(model, "lm_head") else []
+    mlps = [layer.mlp for layer in model.model.layers if hasattr(layer, "mlp")]
+    targets += [(f"mlp.{n}", c) for m in mlps if "forward" not in m.__dict__ for n, c in m.named_children()]
     stats: dict[str, list] = {}
     wrapped = []
-    for name, module in targets:
-        own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
 
-        def timed(*a, _f=own or module.forward, _name=name, **k):
+    def clock(name, fn):
+        def timed(*a, **k):
             t0 = time.perf_counter()
-            out = _f(*a, **k)
+            out = fn(*a, **k)
             dt = time.perf_counter() - t0
-            s = stats.setdefault(_name, [0.0, 0, 0.0])
+            s = stats.setdefault(name, [0.0, 0, 0.0])
             s[0] += dt
             s[1] += 1
             s[2] = max(s[2], dt)
             return out
+        return timed
 
-        module.forward = timed
+    # a patched MLP's launch plans: the host time of each callee (cuBLAS's F.linear, torch.empty, a Triton launch)
+    from mlp_fuser import plans
+    plan_globals = [plan.__globals__ for plan in plans._PLANS.values()]
+    saved = [dict(g) for g in plan_globals]
+    for g in plan_globals:
+        for n in [n for n in g if n in ("_linear", "_empty", "_zeros") or n.startswith("_run")]:
+            g[n] = clock(f"plan {n}", g[n])
+    for name, module in targets:
+        own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
+
+        module.forward = clock(name, own or module.forward)
         wrapped.append((module, own))
     slow = Launcher.slow_calls
     try:
@@ -487,16 +499,19 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
                 del module.__dict__["forward"]
             else:
                 module.forward = own
+        for g, before in zip(plan_globals, saved):
+            g.update(before)
     log(f"  host time inside modules, {label}, {what or f'one generate of {tokens} tokens'} ({issued * 1e3:.2f} ms "
         "on the host in all): " + ", ".join(f"{n} {t / c * 1e6:.1f} µs per call (slowest {m * 1e6:.0f}, {c} calls)"
                                            for n, (t, c, m) in stats.items())
         + f"; Triton slow-path launches meanwhile: {Launcher.slow_calls - slow}; garbage collector: "
         f"{collected.passes} passes, {collected.seconds * 1e6:.0f} µs")
     children = {n for n, _ in model.model.layers[0].named_children()}  # timed inside "layer": not added to it again
+    inside = children | {n for n in stats if n.startswith(("mlp.", "plan "))}  # and those timed inside an MLP
     glue = stats["layer"][0] - sum(stats[n][0] for n in children if n in stats) if "layer" in stats else 0.0
     log(f"  host ms in all, {label}: " + ", ".join(f"{n} {t * 1e3:.3f}" for n, (t, _, _) in stats.items())
         + f", layers' own glue {glue * 1e3:.3f}, outside every timed module "
-        f"{(issued - sum(stats[n][0] for n in stats if n not in children)) * 1e3:.3f}")
+        f"{(issued - sum(stats[n][0] for n in stats if n not in inside)) * 1e3:.3f}")
 
 
 def host_split(label, model, gen, device, tokens=16):

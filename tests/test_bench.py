@@ -162,10 +162,14 @@ def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys)
         line = next(x for x in err.splitlines() if f"host time inside modules, 1b (tiny) prefill {path}," in x)
         assert "one forward over 64 tokens" in line, line
         whole = float(re.search(r"\(([0-9.]+) ms on the host in all\)", line)[1])
-        per_call = {n: (float(us), int(c)) for n, us, c in re.findall(r"(\w+) ([0-9.]+) µs per call \(slowest \d+, "
-                                                                       r"(\d+) calls\)", line)}
+        per_call = {n: (float(us), int(c)) for n, us, c in re.findall(r"(plan \w+|[\w.]+) ([0-9.]+) µs per call "
+                                                                       r"\(slowest \d+, (\d+) calls\)", line)}
         per_layer = {"layer", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-        assert set(per_call) == per_layer | {"embed_tokens", "rotary_emb", "norm", "lm_head"}, line
+        # the unfused MLP's own children too (the patched one has none left to call; its launch plans are CUDA's)
+        parts = {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.act_fn"} if path == "eager" else set()
+        assert set(per_call) == per_layer | parts | {"embed_tokens", "rotary_emb", "norm", "lm_head"}, line
+        assert all(per_call[n][1] == layers for n in parts), line
+        assert sum(per_call[n][0] for n in parts) < per_call["mlp"][0] or not parts, line
         assert all(per_call[n][1] == layers for n in per_layer) and per_call["lm_head"][1] == 1, line
         children = layers * sum(per_call[n][0] for n in per_layer - {"layer"}) / 1e3
         assert 0 < children < layers * per_call["layer"][0] / 1e3 < whole, line

@@ -291,6 +291,72 @@ def test_gpu_first_calls_inside_inductor_cuda_graph_trees(M):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_two_streams_waits_for_the_side_stream(dtype, monkeypatch):
+    """cublas_two_streams runs the up GEMM on a side stream. Held back there (a ~10 ms spin queued before the GEMM),
+    u is still read only once written: plain calls, and a CUDA graph (its side branch recorded) replayed with fresh
+    inputs, poisoned memory and a poisoned output, match float64 as the unfused module does; no host
+    synchronisation after the first call."""
+    monkeypatch.setattr(config, "force_impl", "cublas_two_streams")
+    def late(fn):
+        def run(*a, **k):
+            torch.cuda._sleep(20_000_000)  # on the side stream: the GEMM starts ~10 ms after the gate GEMM
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(torch, "mm", late(torch.mm))
+    monkeypatch.setattr(torch, "addmm", late(torch.addmm))
+    for M, bias in ((100, False), (64, True)):
+        case = make_case(M, 1024, 2816, 1024, dtype=dtype, device="cuda", bias=(bias,) * 3)
+        args = case.args()
+        for i in range(3):
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory u may reuse
+            if i == 2:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with poisoned_empty():
+                    out = case.op()(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ref = case.reference64()
+            assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused(), ref), (M, i)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = case.op()(*args)
+        for _ in range(3):
+            case.x.copy_(torch.randn_like(case.x))
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+            out.fill_(float("nan"))
+            graph.replay()
+            ref = case.reference64()
+            assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused(), ref), M
+        del graph
+
+
+@pytest.mark.parametrize("impl", [None, "cublas_two_streams"], ids=lambda i: i or "dispatch")
+def test_gpu_reduce_overhead_at_batched_sizes(impl, monkeypatch):
+    """Inductor's CUDA-graph trees around the op at M = 32-256 (where cublas_two_streams is a candidate, and forced):
+    first calls in the trees' warm-up, then recorded and replayed graphs, right every time."""
+    monkeypatch.setattr(config, "force_impl", impl)
+    for M in (32, 128, 256):
+        dispatch._choice_cache.clear()
+        dispatch._resolved.clear()
+        plans.clear()
+        torch._dynamo.reset()
+        case = make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
+        x, *rest = case.args()
+
+        def f(x, rest=rest):
+            return torch.ops.mlp_fuser.gated_mlp.default(x, *rest) * 2
+
+        compiled = torch.compile(f, backend=__import__("mlp_fuser").backend, mode="reduce-overhead")
+        ref = case.reference64() * 2
+        for _ in range(4):  # warm-up, record, replays
+            out = compiled(x).clone()
+            assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused() * 2, ref), (impl, M)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_gpu_patched_module_takes_the_eager_entry_and_stays_right(M):
     """patch's per-module forward computes the op without the dispatcher's hop, with the implementation chosen for

@@ -197,6 +197,20 @@ def test_dispatch_declared_constraints():
     assert dispatch.IMPLS_BY_NAME["triton_small_m"].why_not(p).startswith("M=4096")
 
 
+def test_two_streams_is_timed_only_for_gated_mlps_above_16_rows_but_runs_when_forced(force_impl):
+    """cublas_two_streams runs anything (forced: a plain MLP, one row), but the dispatcher times it only where run 47
+    measured a gain: gated MLPs at M = 17-256."""
+    names = {(M, gated): [i.name for i in dispatch.eligible(dispatch.Problem("cuda", torch.bfloat16, M, 64, 96, 48,
+                                                                                  gated))]
+             for M in (16, 17, 256, 257) for gated in (True, False)}
+    assert [k for k, v in names.items() if "cublas_two_streams" in v] == [(17, True), (256, True)]
+    assert all("cublas_act_mul" in v for v in names.values())
+    force_impl("cublas_two_streams")
+    for gated in (True, False):
+        case = make_case(1, 24, 40, 16, gated=gated, device=_device_for("cublas_two_streams"))
+        assert rel_err(case.op()(*case.args()), case.reference64()) <= 1e-5
+
+
 def test_dispatch_falls_back_to_reference_when_no_candidate_runs(monkeypatch, caplog):
     """On CUDA a candidate that cannot run (a kernel that fails to compile for a shape) is skipped with a
     warning; when all fail, the op runs the aten reference rather than a path known to fail."""
