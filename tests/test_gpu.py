@@ -273,11 +273,16 @@ def test_gpu_first_calls_inside_inductor_cuda_graph_trees(M):
     """The op's first call of a shape happens in the trees' warm-up, which allocates from the graph's pool: the op
     must keep no tensor from it (a workspace that outlives the call fails the trees' pool check), choose its
     implementation there, and replay the same one."""
+    _first_calls_in_cuda_graph_trees(make_case(M, 512, 1408, 512, dtype=torch.bfloat16, device="cuda"))
+
+
+def _first_calls_in_cuda_graph_trees(case):
+    """The op (its choices and plans forgotten first) inside torch.compile(mode="reduce-overhead"): warm-up, recorded
+    graph, replays, each output matching float64 as the unfused module does."""
     dispatch._choice_cache.clear()
     dispatch._resolved.clear()
     plans.clear()
     torch._dynamo.reset()
-    case = make_case(M, 512, 1408, 512, dtype=torch.bfloat16, device="cuda")
     x, *rest = case.args()
 
     def f(x):
@@ -287,7 +292,7 @@ def test_gpu_first_calls_inside_inductor_cuda_graph_trees(M):
     ref = case.reference64() * 2
     for _ in range(4):  # warm-up, record, replays
         out = compiled(x).clone()
-        assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused() * 2, ref)
+        assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused() * 2, ref), case.x.shape
     torch._dynamo.reset()
 
 
@@ -339,22 +344,7 @@ def test_gpu_reduce_overhead_at_batched_sizes(impl, monkeypatch):
     first calls in the trees' warm-up, then recorded and replayed graphs, right every time."""
     monkeypatch.setattr(config, "force_impl", impl)
     for M in (32, 128, 256):
-        dispatch._choice_cache.clear()
-        dispatch._resolved.clear()
-        plans.clear()
-        torch._dynamo.reset()
-        case = make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
-        x, *rest = case.args()
-
-        def f(x, rest=rest):
-            return torch.ops.mlp_fuser.gated_mlp.default(x, *rest) * 2
-
-        compiled = torch.compile(f, backend=__import__("mlp_fuser").backend, mode="reduce-overhead")
-        ref = case.reference64() * 2
-        for _ in range(4):  # warm-up, record, replays
-            out = compiled(x).clone()
-            assert rel_err(out, ref) <= 1.25 * rel_err(case.unfused() * 2, ref), (impl, M)
-    torch._dynamo.reset()
+        _first_calls_in_cuda_graph_trees(make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda"))
 
 
 @pytest.mark.parametrize("M", [1, 8, 64])
