@@ -10,7 +10,7 @@ date -u; S=$(date +%s)
 timeout 190 python3 benchmarks/bench_generate.py --out $OUT/static --model 8b --paths static,static_backend \
   --batches 1,8 --budget-s 120 2>&1 | grep -v "$F" > $OUT/static.log
 echo "static ended at $(( $(date +%s) - S )) s" >> $OUT/static.log
-timeout $(( 395 - ($(date +%s) - S) )) python3 benchmarks/bench_generate.py --out $OUT/dynamic --model 8b \
+timeout $(( 350 - ($(date +%s) - S) )) python3 benchmarks/bench_generate.py --out $OUT/dynamic --model 8b \
   --paths compile,backend --batches 8 2>&1 | grep -v "$F" > $OUT/dynamic.log
 echo "dynamic ended at $(( $(date +%s) - S )) s" >> $OUT/dynamic.log
 date -u; echo "took $(( $(date +%s) - S )) s"
