@@ -1,0 +1,116 @@
+"""Probe (issue 10, for the next session): quack's sm90 gated GEMM (CuTe DSL) as the gate/up half at M = 64-256.
+
+    python3 benchmarks/probe_quack_gated.py [--ms 64,128,256] [--shapes 4096x11008,...] [--budget-s 200]
+
+Needs ``quack-kernels`` and the CuTe DSL (``nvidia-cutlass-dsl`` with its libraries) importable; the device machine
+has neither, so they travel as wheels (benchmarks/NOTES.md, "Next"). Without them the script says so and exits 2.
+
+Why: at M = 64-256 our rows sit at 70-84% of the floor, cuBLAS's gate/up at 73-76% of its own floor at M = 128, and
+every Triton schedule tried is at or behind cuBLAS (NOTES). A warp-specialised Hopper GEMM (TMA producer warps, wgmma
+consumer warp groups, a persistent tile scheduler) with act·mul in its epilogue is what is left; quack has one
+(``gemm_act`` with a gated activation: h = silu(x @ w_gateᵀ) * (x @ w_upᵀ) in one kernel). Before writing our own,
+this says whether such a kernel beats cuBLAS at these sizes at all.
+
+Timed here in CUDA graphs, in turns (``probe_two_streams.timed``): the gate/up half as cuBLAS's two GEMMs + our act·mul
+kernel, and as quack's gated GEMM with the weights concatenated ([gate; up], ``concat_layout``) and interleaved (the
+layout a patch could prepare once); the whole MLP as ``cublas_act_mul``, ``cublas_two_streams`` and quack + cuBLAS's
+down GEMM. Every output is checked against float64 (within 1.25x ``cublas_act_mul``'s error; the gate/up half
+against h). quack autotunes on its first call of a shape (``tuned=True``), outside the timing.
+Prediction (NOTES): quack's gate/up at 4096x11008 M = 128 at or under 50 µs against cuBLAS's ≈ 56.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks")
+from probe_two_streams import rel, timed  # noqa: E402
+
+from mlp_fuser.dispatch import IMPLS_BY_NAME  # noqa: E402
+from mlp_fuser.kernels import act_mul  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="64,128,256")
+    ap.add_argument("--shapes", default="4096x11008,4096x14336,3584x18944,8192x3584", help="K x I (SwiGLU)")
+    ap.add_argument("--budget-s", type=float, default=200)
+    args = ap.parse_args()
+    try:
+        from quack.gemm_interface import gemm_act
+    except ImportError as e:
+        print(f"probe_quack_gated: quack and the CuTe DSL are needed ({type(e).__name__}: {e})", flush=True)
+        return 2
+    if not torch.cuda.is_available():
+        print("probe_quack_gated: needs a CUDA GPU (sm90)", flush=True)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    cublas, two = IMPLS_BY_NAME["cublas_act_mul"].fn, IMPLS_BY_NAME["cublas_two_streams"].fn
+    t0, rows = time.perf_counter(), []
+    for shape in args.shapes.split(","):
+        K, I = map(int, shape.split("x"))
+        wg, wu = (torch.randn(2, I, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
+        wd = (torch.randn(K, I, device="cuda") * I ** -0.5).to(torch.bfloat16)
+        w_cat = torch.cat([wg, wu])  # (2I, K): B = w_catᵀ is (K, 2I), its halves [gate; up] along N
+        w_int = torch.stack([wg, wu], dim=1).flatten(0, 1)  # rows g0, u0, g1, u1, ...: quack's default layout
+
+        def quack_gu(x, w_cat=w_cat, w_int=w_int, concat=True):
+            if concat:
+                return gemm_act(x, w_cat.t(), activation="swiglu", store_preact=False, concat_layout=("B",))[1]
+            return gemm_act(x, w_int.t(), activation="swiglu", store_preact=False)[1]
+
+        for M in map(int, args.ms.split(",")):
+            if time.perf_counter() - t0 > args.budget_s:
+                print(f"budget spent: stop before {shape} M={M}", flush=True)
+                return report(rows)
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            xd = x.double()
+            h_ref = F.silu(xd @ wg.double().t()) * (xd @ wu.double().t())
+            y_ref = h_ref @ wd.double().t()
+            w = (wg, wu, wd)
+            cands = {
+                "gu cublas": lambda x=x, w=w: act_mul(F.linear(x, w[0]), F.linear(x, w[1]), "silu"),
+                "gu quack cat": lambda x=x, q=quack_gu: q(x),
+                "gu quack int": lambda x=x, q=quack_gu: q(x, concat=False),
+                "mlp cublas_act_mul": lambda x=x, w=w: cublas(x, w[0], None, w[1], None, w[2], None, "silu"),
+                "mlp cublas_two_streams": lambda x=x, w=w: two(x, w[0], None, w[1], None, w[2], None, "silu"),
+                "mlp quack": lambda x=x, w=w, q=quack_gu: F.linear(q(x), w[2]),
+            }
+            errs, bad = {}, []
+            for name, fn in list(cands.items()):
+                try:
+                    errs[name] = rel(fn(), h_ref if name.startswith("gu") else y_ref)  # first call: quack tunes here
+                except Exception as e:  # a layout quack rejects: say so, time the others
+                    print(f"  {shape} M={M} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    del cands[name]
+            for name, err in errs.items():
+                bar = errs["gu cublas" if name.startswith("gu") else "mlp cublas_act_mul"]
+                if not err <= 1.25 * bar + 1e-6:
+                    bad.append(f"{name} {err:.2e} > 1.25 x {bar:.2e}")
+            t = timed(cands, "cuda")
+            rows.append((shape, M, {k: v[0] for k, v in t.items()}, bad))
+            print(shape, M, {k: round(v[0], 1) for k, v in t.items()}, "ok" if not bad else f"WRONG {bad}", flush=True)
+    return report(rows)
+
+
+def report(rows) -> int:
+    names = ["gu cublas", "gu quack cat", "gu quack int", "mlp cublas_act_mul", "mlp cublas_two_streams", "mlp quack"]
+    print("CUDA-graph µs (bf16, SwiGLU):")
+    print("| K x I | M | " + " | ".join(names) + " | quack gate/up vs cuBLAS | check |")
+    print("|---|---|" + "---|" * (len(names) + 2))
+    for shape, M, t, bad in rows:
+        quack = min((t[k] for k in ("gu quack cat", "gu quack int") if k in t), default=float("nan"))
+        cells = " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in names)
+        print(f"| {shape} | {M} | {cells} | {t['gu cublas'] / quack:.3f}x | {'ok' if not bad else 'WRONG'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
