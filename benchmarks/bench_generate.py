@@ -483,7 +483,6 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
             g[n] = clock(f"plan {n}", g[n])
     for name, module in targets:
         own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
-
         module.forward = clock(name, own or module.forward)
         wrapped.append((module, own))
     slow = Launcher.slow_calls

@@ -85,6 +85,10 @@ class Impl:
             return "a plain MLP"
         return None
 
+    def candidate(self, p: Problem) -> bool:
+        """Whether the dispatcher times this implementation for ``p``: it runs it and it is worth timing there."""
+        return self.why_not(p) is None and self.not_worth(p) is None
+
 
 # ---- the implementations ----------------------------------------------------------------------
 
@@ -165,7 +169,7 @@ assert all(m is None or m & (m - 1) == 0 for i in IMPLS for m in (i.max_m, i.abo
 
 
 def eligible(p: Problem) -> list[Impl]:
-    return [i for i in IMPLS if i.why_not(p) is None and i.not_worth(p) is None]
+    return [i for i in IMPLS if i.candidate(p)]
 
 
 # ---- the backward: ops.mlp_backward (dy, w_down, g, u, activation, need_h) -> (dgu, h or None) ----------------
@@ -279,7 +283,7 @@ def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
         impl = _by_name(impls).get(config.force_impl)
         if impl is None:
             if config.force_impl in IMPLS_BY_NAME or config.force_impl in BACKWARD_BY_NAME:
-                return [i for i in impls if i.why_not(p) is None and i.not_worth(p) is None]
+                return [i for i in impls if i.candidate(p)]
             known = list(IMPLS_BY_NAME) + [n for n in BACKWARD_BY_NAME if n not in IMPLS_BY_NAME]
             raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
         reason = impl.why_not(p)
@@ -288,7 +292,7 @@ def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
         return [impl]
     if impls is BACKWARD_IMPLS and not config.triton_backward:  # the Triton dh GEMM is opt-in (see config)
         return [i for i in impls if i.name != "triton_backward_gemm" and i.why_not(p) is None]
-    return [i for i in impls if i.why_not(p) is None and i.not_worth(p) is None]
+    return [i for i in impls if i.candidate(p)]
 
 
 _warned: set = set()
