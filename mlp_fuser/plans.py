@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import config
-from .kernels.common import Launcher, _launch_hooks
+from .kernels.common import Launcher, _launch_hooks, launch_source
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
@@ -172,10 +172,8 @@ def _literal(a) -> str | None:
 def _launch_line(i: int, launcher: Launcher, hit: tuple, exprs: list[str], consts: dict) -> str:
     """The plan's line for its launch number ``i``: ``hit`` the launcher's cache entry (compiled kernel, grid, device),
     ``exprs`` the source of each argument; the compiled kernel's handles go into ``consts``."""
-    compiled, (gx, gy, gz), _ = hit
-    consts.update({f"_run{i}": compiled.run, f"_fn{i}": compiled.function, f"_meta{i}": compiled.packed_metadata})
-    args = ", ".join([*exprs, *["None"] * len(launcher.pad)])
-    return f"    _run{i}({gx}, {gy}, {gz}, s, _fn{i}, _meta{i}, None, None, None, {args})"
+    compiled, grid, _ = hit
+    return "    " + launch_source(compiled, grid, "s", [*exprs, *["None"] * len(launcher.pad)], f"_k{i}_", consts)
 
 
 def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[..., Tensor]:

@@ -230,8 +230,8 @@ PLAN_SIZES = [  # (M, K, I, O, gated, act, bias, lead): decode shapes of the 1B-
 @pytest.mark.parametrize("impl", sorted(plans.PLANNED))
 def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
     """The first call of a signature builds its launch plan (mlp_fuser.plans); later calls with fresh tensors of that
-    signature run the plan (integers for pointers, one workspace) and match float64 as the unfused module does, with
-    freed memory poisoned first and no host synchronisation."""
+    signature run the plan (integers for pointers, one workspace, Triton's C launch function called directly) and
+    match float64 as the unfused module does, with freed memory poisoned first and no host synchronisation."""
     monkeypatch.setattr(config, "force_impl", impl)
     plans.clear()
     for M, K, I, O, gated, act, bias, lead in PLAN_SIZES:
@@ -245,6 +245,9 @@ def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
             # built by the first call, run after; small_m's fp32 calls without b_down return its zeroed accumulator
             planned = i > 0 and not (impl == "triton_small_m" and dtype == torch.float32 and not bias)
             assert (plans.get(key) is not None) == planned, (impl, M, i)
+            if planned:  # each launch calls Triton's C launch function, not the Python launcher around it
+                launches = {k: v for k, v in plans.get(key).__globals__.items() if k.endswith("_launch")}
+                assert launches and all(type(f).__name__ == "builtin_function_or_method" for f in launches.values())
             torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory the next outputs may reuse
             ref = case.reference64()
             if i == 3:

@@ -107,3 +107,59 @@ def test_constexprs_must_come_last(gpu_free):
 def test_aligned_bits():
     t = torch.empty(64)
     assert common.aligned(t, t[1:], t[4:]) == 0b101
+
+
+# ---- launch_source: a plan's call to Triton's C launch function, the one CudaLauncher.__call__ makes -------------
+
+
+class CudaLauncher:  # triton 3.6's launcher, transcribed (this machine has 3.7): no scratch, so no allocator call
+    def __init__(self):
+        self.global_scratch_size = self.profile_scratch_size = 0
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    None, None, *args)
+
+
+def _launchers():
+    """Triton's own CudaLauncher of this triton (its real __call__) and the 3.6 transcription, without a compiled
+    kernel behind them: each one's C launch function is a recorder."""
+    from triton.backends.nvidia.driver import CudaLauncher as Real
+
+    real = Real.__new__(Real)
+    real.global_scratch_size = real.profile_scratch_size = 0
+    real.global_scratch_align = real.profile_scratch_align = 1
+    real.arg_annotations, real.kernel_signature, real.num_ctas = ("ann",), b"sig", 1
+    return {"this triton": real, "triton 3.6": CudaLauncher()}
+
+
+@pytest.mark.parametrize("which", ["this triton", "triton 3.6"])
+@pytest.mark.parametrize("coop_pdl", [(False, False), (True, True)])
+def test_launch_source_passes_what_the_launchers_call_passes(which, coop_pdl):
+    run = _launchers()[which]
+    run.launch_cooperative_grid, run.launch_pdl = coop_pdl
+    calls = []
+    run.launch = lambda *a: calls.append(a)
+    compiled = SimpleNamespace(run=run, function=object(), packed_metadata=("warps", 4))
+    args = (123456, 7.5, 3, None, None)  # a pointer, a float, an int, two constexpr slots
+    run(4, 2, 1, 99, compiled.function, compiled.packed_metadata, None, None, None, *args)  # as Launcher calls it
+
+    consts = {}
+    line = common.launch_source(compiled, (4, 2, 1), "s", ["p", "f", "n", "None", "None"], "_k0_", consts)
+    exec(f"def go(s, p, f, n):\n    {line}\n", consts)
+    consts["go"](99, *args[:3])
+    assert len(calls) == 2 and calls[1] == calls[0]
+    assert consts["_k0_launch"] is run.launch  # the C function, not the Python layer around it
+
+
+def test_launch_source_calls_the_launcher_where_it_must_allocate_or_is_unknown():
+    for change in ("scratch", "form"):
+        run = _launchers()["triton 3.6"]
+        if change == "scratch":
+            run.global_scratch_size = 64  # __call__ allocates it through Triton's allocator: keep __call__
+        else:
+            run = SimpleNamespace(**vars(run))  # not a CudaLauncher
+        compiled = SimpleNamespace(run=run, function="fn", packed_metadata="meta")
+        consts = {}
+        line = common.launch_source(compiled, (1, 1, 1), "s", ["p"], "_k0_", consts)
+        assert consts["_k0_launch"] is run and line.startswith("_k0_launch(1, 1, 1, s, _k0_fn, _k0_meta, None"), change

@@ -1,11 +1,13 @@
-"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule, and
-``Launcher``, which launches a compiled kernel directly once its specialization is known.
+"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule,
+``Launcher``, which launches a compiled kernel directly once its specialization is known, and ``launch_source``,
+the source of a call to a compiled kernel's C launch function itself (what ``mlp_fuser.plans`` writes).
 
 Nothing here imports the rest of mlp_fuser: the kernels depend only downward.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -136,3 +138,41 @@ class Launcher:
         if len(self.cache) >= self.MAX_KEYS:
             self.cache.clear()
         self.cache[key] = (compiled, grid, torch.cuda.current_device())
+
+
+# How CudaLauncher.__call__ (triton.backends.nvidia.driver) calls its C launch function, keyed by the parameters the
+# __call__ takes after (self, gridX, gridY, gridZ, stream, function): the arguments of that call, where the kernel has
+# no scratch memory (no allocator is called) and no launch hooks are set (they are None). {args} the kernel's.
+_LAUNCH_FORMS = {
+    ("args",):  # triton 3.6: (grid, stream, function, coop, pdl, scratch x2, metadata, launch metadata, hooks, *args)
+        "{gx}, {gy}, {gz}, {s}, {fn}, {coop}, {pdl}, None, None, {meta}, None, None, None, {args}",
+    ("kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args"):  # triton 3.7
+        "{gx}, {gy}, {gz}, {s}, {fn}, {coop}, {pdl}, {meta}, None, None, None, None, None, {ann}, {ksig}, ({args},)",
+}
+
+
+def launch_source(compiled, grid: tuple[int, int, int], stream: str, args: list[str], prefix: str,
+                  consts: dict) -> str:
+    """Source that launches ``compiled`` (a Triton CompiledKernel) on ``grid`` with the stream and arguments the
+    given expressions evaluate to (``args``: its non-constexpr ones, then None for each constexpr slot). Where its
+    launcher is Triton's CudaLauncher in a form ``_LAUNCH_FORMS`` knows and the kernel needs no scratch memory, the
+    source calls the launcher's C function itself, with the very arguments ``CudaLauncher.__call__`` would pass
+    (that Python layer costs about a microsecond per launch); otherwise it calls the launcher. The names it uses,
+    ``{prefix}...``, go into ``consts``."""
+    run = compiled.run
+    form = None
+    if type(run).__name__ == "CudaLauncher" and not run.global_scratch_size and not run.profile_scratch_size:
+        params = tuple(inspect.signature(type(run).__call__).parameters)
+        if params[:6] == ("self", "gridX", "gridY", "gridZ", "stream", "function"):
+            form = _LAUNCH_FORMS.get(params[6:])
+    gx, gy, gz = grid
+    names = {k: f"{prefix}{k}" for k in ("fn", "meta", "coop", "pdl", "ann", "ksig", "launch")}
+    consts.update({names["fn"]: compiled.function, names["meta"]: compiled.packed_metadata})
+    if form is None:
+        consts[names["launch"]] = run
+        return f"{names['launch']}({gx}, {gy}, {gz}, {stream}, {names['fn']}, {names['meta']}, None, None, None, " \
+               f"{', '.join(args)})"
+    consts.update({names["launch"]: run.launch, names["coop"]: run.launch_cooperative_grid,
+                   names["pdl"]: run.launch_pdl, names["ann"]: getattr(run, "arg_annotations", None),
+                   names["ksig"]: getattr(run, "kernel_signature", None)})
+    return f"{names['launch']}(" + form.format(gx=gx, gy=gy, gz=gz, s=stream, args=", ".join(args), **names) + ")"
