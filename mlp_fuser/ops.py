@@ -214,12 +214,13 @@ _PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
 
 def _plain_call(x, wg, bg, wu, bu, wd, bd) -> bool:
     """Whether computing the op right here is exactly what the dispatcher would do: plain CPU/CUDA tensors, no
-    gradient, no autocast, no torch function or dispatch mode (fake tensors, functionalization), no tracing; and no
-    profiler, which then sees the op's own event."""
-    return (not torch.compiler.is_compiling() and type(x) is Tensor and x.device.type in ("cuda", "cpu")
+    gradient, no autocast (on any device), no torch function or dispatch mode (fake tensors, functionalization), no
+    tracing; and no profiler, which then sees the op's own event."""
+    # cheapest first; x.is_cuda / x.is_cpu, not x.device.type (which builds a device object, then a string)
+    return (type(x) is Tensor and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
             and not torch._C._autograd._profiler_enabled()
             and not (torch.is_grad_enabled() and torch._C._any_requires_grad(x, wg, bg, wu, bu, wd, bd))
-            and not torch.is_autocast_enabled(x.device.type)
+            and not torch._C._is_any_autocast_enabled()  # any device's: x's alone costs its device's name
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
             and type(wg) in _PLAIN and type(bg) in _PLAIN and type(wu) in _PLAIN and type(bu) in _PLAIN
             and type(wd) in _PLAIN and type(bd) in _PLAIN)
