@@ -137,7 +137,8 @@ def graph_gap():
 def _host_times(module, patched, w, x):
     """(label, implementation chosen or "", host µs per call) for each variant of ``overhead`` at one shape and M."""
     import mlp_fuser
-    from mlp_fuser import config, dispatch
+    from mlp_fuser import config, dispatch, plans
+    from mlp_fuser.kernels import common
 
     op = torch.ops.mlp_fuser.gated_mlp.default
     M, K, I = x.shape[0], x.shape[-1], w[0].shape[0]
@@ -188,7 +189,13 @@ def _host_times(module, patched, w, x):
                      dispatch.chosen(p, eager=True), lambda: fused(x)),
                     ("torch.compile, mlp_fuser backend, through the dispatcher", "", lambda: fused_dispatcher(x))]
         variants += [(f"op, forced {i.name}", "", forced(i.name)) for i in dispatch.IMPLS]
+        variants += [("module, patched, plans calling Triton's Python launcher", "", lambda: patched(x)),
+                     ("module, patched (again, after the row above)", "", lambda: patched(x))]
+        forms = common._LAUNCH_FORMS
         for label, choice, fn in variants:
+            if label.startswith(("module, patched, plans calling", "module, patched (again")):
+                common._LAUNCH_FORMS = {} if "Python launcher" in label else forms
+                plans.clear()  # rebuilt by the first call below, with or without the C launch function
             for _ in range(20):
                 fn()
             samples = []
@@ -201,17 +208,21 @@ def _host_times(module, patched, w, x):
                 samples.append((time.perf_counter() - t0) / 20 * 1e6)
             torch.cuda.synchronize()
             out.append((label, choice, sorted(samples)[3]))
+    common._LAUNCH_FORMS = forms
     return out
 
 
-def overhead():
+def overhead(only: str = ""):
     """Host (CPU) time per call without CUDA graphs, for SmolLM2's, a 1B-class and LLaMA-3-8B's SwiGLU, bf16, at
     M = 1 and 8. Each sample queues 20 calls while the GPU sleeps on a spin kernel, so the host's time to issue them
     is measured whatever the GPU's (the 8B MLP takes the GPU longer than the host). Rows: the unfused module
     (nn.Linear x3, as in LLaMA), the same module patched (mlp_fuser.patch: the op's eager entry), the op through
     torch.ops (what torch.compile's code calls) with the dispatcher's choice and each implementation forced, the
     unfused aten calls and Inductor's code for them (a torch.compile'd function: Dynamo's guards included). Then
-    cProfile and torch.profiler of the patched module at SmolLM2's size, M=1."""
+    cProfile and torch.profiler of the patched module at SmolLM2's size, M=1. ``only``: the shapes whose name starts
+    with it (``overhead:SmolLM2``). The patched module is timed twice more: with its plans calling Triton's Python
+    launcher instead of its C launch function (``kernels.common.launch_source`` without the forms it knows), and
+    with the plans back as they are (so the two differ by that alone, in turns)."""
     from torch import nn
 
     import mlp_fuser
@@ -228,6 +239,7 @@ def overhead():
     torch._dynamo.config.recompile_limit = 64  # three compiled functions per shape and M share one code object
     op = torch.ops.mlp_fuser.gated_mlp.default
     shapes = [("SmolLM2 576x1536", 576, 1536), ("1B 2048x5632", 2048, 5632), ("8B 4096x14336", 4096, 14336)]
+    shapes = [s for s in shapes if s[0].startswith(only)]
     table: dict[str, dict[str, float]] = {}
     cols = []
     for name, K, I in shapes:
@@ -341,7 +353,8 @@ if __name__ == "__main__":
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
                              "overhead": overhead, "down": down_sweep}
-            out += steps_by_name[step]()
+            name, _, arg = step.partition(":")  # overhead:SmolLM2 times that shape alone
+            out += steps_by_name[name](arg) if arg else steps_by_name[name]()
         except Exception:  # report, keep the other steps' numbers
             import traceback
 

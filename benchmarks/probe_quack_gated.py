@@ -1,6 +1,7 @@
 """Probe (issue 10, for the next session): quack's sm90 gated GEMM (CuTe DSL) as the gate/up half at M = 64-256.
 
-    python3 benchmarks/probe_quack_gated.py [--ms 64,128,256] [--shapes 4096x11008,...] [--budget-s 200]
+    python3 benchmarks/probe_quack_gated.py [--ms 64,128,256] [--shapes 4096x11008,...] [--configs default,...]
+                                            [--budget-s 200]
 
 Needs ``quack-kernels`` and the CuTe DSL (``nvidia-cutlass-dsl`` with its libraries) importable; the device machine
 has neither, so they travel as wheels (benchmarks/NOTES.md, "Next"). Without them the script says so and exits 2.
@@ -15,7 +16,9 @@ Timed here in CUDA graphs, in turns (``probe_two_streams.timed``): the gate/up h
 kernel, and as quack's gated GEMM with the weights concatenated ([gate; up], ``concat_layout``) and interleaved (the
 layout a patch could prepare once); the whole MLP as ``cublas_act_mul``, ``cublas_two_streams`` and quack + cuBLAS's
 down GEMM. Every output is checked against float64 (within 1.25x ``cublas_act_mul``'s error; the gate/up half
-against h). quack autotunes on its first call of a shape (``tuned=True``), outside the timing.
+against h). No autotuning (quack's sm90 list is 44 configs, each a CuTe DSL compile): its default config
+(``tuned=False``: 128x192 tiles, 2x1 clusters, pingpong) and the explicit configs ``--configs`` names, as
+TILEMxTILEN-CLUSTERMxCLUSTERN-pingpong|coop, compiled on their first call, outside the timing.
 Prediction (NOTES): quack's gate/up at 4096x11008 M = 128 at or under 50 µs against cuBLAS's ≈ 56.
 """
 
@@ -40,9 +43,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="64,128,256")
     ap.add_argument("--shapes", default="4096x11008,4096x14336,3584x18944,8192x3584", help="K x I (SwiGLU)")
+    ap.add_argument("--configs", default="default,128x128-1x2-pingpong,128x192-1x2-pingpong,128x160-1x2-pingpong",
+                    help="quack configs for the concatenated layout: default, or e.g. 128x128-1x2-pingpong")
     ap.add_argument("--budget-s", type=float, default=200)
     args = ap.parse_args()
     try:
+        from quack.gemm_config import GemmConfig
         from quack.gemm_interface import gemm_act
     except ImportError as e:
         print(f"probe_quack_gated: quack and the CuTe DSL are needed ({type(e).__name__}: {e})", flush=True)
@@ -53,7 +59,8 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     cublas, two = IMPLS_BY_NAME["cublas_act_mul"].fn, IMPLS_BY_NAME["cublas_two_streams"].fn
-    t0, rows = time.perf_counter(), []
+    configs = {c: None if c == "default" else parse_config(c, GemmConfig) for c in args.configs.split(",")}
+    t0, rows, names = time.perf_counter(), [], []
     for shape in args.shapes.split(","):
         K, I = map(int, shape.split("x"))
         wg, wu = (torch.randn(2, I, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
@@ -61,15 +68,17 @@ def main() -> int:
         w_cat = torch.cat([wg, wu])  # (2I, K): B = w_catᵀ is (K, 2I), its halves [gate; up] along N
         w_int = torch.stack([wg, wu], dim=1).flatten(0, 1)  # rows g0, u0, g1, u1, ...: quack's default layout
 
-        def quack_gu(x, w_cat=w_cat, w_int=w_int, concat=True):
+        def quack_gu(x, w_cat=w_cat, w_int=w_int, concat=True, config=None):
+            pin = {"tuned": False} if config is None else {"config": config}
             if concat:
-                return gemm_act(x, w_cat.t(), activation="swiglu", store_preact=False, concat_layout=("B",))[1]
-            return gemm_act(x, w_int.t(), activation="swiglu", store_preact=False)[1]
+                return gemm_act(x, w_cat.t(), activation="swiglu", store_preact=False, concat_layout=("B",),
+                                **pin)[1]
+            return gemm_act(x, w_int.t(), activation="swiglu", store_preact=False, **pin)[1]
 
         for M in map(int, args.ms.split(",")):
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"budget spent: stop before {shape} M={M}", flush=True)
-                return report(rows)
+                return report(rows, names)
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             xd = x.double()
             h_ref = F.silu(xd @ wg.double().t()) * (xd @ wu.double().t())
@@ -77,12 +86,13 @@ def main() -> int:
             w = (wg, wu, wd)
             cands = {
                 "gu cublas": lambda x=x, w=w: act_mul(F.linear(x, w[0]), F.linear(x, w[1]), "silu"),
-                "gu quack cat": lambda x=x, q=quack_gu: q(x),
                 "gu quack int": lambda x=x, q=quack_gu: q(x, concat=False),
+                **{f"gu quack {c}": lambda x=x, q=quack_gu, c=configs[c]: q(x, config=c) for c in configs},
                 "mlp cublas_act_mul": lambda x=x, w=w: cublas(x, w[0], None, w[1], None, w[2], None, "silu"),
                 "mlp cublas_two_streams": lambda x=x, w=w: two(x, w[0], None, w[1], None, w[2], None, "silu"),
                 "mlp quack": lambda x=x, w=w, q=quack_gu: F.linear(q(x), w[2]),
             }
+            names.extend(n for n in cands if n not in names)
             errs, bad = {}, []
             for name, fn in list(cands.items()):
                 try:
@@ -97,16 +107,26 @@ def main() -> int:
             t = timed(cands, "cuda")
             rows.append((shape, M, {k: v[0] for k, v in t.items()}, bad))
             print(shape, M, {k: round(v[0], 1) for k, v in t.items()}, "ok" if not bad else f"WRONG {bad}", flush=True)
-    return report(rows)
+    return report(rows, names)
 
 
-def report(rows) -> int:
-    names = ["gu cublas", "gu quack cat", "gu quack int", "mlp cublas_act_mul", "mlp cublas_two_streams", "mlp quack"]
+def parse_config(text: str, GemmConfig):
+    """``128x192-1x2-pingpong`` -> GemmConfig(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True), sm90;
+    ``...-coop``: cooperative."""
+    tiles, cluster, kind = text.split("-")
+    (tm, tn), (cm, cn) = map(int, tiles.split("x")), map(int, cluster.split("x"))
+    if kind not in ("pingpong", "coop"):
+        raise ValueError(f"--configs: {text!r} ends in {kind!r}, not pingpong or coop")
+    return GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=kind == "pingpong",
+                      is_dynamic_persistent=False, device_capacity=9)
+
+
+def report(rows, names) -> int:
     print("CUDA-graph µs (bf16, SwiGLU):")
     print("| K x I | M | " + " | ".join(names) + " | quack gate/up vs cuBLAS | check |")
     print("|---|---|" + "---|" * (len(names) + 2))
     for shape, M, t, bad in rows:
-        quack = min((t[k] for k in ("gu quack cat", "gu quack int") if k in t), default=float("nan"))
+        quack = min((v for k, v in t.items() if k.startswith("gu quack")), default=float("nan"))
         cells = " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in names)
         print(f"| {shape} | {M} | {cells} | {t['gu cublas'] / quack:.3f}x | {'ok' if not bad else 'WRONG'} |")
     return 0

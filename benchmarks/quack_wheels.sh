@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # quack and the CuTe DSL for benchmarks/probe_quack_gated.py on the device machine, which downloads nothing and takes at
 # most 64 MiB per call (device README). One wheel, nvidia-cutlass-dsl-libs-cu13, is 92 MB, so it travels in two halves
-# over two calls while the machine stays warm (ignored paths already there are kept between calls).
+# over two calls while the machine stays warm (it is handed back after 30 s idle: call 2 must follow at once).
 #   here:            bash benchmarks/quack_wheels.sh fetch     -> .wq/a (small wheels, first half), .wq/b (second half)
-#   device, call 1:  carry [".wq/a"]; nothing to run for it (it stays in the tree's copy)
+#   device, call 1:  carry [".wq/a"]; bash benchmarks/quack_wheels.sh stage   (copies .wq/a to /tmp/wq)
 #   device, call 2:  carry [".wq/b"]; bash benchmarks/quack_wheels.sh install &&
 #                    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD python3 benchmarks/probe_quack_gated.py
 # The device already has cuda-bindings and cuda-pathfinder (run 52's package list); the DSL's own packages live in
@@ -22,9 +22,13 @@ case "${1:-}" in
     big=$(ls .wq/big/*.whl) && split -n 2 -d "$big" ".wq/part" && mv .wq/part00 .wq/a/ && mv .wq/part01 .wq/b/
     basename "$big" > .wq/a/big_name && rm -rf .wq/big
     du -sh .wq/a .wq/b ;;
-  install)  # on the device, in the tree's root, with .wq/a from the call before and .wq/b carried now
-    [ -f .wq/a/part00 ] && [ -f .wq/b/part01 ] || { echo "quack_wheels: .wq/a or .wq/b missing" >&2; exit 1; }
-    mkdir -p /tmp/wq && cat .wq/a/part00 .wq/b/part01 > "/tmp/wq/$(cat .wq/a/big_name)" && cp .wq/a/*.whl /tmp/wq/
+  stage)  # device, call 1: the first half, out of the tree's copy (which the next call's carry may replace)
+    [ -f .wq/a/part00 ] || { echo "quack_wheels: .wq/a missing (carry it)" >&2; exit 1; }
+    mkdir -p /tmp/wq && cp .wq/a/* /tmp/wq/ && du -sh /tmp/wq ;;
+  install)  # device, call 2, in the tree's root: /tmp/wq from call 1, .wq/b carried now
+    [ -f /tmp/wq/part00 ] || { echo "quack_wheels: /tmp/wq/part00 missing (a fresh machine: stage again)" >&2; exit 1; }
+    [ -f .wq/b/part01 ] || { echo "quack_wheels: .wq/b missing (carry it)" >&2; exit 1; }
+    cat /tmp/wq/part00 .wq/b/part01 > "/tmp/wq/$(cat /tmp/wq/big_name)" && rm /tmp/wq/part00
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/wq/*.whl ;;
-  *) echo "usage: bash benchmarks/quack_wheels.sh fetch | install" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/quack_wheels.sh fetch | stage | install" >&2; exit 2 ;;
 esac
