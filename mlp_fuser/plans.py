@@ -147,11 +147,11 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
     lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})"]
     lines += [f"    p_{n} = {n}.data_ptr()" for n in _INPUTS if n in used]
     if cublas_tail:  # the launches write h (the only intermediate), which cuBLAS then reads as a tensor
-        h_shape = (*x.shape[:-1], wg.shape[0])
+        h_shape = (x2.shape[0], wg.shape[0])
         if [p[1:] for p in pieces.values()] != [(0, math.prod(h_shape) * x.element_size())]:
             return None  # not exactly one intermediate of h's size
         lines += [f"    h = _{start}({h_shape}, dtype=_dtype, device=_device)", "    w = h.data_ptr()"]
-        lines += calls + ["    return _linear(h, wd, bd)"]
+        lines += calls + [f"    return {_unflatten('_linear(h, wd, bd)', x, out_shape)}"]
     else:
         if not y.is_contiguous() or y.dtype != x.dtype or any(id(y) == k for k in pieces):
             return None
@@ -208,10 +208,20 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     if None in exprs:
         return None
     consts: dict = {}
+    out_shape = (*x.shape[:-1], wd.shape[0])
     lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({hit[2]})",
-             "    g = _linear(x, wg, bg)", "    p_g = g.data_ptr()"]
+             f"    x2 = x.view({tuple(x2.shape)})" if x.dim() != 2 else "    x2 = x",
+             "    g = _linear(x2, wg, bg)", "    p_g = g.data_ptr()"]
     # u held in a name until the launch is queued: freed earlier, its memory could become h's
-    lines += ["    u = _linear(x, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
-    lines += [f"    h = _empty({(*x.shape[:-1], wg.shape[0])}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
-              _launch_line(0, launcher, hit, exprs, consts), "    return _linear(h, wd, bd)"]
+    lines += ["    u = _linear(x2, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
+    lines += [f"    h = _empty({h_shape}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
+              _launch_line(0, launcher, hit, exprs, consts),
+              f"    return {_unflatten('_linear(h, wd, bd)', x, out_shape)}"]
     return _compile(name, lines, consts, x)
+
+
+def _unflatten(expr: str, x: Tensor, out_shape: tuple) -> str:
+    """``expr``, a 2-D result, viewed as the call's output shape where x is not 2-D. cuBLAS is handed 2-D tensors
+    throughout: F.linear on a 3-D input flattens and unflattens it itself, in aten calls that cost the host about as
+    much as the GEMM's own."""
+    return expr if x.dim() == 2 else f"{expr}.view({out_shape})"
