@@ -5,9 +5,13 @@
 #   here:            bash benchmarks/quack_wheels.sh fetch     -> .wq/a (small wheels, first half), .wq/b (second half)
 #   device, call 1:  carry [".wq/a"]; bash benchmarks/quack_wheels.sh stage   (copies .wq/a to /tmp/wq)
 #   device, call 2:  carry [".wq/b"]; bash benchmarks/quack_wheels.sh install &&
-#                    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD python3 benchmarks/probe_quack_gated.py
+#                    S=/tmp/q/site-packages; PYTHONPATH=$S:$S/nvidia_cutlass_dsl/dsl_packages:$PWD \
+#                    python3 benchmarks/probe_quack_gated.py
 # The device already has cuda-bindings and cuda-pathfinder (run 52's package list); the DSL's own packages live in
 # nvidia_cutlass_dsl/dsl_packages, which its .pth file would add to sys.path in a site directory but not on PYTHONPATH.
+# The target's path holds "/site-packages/": quack keys its compile cache on the source of the functions an epilogue
+# reaches and counts only those under such a path as installed code; under /tmp/site it walked into the DSL's own
+# globals and refused a ContextVar there (run 55: "TypeError: epilogue fn depends on <ContextVar ...>").
 set -u
 V=4.8.1
 case "${1:-}" in
@@ -29,6 +33,6 @@ case "${1:-}" in
     [ -f /tmp/wq/part00 ] || { echo "quack_wheels: /tmp/wq/part00 missing (a fresh machine: stage again)" >&2; exit 1; }
     [ -f .wq/b/part01 ] || { echo "quack_wheels: .wq/b missing (carry it)" >&2; exit 1; }
     cat /tmp/wq/part00 .wq/b/part01 > "/tmp/wq/$(cat /tmp/wq/big_name)" && rm /tmp/wq/part00
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/wq/*.whl ;;
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/q/site-packages /tmp/wq/*.whl ;;
   *) echo "usage: bash benchmarks/quack_wheels.sh fetch | stage | install" >&2; exit 2 ;;
 esac
