@@ -312,7 +312,8 @@ def run(args, results):
                             results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                                 error=type(e).__name__))
                     with host_phase("time"):
-                        times, per_round = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens)
+                        times, per_round = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens,
+                                                       args.rounds)
                     for path, (gen, _, m, out, warm_s) in live.items():
                         if (batch, path) in args.profiled:
                             profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
@@ -709,7 +710,8 @@ def write(results, out):
                      and b["path"] == base_path and "ms" in b), None)
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
         if base and len(r.get("round_ms", ())) == len(base.get("round_ms", ())) > 1:  # paired, round by round
-            vs += " (rounds " + ", ".join(f"{b / a:.3f}" for a, b in zip(r["round_ms"], base["round_ms"])) + ")"
+            paired = [b / a for a, b in zip(r["round_ms"], base["round_ms"])]
+            vs += f" (rounds {', '.join(f'{q:.3f}' for q in paired)}; paired median {statistics.median(paired):.3f}x)"
         if base and len(r.get("call_ms", ())) == len(base.get("call_ms", ())) > 1:  # a prefill's calls, paired
             vs += f" (paired median {statistics.median(b / a for a, b in zip(r['call_ms'], base['call_ms'])):.3f}x)"
         if r["phase"] == "prefill":
@@ -758,6 +760,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
     ap.add_argument("--paths", default=",".join(DECODE_PATHS + ["prefill"]))
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
+    ap.add_argument("--rounds", type=int, default=3, help="decode rounds, the paths taking turns in each (default 3: "
+                    "best of 3); more give the paired median more to go on, at ~1 s per path and round")
     ap.add_argument("--budget-s", type=float, default=None, help="start no path group past this many seconds (nor "
                     "one that took longer at the previous batch than what is left); its rows say 'not reached'")
     ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")

@@ -118,7 +118,7 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
 
     bench_generate = _bench_generate()
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,patch_noplan,prefill", "--batches",
-                                "1", "--prefill-paths", "eager,patch", "--out", str(tmp_path)]) == 0
+                                "1", "--prefill-paths", "eager,patch", "--rounds", "4", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["phase"], r["path"]) for r in rows] == [("decode b=1", "eager"), ("decode b=1", "patch"),
                                                        ("decode b=1", "patch_noplan"), ("prefill", "eager"),
@@ -127,15 +127,18 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     assert all(r["diverges_at"] is None for r in rows[:3])  # fp32 on the CPU: the same tokens
     assert all(r["logits_rel_err"] < 1e-5 for r in rows[3:])
     assert mlp_fuser.config.plans
-    # the decode rows keep each round's figure; the table gives the paired ratio of every round beside the best-of's
-    assert all(len(r["round_ms"]) == 3 for r in rows[:3])  # (on this tiny model a 1-token generate can take longer)
-    eager, patch = rows[0]["round_ms"], rows[1]["round_ms"]
-    paired = ", ".join(f"{e / p:.3f}" for p, e in zip(patch, eager))
-    assert f"x eager (rounds {paired}) |" in (tmp_path / "generate.md").read_text()
-    # the prefill rows keep every call's figure (20, the paths' order reversed every other round); the table gives
-    # the median of the paired ratios (eager's call over patch's call of the same round)
+    # the decode rows keep each round's figure (--rounds of them); the table gives the paired ratio of every round
+    # and their median beside the best-of's
     import statistics
 
+    assert all(len(r["round_ms"]) == 4 for r in rows[:3])  # (on this tiny model a 1-token generate can take longer)
+    eager, patch = rows[0]["round_ms"], rows[1]["round_ms"]
+    ratios = [e / p for p, e in zip(patch, eager)]
+    paired = ", ".join(f"{q:.3f}" for q in ratios)
+    median = statistics.median(ratios)
+    assert f"x eager (rounds {paired}; paired median {median:.3f}x) |" in (tmp_path / "generate.md").read_text()
+    # the prefill rows keep every call's figure (20, the paths' order reversed every other round); the table gives
+    # the median of the paired ratios (eager's call over patch's call of the same round)
     eager, patch = rows[3]["call_ms"], rows[4]["call_ms"]
     assert len(eager) == len(patch) == 20
     paired = statistics.median(e / p for p, e in zip(patch, eager))
