@@ -241,7 +241,7 @@ def overhead(only: str = ""):
     shapes = [("SmolLM2 576x1536", 576, 1536), ("1B 2048x5632", 2048, 5632), ("8B 4096x14336", 4096, 14336)]
     shapes = [s for s in shapes if s[0].startswith(only)]
     table: dict[str, dict[str, float]] = {}
-    cols = []
+    cols, profiles = [], []  # profiles: SmolLM2's, where it is timed
     for name, K, I in shapes:
         torch.manual_seed(0)
         module = MLP(K, I).to("cuda", torch.bfloat16)

@@ -220,7 +220,7 @@ def _plain_call(x, wg, bg, wu, bu, wd, bd) -> bool:
     return (type(x) is Tensor and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
             and not torch._C._autograd._profiler_enabled()
             and not (torch.is_grad_enabled() and torch._C._any_requires_grad(x, wg, bg, wu, bu, wd, bd))
-            and not torch._C._is_any_autocast_enabled()  # any device's: x's alone costs its device's name
+            and not torch._C._is_any_autocast_enabled()  # any device: asking for x's builds its device's name
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
             and type(wg) in _PLAIN and type(bg) in _PLAIN and type(wu) in _PLAIN and type(bu) in _PLAIN
             and type(wd) in _PLAIN and type(bd) in _PLAIN)

@@ -5,8 +5,9 @@ implementation, whose Triton launches go through ``Launcher``, compiling and aut
 records those launches. ``build`` turns the record into a plan: one generated function that allocates the output
 and one workspace for every intermediate, then hands each compiled kernel its arguments as plain integers, the
 data pointers included (Triton's launcher takes an integer as a device pointer, skipping the ``data_ptr()`` call
-and the driver's pointer query it makes for a tensor). Later calls with that signature run the plan: no
-validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs.
+and the driver's pointer query it makes for a tensor), through Triton's C launch function itself where
+``kernels.common.launch_source`` knows its form; cuBLAS is handed 2-D tensors. Later calls with that signature
+run the plan: no validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs.
 
 A signature holds everything the call's validity, the dispatcher's choice and the kernels' specialisation depend
 on: each tensor's shape, strides, dtype, device and 16-byte alignment, the activation, whether the call is eager
