@@ -23,7 +23,7 @@ from torch import Tensor
 from . import config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act
 from .kernels.backward import act_mul_backward, mlp_backward
-from .kernels.common import m_bucket
+from .kernels.common import gate_up_as_one, m_bucket
 from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
 from .kernels.swapab import gate_up_act_swapab
 from .reference import reference_mlp, reference_mlp_backward
@@ -113,6 +113,11 @@ _triton_swapab = _then_splitk_down(gate_up_act_swapab)
 
 
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
+    wgu = gate_up_as_one(wg, bg, wu, bu)
+    if wgu is not None:  # gate and up stored as one weight: one GEMM for both, act·mul on its two halves
+        I = wg.shape[0]
+        gu = F.linear(x2, wgu)
+        return F.linear(act_mul(gu[:, :I], gu[:, I:], act), wd, bd)
     g = F.linear(x2, wg, bg)
     u = F.linear(x2, wu, bu) if wu is not None else None
     return F.linear(act_mul(g, u, act), wd, bd)
@@ -127,7 +132,9 @@ def _cublas_two_streams(x2, wg, bg, wu, bu, wd, bd, act):
     (run 47: the MLP 1.01-1.12x faster in CUDA graphs, slower in plain calls by the host's stream switches). The
     fork and the join are stream waits, so a CUDA-graph capture records two branches; u is allocated on the
     caller's stream, which waits for the side stream before anything reads u or frees x, u or the weights."""
-    if not x2.is_cuda or wu is None:  # the interpreter's CPU runs, or (forced) a plain MLP: one stream
+    # one stream: the interpreter's CPU runs, a plain MLP (forced), or gate and up stored as one (one GEMM fills
+    # the GPU as the two side by side would)
+    if not x2.is_cuda or wu is None or gate_up_as_one(wg, bg, wu, bu) is not None:
         return _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act)
     here = torch.cuda.current_stream(x2.device)
     side = _side_streams.get(x2.device.index)
@@ -156,7 +163,8 @@ IMPLS: list[Impl] = [
          notes="gate and up with the weight rows in the dot's M side (wgmma at a few tokens), act*mul in its epilogue "
                "(zeroing the next kernel's counters), then the split-K GEMM streaming w_down: two launches"),
     Impl("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
-         notes="cuBLAS for the projections, one Triton kernel for act*mul"),
+         notes="cuBLAS for the projections (gate and up in one GEMM where they are stored as one weight), one "
+               "Triton kernel for act*mul"),
     Impl("cublas_two_streams", _cublas_two_streams, frozenset({"cuda"}), max_m=256, above_m=16, gated_only=True,
          triton=True, notes="cublas_act_mul with gate and up on two streams at once (two branches in a CUDA graph)"),
     Impl("reference", reference_mlp, None,

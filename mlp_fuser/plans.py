@@ -10,8 +10,9 @@ and the driver's pointer query it makes for a tensor), through Triton's C launch
 run the plan: no validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs.
 
 A signature holds everything the call's validity, the dispatcher's choice and the kernels' specialisation depend
-on: each tensor's shape, strides, dtype, device and 16-byte alignment, the activation, whether the call is eager
-(``patch``, which has its own choice) and the settings that change the choice (``config.force_impl``,
+on: each tensor's shape, strides, dtype, device and 16-byte alignment, whether gate and up are stored as one weight
+(``kernels.common.stored_as_one``: ``cublas_act_mul`` then runs one GEMM for both), the activation, whether the
+call is eager (``patch``, which has its own choice) and the settings that change the choice (``config.force_impl``,
 ``config.autotune``, TF32 for fp32). Equal signatures mean the full path would validate, choose and launch the
 same kernels with the same integers; only the data pointers differ, and the plan reads them per call.
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import config
-from .kernels.common import Launcher, _launch_hooks, launch_source
+from .kernels.common import Launcher, _launch_hooks, launch_source, stored_as_one
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
@@ -51,13 +52,17 @@ _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -> tuple:
     """The call's key: see the module's docstring."""
+    pg = wg.data_ptr()
+    if wu is not None:
+        pu = wu.data_ptr()
+        up = (wu.shape, wu.stride(), wu.dtype, wu.device, pu & 15, stored_as_one(wg, wu, pg, pu))
     return (
         activation, eager, config.force_impl, config.autotune,
         x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
         x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
-        wg.shape, wg.stride(), wg.dtype, wg.device, wg.data_ptr() & 15,
+        wg.shape, wg.stride(), wg.dtype, wg.device, pg & 15,
         wd.shape, wd.stride(), wd.dtype, wd.device, wd.data_ptr() & 15,
-        None if wu is None else (wu.shape, wu.stride(), wu.dtype, wu.device, wu.data_ptr() & 15),
+        None if wu is None else up,
         None if bg is None else (bg.shape, bg.stride(), bg.dtype, bg.device, bg.data_ptr() & 15),
         None if bu is None else (bu.shape, bu.stride(), bu.dtype, bu.device, bu.data_ptr() & 15),
         None if bd is None else (bd.shape, bd.stride(), bd.dtype, bd.device, bd.data_ptr() & 15),
@@ -189,9 +194,10 @@ def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[.
 
 
 def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> Callable[..., Tensor] | None:
-    """The plan of ``cublas_act_mul``: g = x @ w_gateᵀ + b_gate and u (cuBLAS, tensors of the call's own), then its
-    one launch, act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for
-    the down projection of h. None where the record is not that one launch."""
+    """The plan of ``cublas_act_mul``: g = x @ w_gateᵀ + b_gate and u (cuBLAS, tensors of the call's own; where gate
+    and up are stored as one weight, one GEMM gives gu = [g, u] and g, u are its halves), then its one launch,
+    act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for the down
+    projection of h. None where the record is not that one launch."""
     x2, wg, bg, wu, bu, wd, bd, _ = args
     if len(launches) != 1:
         return None
@@ -199,9 +205,16 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     hit = launcher.cache.get(key)
     tensors = [a for a in largs if isinstance(a, Tensor)]
     h_shape = (x2.shape[0], wg.shape[0])
-    if hit is None or len(tensors) != 3 or any(t.shape != h_shape or not t.is_contiguous() for t in tensors):
+    if hit is None or len(tensors) != 3 or any(t.shape != h_shape for t in tensors):
         return None
     g, u, h = tensors
+    # one GEMM: g and u the two halves of one (M, 2I) result, as _cublas_act_mul makes them for a merged weight
+    gu = g._base
+    one = (wu is not None and gu is not None and gu is u._base and gu.is_contiguous()
+           and gu.shape == (h_shape[0], 2 * h_shape[1]) and g.data_ptr() == gu.data_ptr()
+           and u.data_ptr() - g.data_ptr() == h_shape[1] * g.element_size())
+    if not (one or (g.is_contiguous() and u.is_contiguous())) or not h.is_contiguous():
+        return None
     if (u is g) != (wu is None) or h is g or h is u:
         return None
     names = {id(g): "p_g", id(u): "p_u", id(h): "p_h"}
@@ -211,10 +224,14 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     consts: dict = {}
     out_shape = (*x.shape[:-1], wd.shape[0])
     lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({hit[2]})",
-             f"    x2 = x.view({tuple(x2.shape)})" if x.dim() != 2 else "    x2 = x",
-             "    g = _linear(x2, wg, bg)", "    p_g = g.data_ptr()"]
-    # u held in a name until the launch is queued: freed earlier, its memory could become h's
-    lines += ["    u = _linear(x2, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
+             f"    x2 = x.view({tuple(x2.shape)})" if x.dim() != 2 else "    x2 = x"]
+    if one:  # the signature says the weights are stored as one: their (2I, K) view, as gate_up_as_one takes it
+        lines += [f"    gu = _linear(x2, wg.as_strided({(2 * wg.shape[0], wg.shape[1])}, {wg.stride()}))",
+                  "    p_g = gu.data_ptr()", f"    p_u = p_g + {u.data_ptr() - g.data_ptr()}"]
+    else:
+        lines += ["    g = _linear(x2, wg, bg)", "    p_g = g.data_ptr()"]
+        # u held in a name until the launch is queued: freed earlier, its memory could become h's
+        lines += ["    u = _linear(x2, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
     lines += [f"    h = _empty({h_shape}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
               _launch_line(0, launcher, hit, exprs, consts),
               f"    return {_unflatten('_linear(h, wd, bd)', x, out_shape)}"]

@@ -261,6 +261,28 @@ def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
             assert err <= (1e-5 if dtype == torch.float32 else 1.25 * unfused), (impl, M, K, I, O, i, err, unfused)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("impl", ["cublas_act_mul", "cublas_two_streams"])
+def test_gpu_gate_and_up_stored_as_one_match_float64(impl, dtype, monkeypatch):
+    """Gate and up as the halves of one weight (Phi-3's gate_up_proj): one GEMM over the whole weight, act·mul on its
+    two halves, in plain and planned calls, matching float64 as the unfused module does."""
+    monkeypatch.setattr(config, "force_impl", impl)
+    plans.clear()
+    for M, K, I, O, lead in ((6, 576, 1536, 576, (1,)), (300, 1024, 2816, 1024, ())):
+        for i in range(3):
+            case = make_case(M, K, I, O, act="silu", dtype=dtype, device="cuda", bias=(False,) * 3, lead=lead,
+                             layout="merged")
+            key = plans.signature(case.x, case.wg, None, case.wu, None, case.wd, None, "silu", False)
+            planned = i > 0 and impl in plans.PLANNED  # cublas_two_streams has no plan: it runs its full path
+            assert (plans.get(key) is not None) == planned, (impl, M, i)
+            if planned:
+                assert "as_strided" in plans.source(plans.get(key))
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory the next outputs may reuse
+            ref = case.reference64()
+            err, unfused = rel_err(case.op()(*case.args()), ref), rel_err(case.unfused(), ref)
+            assert err <= 1.25 * unfused, (impl, M, i, err, unfused)
+
+
 def test_gpu_no_host_synchronisation_in_a_call():
     case = make_case(8, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
     case.op()(*case.args())  # the first call of a shape times candidates (and synchronises); later ones must not

@@ -211,6 +211,61 @@ def test_two_streams_is_timed_only_for_gated_mlps_above_16_rows_but_runs_when_fo
         assert rel_err(case.op()(*case.args()), case.reference64()) <= 1e-5
 
 
+def _stored_as_one(I, K, transposed, device):
+    """Gate and up as the two halves of one weight: rows of a (2I, K) tensor, or (transposed, GPT-2's Conv1D layout)
+    columns of a (K, 2I) one."""
+    w = torch.randn(K, 2 * I, device=device).t() if transposed else torch.randn(2 * I, K, device=device)
+    return w[:I], w[I:], w
+
+
+@pytest.mark.parametrize("impl", ["cublas_act_mul", "cublas_two_streams"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+def test_gate_and_up_stored_as_one_take_one_gemm(impl, transposed, force_impl, monkeypatch):
+    """Where gate and up are halves of one weight (Phi-3's gate_up_proj) and have no biases, the cuBLAS paths run one
+    GEMM over the whole weight and act·mul on its two halves: two F.linear calls, the same function."""
+    force_impl(impl)
+    made = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: made.append(w) or linear(x, w, b))
+    device = _device_for(impl)
+    c = make_case(5, 24, 40, 12, act="silu", bias=(False, False, False), lead=(2,), device=device)
+    wg, wu, w = _stored_as_one(40, 24, transposed, device)
+    args = (c.x, wg, None, wu, None, c.wd, None, "silu")
+    x, wd = c.x.double(), c.wd.double()
+    ref = torch.nn.functional.silu(x @ wg.double().t()) * (x @ wu.double().t()) @ wd.t()
+    out = torch.ops.mlp_fuser.gated_mlp.default(*args)
+    assert rel_err(out, ref) <= 1e-5
+    assert len(made) == 2 and made[0].shape == (80, 24) and made[0].data_ptr() == w.data_ptr()
+    assert made[0].stride() == w.stride() and made[1] is c.wd
+
+    made.clear()  # with a bias on either half, or two weights of their own: gate and up separately
+    for bg, wu2 in ((torch.randn(40, device=device), wu), (None, wu.clone())):
+        torch.ops.mlp_fuser.gated_mlp.default(c.x, wg, bg, wu2, None, c.wd, None, "silu")
+    assert [tuple(m.shape) for m in made] == [(40, 24), (40, 24), (12, 40)] * 2
+
+
+def test_stored_as_one_needs_one_storage_adjacent_rows_and_equal_layouts():
+    from mlp_fuser.kernels.common import gate_up_as_one, stored_as_one
+
+    w = torch.randn(6, 4)
+    assert gate_up_as_one(w[:3], None, w[3:], None).data_ptr() == w.data_ptr()
+    assert gate_up_as_one(w[:3], None, w[3:], torch.zeros(3)) is None  # a bias
+    assert gate_up_as_one(w[:3], None, None, None) is None  # no up
+    w3 = torch.randn(9, 4)
+    assert gate_up_as_one(w3[:3], None, w3[6:], None) is None  # a gap between the halves
+    assert gate_up_as_one(w3[3:6], None, w3[:3], None) is None  # up before gate
+    cut = gate_up_as_one(w[:3, :2], None, w[3:, :2], None)  # columns cut: the rows still follow one another
+    assert torch.equal(cut, torch.cat([w[:3, :2], w[3:, :2]]))
+    assert gate_up_as_one(w[:3, ::2], None, w[3:, :2], None) is None  # other strides
+    # adjacent memory but two storages (two allocations that happen to touch): not one weight
+    buf = bytearray(2 * 3 * 4 * 4)
+    a = torch.frombuffer(buf, dtype=torch.float32, count=12).view(3, 4)
+    b = torch.frombuffer(buf, dtype=torch.float32, count=12, offset=48).view(3, 4)
+    assert b.data_ptr() - a.data_ptr() == 48 and not stored_as_one(a, b, a.data_ptr(), b.data_ptr())
+    v = w.view(torch.int32)  # same storage and pointers, another dtype
+    assert not stored_as_one(w[:3], v[3:], w.data_ptr(), v[3:].data_ptr())
+
+
 def test_dispatch_falls_back_to_reference_when_no_candidate_runs(monkeypatch, caplog):
     """On CUDA a candidate that cannot run (a kernel that fails to compile for a shape) is skipped with a
     warning; when all fail, the op runs the aten reference rather than a path known to fail."""

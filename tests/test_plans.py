@@ -139,6 +139,41 @@ def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorde
     assert all(a.dim() == 2 for a, _, _ in made), "cuBLAS is handed 2-D tensors (no flattening inside F.linear)"
 
 
+def test_the_cublas_act_mul_plan_runs_one_gemm_where_gate_and_up_are_stored_as_one(recorded, monkeypatch):
+    """Gate and up as halves of one weight: the plan's one GEMM reads their (2I, K) view of this call's weight, and
+    act·mul reads its result's two halves (u at g + I elements, rows 2I apart)."""
+    made = []  # (input, weight, output) of every F.linear
+    linear = F.linear
+
+    def recording_linear(x, w, b=None):
+        made.append((x, w, linear(x, w, b)))
+        return made[-1][2]
+
+    monkeypatch.setattr(F, "linear", recording_linear)
+
+    def merged_case():
+        c = make_case(3, 32, 48, 16, bias=(False, False, False), lead=(2,), dtype=torch.float16)
+        w = torch.randn(96, 32, dtype=torch.float16)
+        return c, (c.x, w[:48], None, w[48:], None, c.wd, None), w
+
+    c, args, _ = merged_case()
+    impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
+    plans.clear()
+    plans.run_and_plan("k", impl.name, impl.fn, c.x, (c.x.reshape(-1, 32), *args[1:], "silu"))
+    plan = plans.get("k")
+    assert plan is not None and "as_strided" in plans.source(plan)
+    _, args, w = merged_case()
+    made.clear()
+    recorded.clear()
+    y = plan(*args)
+    [(_, _, largs)] = recorded
+    (x2, wgu, gu), (h, wd, out) = made
+    assert wgu.shape == (96, 32) and wgu.data_ptr() == w.data_ptr() and wd is args[5] and x2.dim() == 2
+    assert gu.shape == (6, 96) and largs[0] == gu.data_ptr() and largs[1] == gu.data_ptr() + 48 * 2
+    assert largs[2] == h.data_ptr() and largs[3:9] == (6, 48, 96, 1, 96, 1)  # M, I, the halves' strides
+    assert y.shape == (2, 3, 16) and y._base is out
+
+
 def test_the_signature_tells_apart_everything_a_launch_depends_on():
     c = make_case(4, 32, 48, 16, bias=(True, True, True), dtype=torch.float16)
     base = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
@@ -159,6 +194,8 @@ def test_the_signature_tells_apart_everything_a_launch_depends_on():
                 continue  # not a variant of this tensor
             assert plans.signature(*args, "silu", False) != key, (i, v.shape, v.stride(), v.dtype)
     assert plans.signature(c.x, c.wg, None, c.wu, c.bu, c.wd, c.bd, "silu", False) != key
+    w = torch.cat([c.wg, c.wu])  # gate and up stored as one weight, else the same metadata
+    assert plans.signature(c.x, w[:48], c.bg, w[48:], c.bu, c.wd, c.bd, "silu", False) != key
     for setting, value in (("force_impl", "reference"), ("autotune", False)):
         old = getattr(config, setting)
         setattr(config, setting, value)

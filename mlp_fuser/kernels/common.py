@@ -75,6 +75,23 @@ def stand_ins(w_gate: torch.Tensor, b_gate, w_up, b_up, fill: torch.Tensor) -> t
             b_up if b_up is not None else fill)
 
 
+def stored_as_one(wg: torch.Tensor, wu: torch.Tensor, pg: int, pu: int) -> bool:
+    """Whether up's rows follow gate's in one storage, with the same shape, strides and dtype (``pg``, ``pu``: their
+    data pointers, which the caller has): [gate; up] is then a (2I, K) view of that storage, as where a model keeps
+    one merged weight and splits it in two (Phi-3's ``gate_up_proj``), and one GEMM computes both. The pointers are
+    compared first; the storages (a Python object each) only when the pointers line up."""
+    return (pu - pg == wg.shape[0] * wg.stride(0) * wg.element_size() and wg.stride(0) > 0 and wg.shape == wu.shape
+            and wg.stride() == wu.stride() and wg.dtype == wu.dtype
+            and wg.untyped_storage().data_ptr() == wu.untyped_storage().data_ptr())
+
+
+def gate_up_as_one(wg: torch.Tensor, bg, wu, bu) -> torch.Tensor | None:
+    """[w_gate; w_up] as one (2I, K) view where ``stored_as_one`` holds and neither has a bias; else None."""
+    if wu is None or bg is not None or bu is not None or not stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()):
+        return None
+    return wg.as_strided((2 * wg.shape[0], wg.shape[1]), wg.stride())
+
+
 def aligned(*tensors: torch.Tensor) -> int:
     """A bit per tensor: its data pointer is 16-byte aligned (Triton specializes kernels on that)."""
     bits = 0
