@@ -387,6 +387,8 @@ class _MLPFunction(torch.autograd.Function):
 
 
 _DIRECT = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_direct_by_keyset: dict[int, bool] = {}  # a call's key set (raw) -> whether below autograd it is plain CPU/CUDA
 
 
 def _register_autograd(op_name: str, forward, n_args: int) -> None:
@@ -397,11 +399,14 @@ def _register_autograd(op_name: str, forward, n_args: int) -> None:
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             save = len(args) > n_args and args[n_args]
             return _MLPFunction.apply(keyset, op, save, *args[:n_args])
-        below = keyset & torch._C._after_autograd_keyset
-        if below.highestPriorityTypeId() in _DIRECT:  # plain CPU/CUDA tensors: compute here, no second hop
+        raw = keyset.raw_repr()  # an int: the answer below is kept per key set (a few per process)
+        direct = _direct_by_keyset.get(raw)
+        if direct is None:
+            direct = _direct_by_keyset[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DIRECT
+        if direct:  # plain CPU/CUDA tensors: compute here, no second hop
             return forward(*args)
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(below, *args)
+            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
     _lib.impl(op_name, kernel, "Autograd", with_keyset=True)
 
