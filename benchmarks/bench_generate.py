@@ -68,7 +68,9 @@ EXTRA_PATHS = ["patch_noplan", "backend_nodirect"]
 # Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
 # In this order (a --budget-s cuts from the end): eager's group first, as every path's tokens are compared with eager's.
 GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend", "backend_nodirect"]]
-PREFILL_GROUPS = [["eager", "patch"], ["compile", "backend"]]  # the prefill's pairs, timed the same way
+# The prefill's pairs, timed the same way. On request: patch_merged, patch after each MLP's gate and up weights are
+# re-stored as the halves of one buffer (store_gate_up_as_one), so the op's cuBLAS path runs one GEMM for both.
+PREFILL_GROUPS = [["eager", "patch", "patch_merged"], ["compile", "backend"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
             "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile"}
 
@@ -359,7 +361,10 @@ def run(args, results):
                     for i, path in enumerate(members):
                         m = models[path] = model if i == 0 else copy.deepcopy(model)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
-                        if path == "patch":
+                        if path in ("patch", "patch_merged"):
+                            if path == "patch_merged":
+                                log(f"{label} prefill patch_merged: {store_gate_up_as_one(m)} MLPs' gate and up "
+                                    "stored as one")
                             mlp_fuser.patch(m)
                         elif path in ("compile", "backend"):
                             compiled = torch.compile(m.forward, backend=mlp_fuser.backend if path == "backend"
@@ -396,6 +401,23 @@ def run(args, results):
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def store_gate_up_as_one(model) -> int:
+    """Re-store each LLaMA-style MLP's gate and up weights (``gate_proj``, ``up_proj``: bias-free ``nn.Linear`` of one
+    shape) as the two halves of one buffer: each Parameter kept, its ``.data`` a view of the buffer. The model computes
+    the same; the op's cuBLAS path then runs one GEMM for gate and up (``kernels.common.stored_as_one``). What a
+    ``patch(merge_gate_up=True)`` would do (NOTES, Next); here to measure it first. Returns how many MLPs."""
+    n = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            gate, up = getattr(mod, "gate_proj", None), getattr(mod, "up_proj", None)
+            if (isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear) and gate.bias is None
+                    and up.bias is None and gate.weight.shape == up.weight.shape):
+                w = torch.cat([gate.weight, up.weight])
+                gate.weight.data, up.weight.data = w[: gate.weight.shape[0]], w[gate.weight.shape[0]:]
+                n += 1
+    return n
 
 
 def profile_cpu(label, fn, iters=3):
@@ -704,8 +726,8 @@ def write(results, out):
         if "error" in r:
             lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | |")
             continue
-        base_path = BASELINE.get(r["path"]) if r["phase"] != "prefill" else {"patch": "eager", "backend": "compile"
-                                                                               }.get(r["path"])
+        base_path = BASELINE.get(r["path"]) if r["phase"] != "prefill" else {
+            "patch": "eager", "patch_merged": "eager", "backend": "compile"}.get(r["path"])
         base = next((b for b in results if b["model"] == r["model"] and b["phase"] == r["phase"]
                      and b["path"] == base_path and "ms" in b), None)
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""

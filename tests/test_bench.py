@@ -150,6 +150,32 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     assert [(r["path"], r["error"]) for r in rows] == [(p, "not reached (budget)") for p in ["eager", "patch"] * 2]
 
 
+def test_generate_benchmark_prefill_with_gate_and_up_stored_as_one(tmp_path, capsys):
+    # patch_merged: the prefill of a model whose MLPs' gate and up weights were re-stored as the halves of one buffer
+    # (each Parameter kept), then patched; the same logits as eager's (fp32 on the CPU), compared with eager's row.
+    import json
+
+    from mlp_fuser.kernels.common import stored_as_one
+
+    bench_generate = _bench_generate()
+    model = bench_generate.build("1b", "cpu", torch.float32, tiny=True)
+    params = dict(model.named_parameters())
+    x = torch.randint(3, 200, (1, 9))
+    ref = model(x, use_cache=False).logits
+    assert bench_generate.store_gate_up_as_one(model) == 2
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
+    mlp = model.model.layers[0].mlp
+    g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+    assert stored_as_one(g, u, g.data_ptr(), u.data_ptr())
+    torch.testing.assert_close(model(x, use_cache=False).logits, ref, rtol=0, atol=0)
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "prefill", "--prefill-paths",
+                                "eager,patch_merged", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [(r["phase"], r["path"]) for r in rows] == [("prefill", "eager"), ("prefill", "patch_merged")]
+    assert rows[1]["logits_rel_err"] < 1e-5 and "x eager (paired median" in (tmp_path / "generate.md").read_text()
+    assert "2 MLPs' gate and up stored as one" in capsys.readouterr().err
+
+
 def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys):
     # --time-modules on the prefill pair eager / patch: host µs per call inside every decoder layer and each of its
     # children (the patched MLP is the fused forward) and the model's other modules during one forward over the
