@@ -375,8 +375,8 @@ def test_gpu_reduce_overhead_at_batched_sizes(impl, monkeypatch):
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_gpu_patched_module_takes_the_eager_entry_and_stays_right(M):
     """patch's per-module forward computes the op without the dispatcher's hop, with the implementation chosen for
-    eager calls; repeated calls with fresh inputs match float64 as the unfused module does, and make no host
-    synchronisation."""
+    eager calls; repeated calls with fresh inputs, under no_grad and then inference_mode, match float64 as the
+    unfused module does, and make no host synchronisation."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -396,12 +396,12 @@ def test_gpu_patched_module_takes_the_eager_entry_and_stays_right(M):
     plain = MLP().to("cuda", torch.bfloat16)
     plain.load_state_dict(m.state_dict())
     mlp_fuser.patch(m)
-    with torch.no_grad():
-        for i in range(3):
+    for i in range(5):  # no_grad, then inference_mode (the plan built under one serves the other)
+        with torch.no_grad() if i < 3 else torch.inference_mode():
             x = torch.randn(M, 1, 576, device="cuda", dtype=torch.bfloat16)
             torch.empty(64 << 20, device="cuda").fill_(float("nan"))
             ref = F.linear(F.silu(F.linear(x.double(), w64[0])) * F.linear(x.double(), w64[1]), w64[2])
-            if i == 2:
+            if i >= 2:
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 y = m(x)

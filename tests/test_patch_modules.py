@@ -43,6 +43,8 @@ def test_llama_mlps_are_patched_one_by_one_and_the_rest_stays_eager():
         assert torch.equal(model(ids).logits, ref)  # on the CPU the op computes what the modules compute
         assert count_ops(lambda: model(ids)) == 3
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+    with torch.inference_mode():  # how many serving stacks call a model
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
     mlp_fuser.unpatch(model)
     assert not mlp_fuser.is_patched(model) and _MODULES not in model.__dict__
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
@@ -230,6 +232,14 @@ def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypat
         torch.testing.assert_close(torch.compile(mlp, backend=capture)(x), ref)
     ops_in_graph = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.mlp_fuser.gated_mlp.default in ops_in_graph, ops_in_graph
+    routes.clear()
+    with torch.inference_mode():  # as no_grad: computed right there, an inference tensor out
+        y = mlp(x)
+        assert y.is_inference()
+        torch.testing.assert_close(y, ref)
+        torch.testing.assert_close(torch.ops.mlp_fuser.gated_mlp.default(
+            x, mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None, "silu"), ref)
+    assert routes == [True, False]
 
 
 class _Adapter(nn.Module):
