@@ -16,10 +16,13 @@ Timed here in CUDA graphs, in turns (``probe_two_streams.timed``): the gate/up h
 kernel, and as quack's gated GEMM with the weights concatenated ([gate; up], ``concat_layout``) and interleaved (the
 layout a patch could prepare once); the whole MLP as ``cublas_act_mul``, ``cublas_two_streams`` and quack + cuBLAS's
 down GEMM. Every output is checked against float64 (within 1.25x ``cublas_act_mul``'s error; the gate/up half
-against h). No autotuning (quack's sm90 list is 44 configs, each a CuTe DSL compile): its default config
-(``tuned=False``: 128x192 tiles, 2x1 clusters, pingpong) and the explicit configs ``--configs`` names, as
-TILEMxTILEN-CLUSTERMxCLUSTERN-pingpong|coop, compiled on their first call, outside the timing.
-Prediction (NOTES): quack's gate/up at 4096x11008 M = 128 at or under 50 µs against cuBLAS's ≈ 56.
+against h). Then, in second turns per row, the whole MLP with the row's best quack config and cuBLAS's or our split-K
+down GEMM against ``cublas_two_streams``, and the down GEMM alone (cuBLAS against ``linear_splitk``): measured, where
+the first table's whole MLP with the best config is only the sum of parts. No autotuning (quack's sm90 list is 44
+configs, each a CuTe DSL compile): its default config (``tuned=False``: 128x192 tiles, 2x1 clusters, pingpong) and
+the explicit configs ``--configs`` names, as TILEMxTILEN-CLUSTERMxCLUSTERN-pingpong|coop, compiled on their first
+call, outside the timing. Runs 57-58 (NOTES, fourteenth session): gate/up 1.09-1.16x cuBLAS at M = 128 with the best
+config of the row; the default ``--configs`` are the six that won rows most often there (``WINNERS``).
 """
 
 from __future__ import annotations
@@ -38,12 +41,16 @@ from probe_two_streams import rel, timed  # noqa: E402
 from mlp_fuser.dispatch import IMPLS_BY_NAME  # noqa: E402
 from mlp_fuser.kernels import act_mul  # noqa: E402
 
+# the configs that were the best of a row most often in runs 57-58
+WINNERS = ["128x128-1x2-pingpong", "128x192-1x1-pingpong", "128x224-1x2-coop", "128x160-1x2-pingpong",
+           "128x192-1x2-pingpong", "128x96-1x2-pingpong"]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="64,128,256")
     ap.add_argument("--shapes", default="4096x11008,4096x14336,3584x18944,8192x3584", help="K x I (SwiGLU)")
-    ap.add_argument("--configs", default="default,128x128-1x2-pingpong,128x192-1x2-pingpong,128x160-1x2-pingpong",
+    ap.add_argument("--configs", default=",".join(WINNERS),
                     help="quack configs for the concatenated layout: default, or e.g. 128x128-1x2-pingpong")
     ap.add_argument("--budget-s", type=float, default=200)
     args = ap.parse_args()
@@ -60,7 +67,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     cublas, two = IMPLS_BY_NAME["cublas_act_mul"].fn, IMPLS_BY_NAME["cublas_two_streams"].fn
     configs = {c: None if c == "default" else parse_config(c, GemmConfig) for c in args.configs.split(",")}
-    t0, rows, names = time.perf_counter(), [], []
+    t0, rows, names, wholes = time.perf_counter(), [], [], []
     for shape in args.shapes.split(","):
         K, I = map(int, shape.split("x"))
         wg, wu = (torch.randn(2, I, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
@@ -78,7 +85,7 @@ def main() -> int:
         for M in map(int, args.ms.split(",")):
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"budget spent: stop before {shape} M={M}", flush=True)
-                return report(rows, names)
+                return report(rows, names, wholes)
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             xd = x.double()
             h_ref = F.silu(xd @ wg.double().t()) * (xd @ wu.double().t())
@@ -107,7 +114,36 @@ def main() -> int:
             t = timed(cands, "cuda")
             rows.append((shape, M, {k: v[0] for k, v in t.items()}, bad))
             print(shape, M, {k: round(v[0], 1) for k, v in t.items()}, "ok" if not bad else f"WRONG {bad}", flush=True)
-    return report(rows, names)
+            best = min((k for k in t if k.startswith("gu quack ") and k != "gu quack int"), key=lambda k: t[k][0],
+                       default=None)
+            if best is not None:
+                wholes.append(whole_mlp(shape, M, x, w, configs[best.removeprefix("gu quack ")], best, quack_gu,
+                                        errs["mlp cublas_act_mul"], y_ref, two))
+    return report(rows, names, wholes)
+
+
+def whole_mlp(shape, M, x, w, config, best, quack_gu, bar, y_ref, two):
+    """Second turns of a row: the whole MLP with the row's best quack config, then cuBLAS's or our split-K down GEMM,
+    against cublas_two_streams; and the down GEMM alone, cuBLAS against split-K, on one h. Measured, where the
+    first table's MLP with quack is an estimate."""
+    from mlp_fuser.kernels.splitk import linear_splitk
+
+    wg, wu, wd = w
+    h = act_mul(F.linear(x, wg), F.linear(x, wu), "silu")
+    d_ref = h.double() @ wd.double().t()
+    cands = {
+        "mlp cublas_two_streams": lambda: two(x, wg, None, wu, None, wd, None, "silu"),
+        "mlp quack best + cuBLAS down": lambda: F.linear(quack_gu(x, config=config), wd),
+        "mlp quack best + split-K down": lambda: linear_splitk(quack_gu(x, config=config), wd, None),
+        "down cuBLAS": lambda: F.linear(h, wd),
+        "down split-K": lambda: linear_splitk(h, wd, None),
+    }
+    errs = {k: rel(fn(), d_ref if k.startswith("down") else y_ref) for k, fn in cands.items()}
+    bad = [f"{k} {e:.2e}" for k, e in errs.items()
+           if not e <= 1.25 * (errs["down cuBLAS"] if k.startswith("down") else bar) + 1e-6]
+    t = {k: v[0] for k, v in timed(cands, "cuda").items()}
+    print(shape, M, best, {k: round(v, 1) for k, v in t.items()}, "ok" if not bad else f"WRONG {bad}", flush=True)
+    return shape, M, best, t, bad
 
 
 def parse_config(text: str, GemmConfig):
@@ -121,7 +157,7 @@ def parse_config(text: str, GemmConfig):
                       is_dynamic_persistent=False, device_capacity=9)
 
 
-def report(rows, names) -> int:
+def report(rows, names, wholes) -> int:
     print("CUDA-graph µs (bf16, SwiGLU):")
     print("| K x I | M | " + " | ".join(names) + " | quack gate/up vs cuBLAS | check |")
     print("|---|---|" + "---|" * (len(names) + 2))
@@ -129,6 +165,16 @@ def report(rows, names) -> int:
         quack = min((v for k, v in t.items() if k.startswith("gu quack")), default=float("nan"))
         cells = " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in names)
         print(f"| {shape} | {M} | {cells} | {t['gu cublas'] / quack:.3f}x | {'ok' if not bad else 'WRONG'} |")
+    cols = ["mlp cublas_two_streams", "mlp quack best + cuBLAS down", "mlp quack best + split-K down", "down cuBLAS",
+            "down split-K"]
+    print("\nThe whole MLP with each row's best quack config, and the down GEMM alone (CUDA-graph µs, second turns):")
+    print("| K x I | M | best quack config | " + " | ".join(cols) + " | best MLP vs two_streams | check |")
+    print("|---|---|---|" + "---|" * (len(cols) + 2))
+    for shape, M, best, t, bad in wholes:
+        cells = " | ".join(f"{t[k]:.1f}" for k in cols)
+        ratio = t[cols[0]] / min(t[cols[1]], t[cols[2]])
+        print(f"| {shape} | {M} | {best.removeprefix('gu quack ')} | {cells} | {ratio:.3f}x | "
+              f"{'ok' if not bad else 'WRONG'} |")
     return 0
 
 
