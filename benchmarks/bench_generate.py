@@ -502,7 +502,7 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
     plan_globals = [plan.__globals__ for plan in plans._PLANS.values()]
     saved = [dict(g) for g in plan_globals]
     for g in plan_globals:
-        for n in [n for n in g if n in ("_linear", "_empty", "_zeros") or n.startswith("_run")]:
+        for n in [n for n in g if n in ("_linear", "_empty", "_zeros") or n.endswith("_launch")]:
             g[n] = clock(f"plan {n}", g[n])
     for name, module in targets:
         own = module.__dict__.get("forward")  # patch's fused forward, or None for the class's
