@@ -72,7 +72,7 @@ GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["co
 # re-stored as the halves of one buffer (store_gate_up_as_one), so the op's cuBLAS path runs one GEMM for both.
 PREFILL_GROUPS = [["eager", "patch", "patch_merged"], ["compile", "backend"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
-            "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile"}
+            "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile", "patch_merged": "eager"}
 
 
 def log(*a):
@@ -726,8 +726,7 @@ def write(results, out):
         if "error" in r:
             lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | |")
             continue
-        base_path = BASELINE.get(r["path"]) if r["phase"] != "prefill" else {
-            "patch": "eager", "patch_merged": "eager", "backend": "compile"}.get(r["path"])
+        base_path = BASELINE.get(r["path"])  # decode and prefill rows alike
         base = next((b for b in results if b["model"] == r["model"] and b["phase"] == r["phase"]
                      and b["path"] == base_path and "ms" in b), None)
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
