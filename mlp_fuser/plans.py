@@ -52,16 +52,15 @@ _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -> tuple:
     """The call's key: see the module's docstring."""
-    gs, gt, pg = wg.shape, wg.stride(), wg.data_ptr()
-    if wu is not None:  # the pointers first: stored_as_one looks further only where up's rows follow gate's
+    pg = wg.data_ptr()
+    if wu is not None:
         pu = wu.data_ptr()
-        one = pu - pg == gs[0] * gt[0] * wg.element_size() and stored_as_one(wg, wu, pg, pu)
-        up = (wu.shape, wu.stride(), wu.dtype, wu.device, pu & 15, one)
+        up = (wu.shape, wu.stride(), wu.dtype, wu.device, pu & 15, stored_as_one(wg, wu, pg, pu))
     return (
         activation, eager, config.force_impl, config.autotune,
         x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
         x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
-        gs, gt, wg.dtype, wg.device, pg & 15,
+        wg.shape, wg.stride(), wg.dtype, wg.device, pg & 15,
         wd.shape, wd.stride(), wd.dtype, wd.device, wd.data_ptr() & 15,
         None if wu is None else up,
         None if bg is None else (bg.shape, bg.stride(), bg.dtype, bg.device, bg.data_ptr() & 15),
