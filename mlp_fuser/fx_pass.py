@@ -8,6 +8,10 @@ the failed check:
 - ``allowed`` / ``filter``: the pattern or activation is not enabled, or the user's filter rejected the site;
 - ``single_use``: an intermediate has a user outside the MLP (returned, stored, captured by a hook);
 - ``same_input``: gate and up read different tensors;
+- ``plain_tensors``: x, a weight or a bias is a tensor subclass (quantized weights such as torchao's, a DTensor, any
+  ``__torch_dispatch__`` wrapper): the op's kernels read plain tensors, and a subclass that runs only the aten ops it
+  knows would fail on the op (the same MLP with a Linear whose forward dequantizes its weight is fused: the graph
+  then hands the op the plain dequantized tensor);
 - ``dtype_device``: the tensors do not share one dtype and device (a cast inside the MLP, mixed weights); under
   autocast, every value the MLP computes must have the autocast dtype (then the op casts as nn.Linear does);
 - ``dropout_inactive``: a dropout inside the MLP is active (training mode, p > 0);
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
 from mlp_fuser import patterns as P
@@ -29,7 +34,8 @@ from mlp_fuser.patterns.common import dropout_active, is_dropout, same, same_sha
 
 log = logging.getLogger("mlp_fuser")
 
-CHECKS = ("activation", "allowed", "filter", "single_use", "same_input", "dtype_device", "dropout_inactive", "shapes")
+CHECKS = ("activation", "allowed", "filter", "single_use", "same_input", "plain_tensors", "dtype_device",
+          "dropout_inactive", "shapes")
 
 
 @dataclass
@@ -137,6 +143,11 @@ def _check_shapes(c: P.Candidate) -> str | None:
     return None
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """A plain tensor, or the fake tensor Dynamo stands in for one (a subclass's stand-in has the subclass's type)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, FakeTensor)
+
+
 def _autocast_dtype(x) -> torch.dtype | None:
     """The dtype autocast computes this graph's projections in, when it is on for x's device: the graph was
     captured under it (Dynamo guards on it), and the op's own autocast kernel casts its inputs the same way
@@ -167,6 +178,10 @@ def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=
     x = val(c.gate.x)
     tensors = [p.weight for p in (c.gate, c.up, c.down) if p is not None]
     tensors += [p.bias for p in (c.gate, c.up, c.down) if p is not None and p.bias is not None]
+    for n in [c.gate.x, *tensors]:
+        v = val(n)
+        if isinstance(v, torch.Tensor) and not _plain(v):
+            return "plain_tensors", f"{n.name} is a {type(v).__name__}, a tensor subclass"
     amp = _autocast_dtype(x)
     computed = set(inter) | {c.down.out}
     for n in tensors + inter + [c.down.out]:

@@ -149,7 +149,10 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
 def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> Proof | None:
     """Capture ``module``'s forward on a sample input; the rewritten graph's forward and its input getters when it
     is exactly one fused MLP."""
-    first = next(module.parameters())
+    # the sample input's dtype and device: the first floating-point tensor's (a quantized projection may hold int8)
+    first = next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+    if first is None:
+        return None
     widths = [getattr(projs[0], "in_features", None), getattr(projs[0], "nx", None)]  # Linear, Conv1D
     widths += [d for p in projs for d in p.weight.shape]  # else the input width is one of the weight sides
     for K in dict.fromkeys(w for w in widths if isinstance(w, int)):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from _hf_models import count_ops
 from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
 
 import mlp_fuser
 
@@ -291,6 +292,60 @@ def test_near_miss_dtypes():
     m = CastsToDouble(F.gelu)
     m.fc2.double()
     assert_not_fused(m, x3(), check="dtype_device")
+
+
+class _OnlyAten(TwoTensor):
+    """A weight wrapper that, as torchao's quantized tensors do, runs the aten ops it implements and no others."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _OnlyAten(inner["a"], inner["b"], outer_size, outer_stride)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func.namespace != "aten":
+            raise NotImplementedError(f"{cls.__name__} does not implement {func}")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_near_miss_tensor_subclass_weight():
+    """A weight that is a tensor subclass (quantized, a DTensor, ...) would take the op to its __torch_dispatch__,
+    which need not know it: patch and the backend leave the MLP alone, and explain names plain_tensors."""
+    m = Gated(F.silu)
+    w = m.gate.weight.detach()
+    m.gate.weight = nn.Parameter(_OnlyAten(w.clone(), w.clone()), requires_grad=False)
+    x = x3()
+    with torch.no_grad():
+        assert_not_fused(m, x, check="plain_tensors")
+        ref = m(x)
+        out = torch.compile(m, backend=mlp_fuser.backend)(x)
+    torch.testing.assert_close(out, ref)
+
+
+class _Int8Linear(nn.Linear):
+    """Weight-only int8, as quantization libraries build a projection: int8 weight, a per-row scale, and a forward
+    that dequantizes: the op then gets the plain dequantized weight, computed in the graph on every call."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        scale = lin.weight.detach().abs().amax(1, keepdim=True) / 127
+        self.weight = nn.Parameter((lin.weight.detach() / scale).round().to(torch.int8), requires_grad=False)
+        self.register_buffer("scale", scale)
+        if lin.bias is not None:
+            self.bias = lin.bias
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype) * self.scale, self.bias)
+
+
+@pytest.mark.parametrize("first", ["gate", "all"])
+def test_fused_with_int8_weights_dequantized_in_forward(first):
+    """An int8 weight in the module's first parameter does not stop patch from proving the MLP (its sample input
+    takes the first floating-point dtype), and the fused output is the unfused one."""
+    m = Gated(F.silu, bias=True)
+    for name in ("gate",) if first == "gate" else ("gate", "up", "down"):
+        setattr(m, name, _Int8Linear(getattr(m, name)))
+    assert_fused(m, x3(), pattern="gated", activation="silu")
 
 
 def test_fused_under_autocast():
