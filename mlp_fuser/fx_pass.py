@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
 from mlp_fuser import patterns as P
+from mlp_fuser.ops import _PLAIN
 from mlp_fuser.patterns.common import dropout_active, is_dropout, same, same_shape, val
 
 log = logging.getLogger("mlp_fuser")
@@ -144,8 +145,9 @@ def _check_shapes(c: P.Candidate) -> str | None:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A plain tensor, or the fake tensor Dynamo stands in for one (a subclass's stand-in has the subclass's type)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, FakeTensor)
+    """A plain tensor (the types the op's eager entry computes directly), or the fake tensor Dynamo stands in for one
+    (a subclass's stand-in has the subclass's type)."""
+    return type(t) in _PLAIN or isinstance(t, FakeTensor)
 
 
 def _autocast_dtype(x) -> torch.dtype | None:
