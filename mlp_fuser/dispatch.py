@@ -112,12 +112,17 @@ _triton_gemm_splitk = _then_splitk_down(gate_up_act)
 _triton_swapab = _then_splitk_down(gate_up_act_swapab)
 
 
+def _one_gemm_act_mul(x2, wgu, wd, bd, act):
+    """Gate and up stored as one weight (``wgu``, their (2I, K) view): one GEMM for both, act·mul on its halves."""
+    I = wgu.shape[0] // 2
+    gu = F.linear(x2, wgu)
+    return F.linear(act_mul(gu[:, :I], gu[:, I:], act), wd, bd)
+
+
 def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     wgu = gate_up_as_one(wg, bg, wu, bu)
-    if wgu is not None:  # gate and up stored as one weight: one GEMM for both, act·mul on its two halves
-        I = wg.shape[0]
-        gu = F.linear(x2, wgu)
-        return F.linear(act_mul(gu[:, :I], gu[:, I:], act), wd, bd)
+    if wgu is not None:
+        return _one_gemm_act_mul(x2, wgu, wd, bd, act)
     g = F.linear(x2, wg, bg)
     u = F.linear(x2, wu, bu) if wu is not None else None
     return F.linear(act_mul(g, u, act), wd, bd)
@@ -132,10 +137,11 @@ def _cublas_two_streams(x2, wg, bg, wu, bu, wd, bd, act):
     (run 47: the MLP 1.01-1.12x faster in CUDA graphs, slower in plain calls by the host's stream switches). The
     fork and the join are stream waits, so a CUDA-graph capture records two branches; u is allocated on the
     caller's stream, which waits for the side stream before anything reads u or frees x, u or the weights."""
-    # one stream: the interpreter's CPU runs, a plain MLP (forced), or gate and up stored as one (one GEMM fills
-    # the GPU as the two side by side would)
-    if not x2.is_cuda or wu is None or gate_up_as_one(wg, bg, wu, bu) is not None:
+    if not x2.is_cuda or wu is None:  # the interpreter's CPU runs, or (forced) a plain MLP: one stream
         return _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act)
+    wgu = gate_up_as_one(wg, bg, wu, bu)
+    if wgu is not None:  # stored as one: one stream, whose one GEMM fills the GPU as the two side by side would
+        return _one_gemm_act_mul(x2, wgu, wd, bd, act)
     here = torch.cuda.current_stream(x2.device)
     side = _side_streams.get(x2.device.index)
     if side is None:
