@@ -68,11 +68,13 @@ EXTRA_PATHS = ["patch_noplan", "backend_nodirect"]
 # Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
 # In this order (a --budget-s cuts from the end): eager's group first, as every path's tokens are compared with eager's.
 GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend", "backend_nodirect"]]
-# The prefill's pairs, timed the same way. On request: patch_merged, patch after each MLP's gate and up weights are
-# re-stored as the halves of one buffer (store_gate_up_as_one), so the op's cuBLAS path runs one GEMM for both.
-PREFILL_GROUPS = [["eager", "patch", "patch_merged"], ["compile", "backend"]]
+# The prefill's pairs, timed the same way. On request: patch_merged and backend_merged, patch and the backend after
+# each MLP's gate and up weights are re-stored as the halves of one buffer (mlp_fuser.merge_gate_up), so the op runs
+# one GEMM for both (cuBLAS), or quack's gated GEMM where quack is installed.
+PREFILL_GROUPS = [["eager", "patch", "patch_merged"], ["compile", "backend", "backend_merged"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
-            "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile", "patch_merged": "eager"}
+            "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile", "patch_merged": "eager",
+            "backend_merged": "compile"}
 
 
 def log(*a):
@@ -362,13 +364,13 @@ def run(args, results):
                         m = models[path] = model if i == 0 else copy.deepcopy(model)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
                         if path in ("patch", "patch_merged"):
-                            if path == "patch_merged":
-                                log(f"{label} prefill patch_merged: {store_gate_up_as_one(m)} MLPs' gate and up "
-                                    "stored as one")
-                            mlp_fuser.patch(m)
-                        elif path in ("compile", "backend"):
-                            compiled = torch.compile(m.forward, backend=mlp_fuser.backend if path == "backend"
-                                                     else "inductor")
+                            mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
+                        elif path in ("compile", "backend", "backend_merged"):
+                            if path == "backend_merged":
+                                log(f"{label} prefill backend_merged: {len(mlp_fuser.merge_gate_up(m))} MLPs' gate "
+                                    "and up stored as one")
+                            compiled = torch.compile(m.forward, backend="inductor" if path == "compile"
+                                                     else mlp_fuser.backend)
                             fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
                         try:
                             t0 = time.perf_counter()
@@ -401,23 +403,6 @@ def run(args, results):
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def store_gate_up_as_one(model) -> int:
-    """Re-store each LLaMA-style MLP's gate and up weights (``gate_proj``, ``up_proj``: bias-free ``nn.Linear`` of one
-    shape) as the two halves of one buffer: each Parameter kept, its ``.data`` a view of the buffer. The model computes
-    the same; the op's cuBLAS path then runs one GEMM for gate and up (``kernels.common.stored_as_one``). What a
-    ``patch(merge_gate_up=True)`` would do (NOTES, Next); here to measure it first. Returns how many MLPs."""
-    n = 0
-    with torch.no_grad():
-        for mod in model.modules():
-            gate, up = getattr(mod, "gate_proj", None), getattr(mod, "up_proj", None)
-            if (isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear) and gate.bias is None
-                    and up.bias is None and gate.weight.shape == up.weight.shape):
-                w = torch.cat([gate.weight, up.weight])
-                gate.weight.data, up.weight.data = w[: gate.weight.shape[0]], w[gate.weight.shape[0]:]
-                n += 1
-    return n
 
 
 def profile_cpu(label, fn, iters=3):
@@ -832,7 +817,7 @@ def main(argv=None) -> int:
         return 0
     results = []
     run(args, results)
-    log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3])): v
+    log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3], *k[8:10])): v
                                   for k, v in dispatch._choice_cache.items()})
     print("\n".join(write(results, args.out)))
     return 0

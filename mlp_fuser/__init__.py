@@ -19,11 +19,11 @@ def _register_backend() -> None:
 
 from .backend import backend, make_backend  # noqa: E402, F401
 from .explain import explain  # noqa: E402, F401
-from .patch import is_patched, patch, unpatch  # noqa: E402, F401
+from .patch import is_patched, merge_gate_up, patch, split_gate_up, unpatch  # noqa: E402, F401
 
 _register_backend()
 
 __all__ = [
     "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "is_patched", "make_backend",
-    "mlp", "patch", "unpatch",
+    "merge_gate_up", "mlp", "patch", "split_gate_up", "unpatch",
 ]

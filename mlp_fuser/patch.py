@@ -27,6 +27,7 @@ from torch import nn
 
 from ._dynamo_utils import fresh_code
 from .backend import make_backend, pass_options
+from .kernels.common import stored_as_one
 from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
@@ -34,6 +35,7 @@ _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
 _HELD = "_mlp_fuser_held_logs"  # set on an exception: the log records held back while it was raised
 _MODULES = "_mlp_fuser_fused_modules"  # per-module patching: the paths of the modules given a fused forward
 _SETTINGS = "_mlp_fuser_settings"  # what patch was called with
+_MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weight paths it stored as one
 _MISSING = object()
 
 
@@ -57,7 +59,7 @@ def original_forward(model: nn.Module):
 
 
 def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None, *,
-          per_module: bool = True, **options) -> nn.Module:
+          per_module: bool = True, merge_gate_up: bool = False, **options) -> nn.Module:
     """Fuse ``model``'s MLP blocks in place (eager mode); return ``model``. Idempotent; undone by ``unpatch``.
 
     ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
@@ -65,9 +67,10 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     (``activations=``, ``patterns=``, ``backward="save" | "recompute"``: what the fused ops keep for training, "save"
     by default, as for ``make_backend``). ``per_module=False`` runs the whole forward through Dynamo even where the
     MLPs are modules of their own. A call that fails raises what the unpatched forward raises. Patching a patched
-    model again with other options re-patches it with those.
+    model again with other options re-patches it with those. ``merge_gate_up=True``: then ``merge_gate_up(model,
+    filter_fn)``, which ``unpatch`` undoes.
     """
-    settings = (repr(filter_fn), per_module, repr(sorted(options.items())))  # strings: a pickled model carries it
+    settings = (repr(filter_fn), per_module, merge_gate_up, repr(sorted(options.items())))  # strings: pickle keeps it
     if is_patched(model) and model.__dict__.get(_SETTINGS) == settings:
         return model
     unpatch(model)  # patched with other options, or unpickled from a patched model: drop the entries, patch afresh
@@ -82,6 +85,9 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
                 model.get_submodule(path).forward = forward
             model.__dict__[_MODULES] = list(fused)
             model.__dict__[_SETTINGS] = settings
+            if merge_gate_up:
+                pairs = _gate_up_paths(fused)
+                model.__dict__[_MERGED] = {p: pairs[p] for p in _merge(model, pairs)}
             return model
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
 
@@ -100,7 +106,80 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     model.forward = types.MethodType(fused_forward, model) if orig is None else fused_forward
     model.__dict__[_ORIG] = orig
     model.__dict__[_SETTINGS] = settings
+    if merge_gate_up:
+        pairs = _gate_up_paths(_proven(model, filter_fn))
+        model.__dict__[_MERGED] = {p: pairs[p] for p in _merge(model, pairs)}
     return model
+
+
+def merge_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None) -> list[str]:
+    """Store each gated MLP module's gate and up weights as the two halves of one buffer, in place; return the
+    modules' paths. The model computes the same; the fused op then runs one GEMM over both (``cublas_act_mul``), or
+    quack's gated GEMM where it is installed (``quack_gated_*``), as for a model that keeps one merged weight (Phi-3).
+
+    Each Parameter stays the same object (optimizers, hooks and tied references still hold it); its ``.data`` becomes
+    a view of the buffer. Taken: the MLP modules ``patch`` fuses on their own (``filter_fn`` as for ``patch``) whose
+    gate and up are bias-free contiguous parameters of one shape, dtype and device. ``.to()`` / ``.half()`` give each
+    weight its own storage again, as does ``split_gate_up``. ``torch.save`` keeps the shared buffer; safetensors'
+    ``save_file`` refuses tensors that share storage (transformers' ``save_pretrained`` copies them apart itself)."""
+    return _merge(model, _gate_up_paths(_proven(model, filter_fn)))
+
+
+def split_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None) -> list[str]:
+    """``merge_gate_up`` undone: each MLP module's gate and up weights stored as one get a storage each again; return
+    the modules' paths."""
+    return _split(model, _gate_up_paths(_proven(model, filter_fn)))
+
+
+def _proven(model: nn.Module, filter_fn) -> dict[str, FusedModuleForward]:
+    """The MLP modules ``patch`` would fuse on their own, each with its proof (already patched ones: theirs)."""
+    proven = {}
+    for path, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, FusedModuleForward):
+            forward = fuse_module(module)
+        if forward is not None and (filter_fn is None or filter_fn(path, module)):
+            proven[path] = forward
+    return proven
+
+
+def _gate_up_paths(fused: dict[str, FusedModuleForward]) -> dict[str, tuple[str, str]]:
+    """Module path -> the names of its gate and up weights, from its proof (the first mode that names them)."""
+    pairs = {}
+    for path, forward in fused.items():
+        names = next((g[3] for g in forward.graphs.values() if g[3] is not None), None)
+        if names is not None:
+            pairs[path] = names
+    return pairs
+
+
+def _merge(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> list[str]:
+    merged = []
+    with torch.no_grad():
+        for path, (g_name, u_name) in pairs.items():
+            module = model.get_submodule(path)
+            wg, wu = module.get_parameter(g_name), module.get_parameter(u_name)
+            if (wg is wu or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
+                    or not (wg.is_contiguous() and wu.is_contiguous()) or type(wg.data) is not torch.Tensor
+                    or type(wu.data) is not torch.Tensor or wg.dim() != 2):
+                continue
+            if not stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()):
+                w = torch.cat([wg.data, wu.data])
+                wg.data, wu.data = w[: wg.shape[0]], w[wg.shape[0]:]
+            merged.append(path)
+    return merged
+
+
+def _split(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> list[str]:
+    split = []
+    with torch.no_grad():
+        for path, (g_name, u_name) in pairs.items():
+            module = model.get_submodule(path)
+            wg, wu = module.get_parameter(g_name), module.get_parameter(u_name)
+            if wg is not wu and stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()):
+                wg.data, wu.data = wg.data.clone(), wu.data.clone()
+                split.append(path)
+    return split
 
 
 def _fused(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,8 +238,11 @@ def _hold_back_meta_failure_logs() -> None:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Restore the forwards ``patch`` replaced; return ``model``."""
+    """Restore the forwards ``patch`` replaced, and the weights' storages where it merged them; return ``model``."""
     model.__dict__.pop(_SETTINGS, None)
+    merged = model.__dict__.pop(_MERGED, None)
+    if merged:
+        _split(model, merged)
     for path in model.__dict__.pop(_MODULES, ()):  # patched per module, or unpickled from such a model
         module = model.get_submodule(path)
         forward = module.__dict__.get("forward")

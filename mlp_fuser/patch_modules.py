@@ -30,8 +30,9 @@ from .ops import EAGER
 from .patterns.common import dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
-# A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None.
-Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None]
+# A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, and
+# the names of the gate and up weights (parameters of the module, no biases; ``merge_gate_up``) or None.
+Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None, tuple[str, str] | None]
 # Exceptions raised through the fused forward on purpose: non-reentrant torch.utils.checkpoint stops its
 # recomputation from a saved-tensor hook once every tensor the backward needs is recomputed.
 _PASS_THROUGH = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
@@ -70,7 +71,7 @@ class FusedModuleForward:
         graph = self.graphs.get(module.training)
         if graph is None or not isinstance(x, Tensor) or module._modules != self.children:
             return self.original(*args, **kwargs)
-        forward, getters, direct = graph
+        forward, getters, direct, _ = graph
         try:
             if direct is not None:
                 return direct(module, x)
@@ -207,10 +208,15 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Pr
         result = result.args[0]
     if result is not ops[0] or any(n not in passed for n in _dependents(x_node)):
         return None  # the graph does more with the input than the MLP
+    buffers = {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    a = ops[0].args
+    gate_up = None
+    if (ops[0].target == OPS[1] and a[2] is None and a[4] is None and paths.get(a[1]) and paths.get(a[3])
+            and paths[a[1]] not in buffers and paths[a[3]] not in buffers and paths[a[1]] != paths[a[3]]):
+        gate_up = (paths[a[1]], paths[a[3]])
     ops[0].target = EAGER[ops[0].target]  # the op minus the dispatcher's hop where nothing needs it
     gm.recompile()
-    buffers = {name for name, _ in module.named_buffers(remove_duplicate=False)}
-    return gm.forward, getters, _direct_call(ops[0], x_node, paths, buffers)
+    return gm.forward, getters, _direct_call(ops[0], x_node, paths, buffers), gate_up
 
 
 _CONSTANT = (type(None), bool, int, float, str)

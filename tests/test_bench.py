@@ -151,28 +151,20 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
 
 
 def test_generate_benchmark_prefill_with_gate_and_up_stored_as_one(tmp_path, capsys):
-    # patch_merged: the prefill of a model whose MLPs' gate and up weights were re-stored as the halves of one buffer
-    # (each Parameter kept), then patched; the same logits as eager's (fp32 on the CPU), compared with eager's row.
+    # patch_merged and backend_merged: the prefill of a model whose MLPs' gate and up weights were re-stored as the
+    # halves of one buffer (mlp_fuser.merge_gate_up), then patched or compiled; the same logits as eager's (fp32 on
+    # the CPU), each compared with its baseline's row.
     import json
 
-    from mlp_fuser.kernels.common import stored_as_one
-
     bench_generate = _bench_generate()
-    model = bench_generate.build("1b", "cpu", torch.float32, tiny=True)
-    params = dict(model.named_parameters())
-    x = torch.randint(3, 200, (1, 9))
-    ref = model(x, use_cache=False).logits
-    assert bench_generate.store_gate_up_as_one(model) == 2
-    assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
-    mlp = model.model.layers[0].mlp
-    g, u = mlp.gate_proj.weight, mlp.up_proj.weight
-    assert stored_as_one(g, u, g.data_ptr(), u.data_ptr())
-    torch.testing.assert_close(model(x, use_cache=False).logits, ref, rtol=0, atol=0)
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "prefill", "--prefill-paths",
-                                "eager,patch_merged", "--out", str(tmp_path)]) == 0
+                                "eager,patch_merged,compile,backend_merged", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
-    assert [(r["phase"], r["path"]) for r in rows] == [("prefill", "eager"), ("prefill", "patch_merged")]
-    assert rows[1]["logits_rel_err"] < 1e-5 and "x eager (paired median" in (tmp_path / "generate.md").read_text()
+    assert [(r["phase"], r["path"]) for r in rows] == [("prefill", p) for p in
+                                                        ("eager", "patch_merged", "compile", "backend_merged")]
+    assert all(r["logits_rel_err"] < 1e-5 for r in rows[1:])
+    md = (tmp_path / "generate.md").read_text()
+    assert "x eager (paired median" in md and "x compile (paired median" in md
     assert "2 MLPs' gate and up stored as one" in capsys.readouterr().err
 
 
@@ -390,3 +382,14 @@ def test_run_workers_gives_each_worker_its_gpu_and_its_own_cores(monkeypatch):
     assert bench.run_workers([["a"], ["b"]]) == [0, 0]
     assert made == [(["a"], "2", "4"), (["b"], "3", "4")]
     assert pinned == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_bench_weights_merged_store_gate_and_up_as_one_buffer():
+    from mlp_fuser.kernels.common import stored_as_one
+
+    g = torch.Generator().manual_seed(0)
+    for merged in (False, True):
+        (wg, bg, wu, bu, wd, bd), = bench.make_weights(True, False, 16, 24, torch.float32, 1, g, "cpu", merged)
+        assert wg.shape == wu.shape == (24, 16) and wd.shape == (16, 24) and bg is bu is bd is None
+        assert stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()) == merged
+        assert not torch.equal(wg, wu)
