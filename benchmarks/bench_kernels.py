@@ -177,7 +177,7 @@ def _host_times(module, patched, w, x):
         fused(x)
         with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, with the direct call off
             with_setting("inductor_direct", False, lambda: fused_dispatcher(x))()
-        p = dispatch.Problem("cuda", x.dtype, M, K, I, K, True)
+        p = dispatch.Problem("cuda", x.dtype, M, K, I, K, True, "silu")
         variants = [("module, unfused (3 nn.Linear, silu, mul)", "", lambda: module(x)),
                     ("module, patched", dispatch.chosen(p, eager=True), lambda: patched(x)),
                     ("module, patched, no launch plans", "", no_plans(lambda: patched(x))),

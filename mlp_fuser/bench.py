@@ -1,6 +1,7 @@
 """The MLP benchmark: the mlp_fuser op against its peers, side by side, in one run on one GPU.
 
     python -m mlp_fuser bench [--quick] [--out DIR] [--budget-s 480] [--shapes 0,3] [--ms 16,128] [--dtypes bf16]
+                              [--merged]
 
 Without a CUDA GPU it prints why and exits with status 2 (Triton is imported only after that check).
 
@@ -17,7 +18,9 @@ unfused module's error), measures the ceilings (a large bf16 matmul and a device
 % of floor and the speed-up over the best peer, then a table of which rows meet each target of issue 10.
 Work runs in priority order (bf16, then fp16, then the max-autotune column) under a time budget: what would not
 fit is skipped and listed, and results.json / results.md in --out are rewritten after every row.
-Weights that fit in L2 are rotated among several copies so that no variant times the cache.
+Weights that fit in L2 are rotated among several copies so that no variant times the cache. ``--merged``: each gated
+shape's gate and up weights are the two halves of one buffer for every variant, as in a model after
+``mlp_fuser.merge_gate_up`` (or Phi-3's ``gate_up_proj``); the op can then run one GEMM over both, or quack's.
 """
 
 from __future__ import annotations
@@ -83,13 +86,18 @@ def measure_ceilings():
     return tflops, tbps
 
 
-def make_weights(gated, biases, K, I, dtype, n_sets, g, device="cuda"):
+def make_weights(gated, biases, K, I, dtype, n_sets, g, device="cuda", merged=False):
+    """``n_sets`` weight sets (w_gate, b_gate, w_up, b_up, w_down, b_down); ``merged``: gate and up (gated) as the
+    halves of one (2I, K) buffer."""
     sets = []
     for _ in range(n_sets):
         def rnd(*s, scale):
             return (torch.randn(*s, device=device, generator=g) * scale).to(dtype)
-        wg = rnd(I, K, scale=K**-0.5)
-        wu = rnd(I, K, scale=K**-0.5) if gated else None
+        if gated and merged:
+            wg, wu = rnd(2 * I, K, scale=K**-0.5).split(I)
+        else:
+            wg = rnd(I, K, scale=K**-0.5)
+            wu = rnd(I, K, scale=K**-0.5) if gated else None
         wd = rnd(K, I, scale=I**-0.5)
         bg = rnd(I, scale=0.1) if biases else None
         bu = rnd(I, scale=0.1) if biases and gated else None
@@ -232,16 +240,17 @@ def spread(units: list[str], cost, n: int, command: list[str], argv: list[str], 
 class ShapeSetup:
     """One shape in one dtype: its weights (rotated copies when they fit in L2) and the inputs per M."""
 
-    def __init__(self, index, dtype):
+    def __init__(self, index, dtype, merged=False):
         self.name, self.gated, self.act, self.biases, self.K, self.I = SHAPES[index]
         self.dtype = dtype
+        self.merged = merged and self.gated and not self.biases  # gate and up stored as one
         esize = torch.finfo(dtype).bits // 8
         K, I = self.K, self.I
         self.w_bytes = (3 if self.gated else 2) * K * I * esize + ((2 * I + K) * esize if self.biases else 0)
         self.esize = esize
         self.n_sets = max(1, math.ceil(2.5 * L2_BYTES / self.w_bytes))
         g = torch.Generator(device="cuda").manual_seed(0)
-        self.weights = make_weights(self.gated, self.biases, K, I, dtype, self.n_sets, g)
+        self.weights = make_weights(self.gated, self.biases, K, I, dtype, self.n_sets, g, merged=self.merged)
 
     def inputs(self, M):
         g = torch.Generator(device="cuda").manual_seed(1000 + M)  # the same x whenever a row is (re)timed
@@ -315,8 +324,8 @@ def make_row(setup, M, errs, times, tflops, tbps):
     min_bytes = setup.w_bytes + 2 * M * setup.K * setup.esize
     t_flops, t_bytes = flops / (tflops * 1e12), min_bytes / (tbps * 1e12)
     floor_us = max(t_flops, t_bytes) * 1e6
-    p = dispatch.Problem("cuda", setup.dtype, M, setup.K, setup.I, setup.K, setup.gated)
-    row = dict(shape=setup.name, dtype=str(setup.dtype).removeprefix("torch."), M=M,
+    p = dispatch.Problem("cuda", setup.dtype, M, setup.K, setup.I, setup.K, setup.gated, setup.act, setup.merged)
+    row = dict(shape=setup.name, dtype=str(setup.dtype).removeprefix("torch."), M=M, merged=setup.merged,
                bound="compute" if t_flops > t_bytes else "mem", floor_us=floor_us, impl=dispatch.chosen(p),
                n_weight_sets=setup.n_sets, errors={}, graph_us={}, plain_us={})
     return update_row(row, errs, times)
@@ -395,7 +404,8 @@ def write_results(out, meta, rows):
     c = meta["ceilings"]
     md = [f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · ceilings "
           f"{c['matmul_tflops']:.0f} TFLOP/s bf16, {c['copy_tbps']:.2f} TB/s · `{meta['command']}` · "
-          f"{meta['seconds']:.0f} s", "", HEADER]
+          f"{meta['seconds']:.0f} s" + (" · gate and up stored as one (--merged)" if meta.get("merged") else ""),
+          "", HEADER]
     md += [format_row(r) for r in rows]
     if rows:
         md += ["", "Targets (issue 10):", ""] + target_table(rows)
@@ -480,6 +490,7 @@ def main(argv=None) -> int:
                     "worker process each; a unit of work is one shape in one dtype, or one shape's max-autotune rows")
     ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: stop the workers this many seconds "
                     "after they start and merge what they wrote")
+    ap.add_argument("--merged", action="store_true", help="gate and up stored as one buffer (merge_gate_up's layout)")
     ap.add_argument("--units", default="", help="only these units, e.g. 0:bf16,3:fp16,4:mat (set by --gpus)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
@@ -520,7 +531,7 @@ def main(argv=None) -> int:
     command = "python -m mlp_fuser bench " + " ".join(argv)
     meta = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command=command.strip(),
-                ceilings=dict(matmul_tflops=tflops, copy_tbps=tbps), budget_s=args.budget_s,
+                ceilings=dict(matmul_tflops=tflops, copy_tbps=tbps), budget_s=args.budget_s, merged=args.merged,
                 sections=[], skipped=budget.skipped)
     rows: list[dict] = []
 
@@ -538,7 +549,7 @@ def main(argv=None) -> int:
                 continue
             t_row = time.time()
             if setup is None:
-                setup = ShapeSetup(s, DTYPES[dt])
+                setup = ShapeSetup(s, DTYPES[dt], args.merged)
                 compiled = torch.compile(reference_mlp, dynamic=False)
             errs, times = setup.time(M, {"fused": fused, "eager": reference_mlp, "compile": compiled})
             rows.append(make_row(setup, M, errs, times, tflops, tbps))
@@ -564,7 +575,7 @@ def main(argv=None) -> int:
             for old in list(setups):  # one shape's weights on the device at a time
                 del setups[old]
             torch.cuda.empty_cache()
-            setups[s] = (ShapeSetup(s, torch.bfloat16), torch.compile(reference_mlp, dynamic=False),
+            setups[s] = (ShapeSetup(s, torch.bfloat16, args.merged), torch.compile(reference_mlp, dynamic=False),
                          torch.compile(reference_mlp, dynamic=False, mode="max-autotune-no-cudagraphs"))
         setup, compiled, tuned_fn = setups[s]
         # the whole row again, max-autotune taking turns with the others: it replaces the row timed without it

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import config, plans
-from .kernels import act_mul, fused_mlp_small_m, gate_up_act
+from .kernels import act_mul, fused_mlp_small_m, gate_up_act, quack_gated
 from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import gate_up_as_one, m_bucket
 from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
@@ -43,6 +43,8 @@ class Problem(NamedTuple):
     I: int  # the MLP's intermediate size, as in the papers
     O: int
     gated: bool
+    activation: str | None = None  # the op's activation argument (None where no constraint reads it)
+    one_weight: bool = False  # gate and up stored as one (2I, K) weight, neither with a bias (common.gate_up_as_one)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Impl:
     gated_only: bool = False  # only for gated MLPs
     max_o: int | None = None
     triton: bool = False  # a Triton kernel: on CPU only under the interpreter
+    one_weight: bool = False  # only where gate and up are stored as one weight (Problem.one_weight)
+    check: Callable[[Problem], str | None] | None = field(default=None, compare=False)  # any further constraint
     notes: str = field(default="", compare=False)
 
     def why_not(self, p: Problem) -> str | None:
@@ -75,7 +79,9 @@ class Impl:
             return f"M={p.M} > {self.max_m}"
         if self.max_o is not None and p.O > self.max_o:
             return f"O={p.O} > {self.max_o}"
-        return None
+        if self.one_weight and not p.one_weight:
+            return "gate and up are not stored as one weight without biases (mlp_fuser.merge_gate_up)"
+        return self.check(p) if self.check is not None else None
 
     def not_worth(self, p: Problem) -> str | None:
         """None when the dispatcher should time this implementation for the problem it supports, else why not."""
@@ -128,6 +134,20 @@ def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
     return F.linear(act_mul(g, u, act), wd, bd)
 
 
+def _quack_gated(config: str) -> ImplFn:
+    """quack's gated GEMM (tile config ``config``) for gate and up stored as one, then cuBLAS for down."""
+    def impl(x2, wg, bg, wu, bu, wd, bd, act):
+        wgu = gate_up_as_one(wg, bg, wu, bu)
+        if wgu is None:  # forced onto weights it cannot take (the dispatcher only times it where they are one)
+            raise ValueError("mlp_fuser: quack_gated needs gate and up stored as one weight without biases")
+        return F.linear(quack_gated.gated_act(x2, wgu, act, config), wd, bd)
+    return impl
+
+
+def _quack_check(p: Problem) -> str | None:
+    return quack_gated.why_not(p.activation, p.K, p.I)
+
+
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream cublas_two_streams runs up on
 
 
@@ -173,6 +193,11 @@ IMPLS: list[Impl] = [
                "Triton kernel for act*mul"),
     Impl("cublas_two_streams", _cublas_two_streams, frozenset({"cuda"}), max_m=256, above_m=16, gated_only=True,
          triton=True, notes="cublas_act_mul with gate and up on two streams at once (two branches in a CUDA graph)"),
+    # M > 64: at M = 64 it lost to cuBLAS on all four shapes of run 70 (0.73-0.97x the whole MLP)
+    *(Impl(f"quack_gated_{c}", _quack_gated(c), frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}),
+           above_m=64, gated_only=True, one_weight=True, check=_quack_check,
+           notes=f"quack's warp-specialised gated GEMM ({c} tiles) over gate and up stored as one, act*mul in its "
+                 "epilogue, then cuBLAS for down (where quack is installed, sm90)") for c in quack_gated.CONFIGS),
     Impl("reference", reference_mlp, None,
          dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
          notes="aten ops, exactly as the unfused module"),
@@ -223,25 +248,29 @@ def triton_act_mul(device: torch.device, dtype: torch.dtype) -> bool:
 # ---- choosing ------------------------------------------------------------------------------------
 
 _resolved: dict[tuple, Impl] = {}  # every call's key -> its final choice: the op's hot path is one lookup here
-# CUDA autotuning: (device, index, dtype, gated, K, I, O, M bucket) -> (name for graphs, name for eager calls)
+# CUDA autotuning: (device, index, dtype, gated, K, I, O, M bucket, activation, one_weight) -> (name for graphs, name
+# for eager calls)
 _choice_cache: dict[tuple, tuple[str, str]] = {}
 _eligible_cache: dict[tuple, list[Impl]] = {}
 _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup afresh rather than growing it
 
 
 def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
-            args: tuple, eager: bool = False, impls: list[Impl] = IMPLS) -> Impl:
+            args: tuple, eager: bool = False, impls: list[Impl] = IMPLS, activation: str | None = None,
+            one_weight: bool = False) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
     ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``eager``: the
     caller runs without CUDA graphs (``patch``, and the backend's graphs where the mode has none), so the choice
     weighs the host's time per call beside the GPU's.
-    ``impls``: the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``)."""
+    ``impls``: the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``). ``activation`` and ``one_weight``:
+    as in ``Problem``, for the implementations whose constraints read them."""
     key = (impls is IMPLS, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
-           config.triton_backward, eager)
+           config.triton_backward, eager, activation, one_weight)
     impl = _resolved.get(key)
     if impl is None:
-        impl, final = _select(Problem(device.type, dtype, M, K, I, O, gated), args, device.index, eager, impls)
+        p = Problem(device.type, dtype, M, K, I, O, gated, activation, one_weight)
+        impl, final = _select(p, args, device.index, eager, impls)
         if final:
             if len(_resolved) >= _MAX_RESOLVED:
                 _resolved.clear()
@@ -259,7 +288,7 @@ def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = Fal
             impls: list[Impl] = IMPLS) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
     ekey = (impls is IMPLS, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
-            config.triton_on_cpu, config.triton_backward)
+            config.triton_on_cpu, config.triton_backward, p.activation, p.one_weight)
     candidates = _eligible_cache.get(ekey)
     if candidates is None:
         candidates = _eligible_cache[ekey] = _candidates(p, impls)
@@ -276,7 +305,7 @@ def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = Fal
 
 
 def _choice_key(p: Problem, index: int | None) -> tuple:
-    return (p.device, index, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M))
+    return (p.device, index, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), p.activation, p.one_weight)
 
 
 def chosen(p: Problem, eager: bool = False) -> str:
@@ -322,7 +351,8 @@ def _warn_capture(p: Problem) -> None:
 def describe(p: Problem) -> str:
     """One line for logs: the MLP's kind, sizes, dtype and the M bucket a choice is cached for."""
     dtype = str(p.dtype).removeprefix("torch.")
-    return (f"{'gated' if p.gated else 'plain'} MLP K={p.K} I={p.I} O={p.O} {dtype}, "
+    return (f"{'gated' if p.gated else 'plain'} MLP K={p.K} I={p.I} O={p.O} {dtype}"
+            f"{', ' + p.activation if p.activation else ''}{', gate and up stored as one' if p.one_weight else ''}, "
             f"M={p.M} (bucket {m_bucket(p.M)})")
 
 

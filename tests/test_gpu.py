@@ -285,6 +285,47 @@ def test_gpu_gate_and_up_stored_as_one_match_float64(impl, dtype, monkeypatch):
             assert err <= 1.25 * unfused, (impl, M, i, err, unfused)
 
 
+QUACK = [i.name for i in dispatch.IMPLS if i.name.startswith("quack_gated_")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_quack_gated_match_float64_plain_and_in_a_cuda_graph(dtype, monkeypatch):
+    """quack's gated GEMM (each tile config) over gate and up stored as one, then cuBLAS's down GEMM: matching float64
+    as the unfused module does, called plainly and replayed in a CUDA graph. Needs quack installed (the device
+    machine has it only where a run carries its wheels: benchmarks/quack_wheels.sh)."""
+    pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed here")
+    for M, K, I, O, act in ((100, 1024, 2816, 1024, "silu"), (300, 576, 1536, 576, "gelu_tanh"),
+                            (2048, 2048, 5632, 2048, "silu"), (129, 4096, 11008, 4096, "relu")):
+        for impl in QUACK:
+            p = dispatch.Problem("cuda", dtype, M, K, I, O, True, act, True)
+            assert dispatch.IMPLS_BY_NAME[impl].why_not(p) is None, dispatch.IMPLS_BY_NAME[impl].why_not(p)
+            monkeypatch.setattr(config, "force_impl", impl)
+            case = make_case(M, K, I, O, act=act, dtype=dtype, device="cuda", bias=(False,) * 3, layout="merged")
+            args = case.args()
+            ref = case.reference64()
+            unfused = rel_err(case.unfused(), ref)
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+            out = case.op()(*args)
+            assert rel_err(out, ref) <= 1.25 * unfused, (impl, M, K, I, rel_err(out, ref), unfused)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = case.op()(*args)
+            replayed.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, out), (impl, M)
+    monkeypatch.setattr(config, "force_impl", None)
+    dispatch._choice_cache.clear()
+    dispatch._resolved.clear()
+    case = make_case(2048, 2048, 5632, 2048, dtype=torch.bfloat16, device="cuda", bias=(False,) * 3,
+                     layout="merged")
+    ref = case.reference64()
+    assert rel_err(case.op()(*case.args()), ref) <= 1.25 * rel_err(case.unfused(), ref)
+    p = dispatch.Problem("cuda", torch.bfloat16, 2048, 2048, 5632, 2048, True, "silu", True)
+    assert {i.name for i in dispatch.eligible(p)} >= set(QUACK)  # timed beside cuBLAS and Triton; the fastest runs
+    assert dispatch.chosen(p) in dispatch.IMPLS_BY_NAME
+
+
 def test_gpu_no_host_synchronisation_in_a_call():
     case = make_case(8, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda")
     case.op()(*case.args())  # the first call of a shape times candidates (and synchronises); later ones must not
@@ -410,7 +451,7 @@ def test_gpu_patched_module_takes_the_eager_entry_and_stays_right(M):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert rel_err(y, ref) <= 1.25 * rel_err(plain(x), ref)
-    p = dispatch.Problem("cuda", torch.bfloat16, M, 576, 1536, 576, True)
+    p = dispatch.Problem("cuda", torch.bfloat16, M, 576, 1536, 576, True, "silu")
     assert dispatch.chosen(p, eager=True) in dispatch.IMPLS_BY_NAME
 
 
