@@ -153,12 +153,17 @@ def _gate_up_paths(fused: dict[str, FusedModuleForward]) -> dict[str, tuple[str,
     return pairs
 
 
+def _weights(model: nn.Module, pairs: dict[str, tuple[str, str]]):
+    """(module path, gate weight, up weight) for each entry of ``pairs`` (``_gate_up_paths``)."""
+    for path, (g_name, u_name) in pairs.items():
+        module = model.get_submodule(path)
+        yield path, module.get_parameter(g_name), module.get_parameter(u_name)
+
+
 def _merge(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> list[str]:
     merged = []
     with torch.no_grad():
-        for path, (g_name, u_name) in pairs.items():
-            module = model.get_submodule(path)
-            wg, wu = module.get_parameter(g_name), module.get_parameter(u_name)
+        for path, wg, wu in _weights(model, pairs):
             if (wg is wu or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
                     or not (wg.is_contiguous() and wu.is_contiguous()) or type(wg.data) is not torch.Tensor
                     or type(wu.data) is not torch.Tensor or wg.dim() != 2):
@@ -173,9 +178,7 @@ def _merge(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> list[str]:
 def _split(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> list[str]:
     split = []
     with torch.no_grad():
-        for path, (g_name, u_name) in pairs.items():
-            module = model.get_submodule(path)
-            wg, wu = module.get_parameter(g_name), module.get_parameter(u_name)
+        for path, wg, wu in _weights(model, pairs):
             if wg is not wu and stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()):
                 wg.data, wu.data = wg.data.clone(), wu.data.clone()
                 split.append(path)
