@@ -19,12 +19,16 @@
 - ``streamk.gate_up_act_streamk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract with a
   stream-K schedule (a persistent grid, equal K steps per program, pieces of tiles summed in K order by the last
   program of each tile), so every SM streams weights at M = 16-256; ``streamk_config`` picks its blocks.
+- ``quack_gated.gated_act(x2, w_gate_up, activation, config)``: not Triton: quack's sm90 gated GEMM (CuTe DSL) over
+  gate and up stored as one (2I, K) weight, act·mul in its epilogue, where ``quack-kernels`` is installed (an optional
+  dependency); ``quack_gated.why_not`` says where it cannot run. The dispatcher's ``quack_gated_*`` candidates.
 - ``common``: what they share: ``Launcher`` (launches a compiled kernel directly once its specialization is
   known), ``m_bucket``, ``cdiv``, ``next_power_of_2``, ``dot_precision``, ``k_loop_fits``, ``aligned``,
   ``num_sms``, ``smem_per_sm``, ``stand_ins`` (the absent operands' pointer arguments) and ``INTERPRET``.
 
 Weights are (out, in) tensors with any strides; ``w_up=None`` means a plain (ungated) MLP; biases are optional.
-The package exports the first three; ``splitk``, ``swapab``, ``streamk`` and ``common`` are imported as modules.
+The package exports the first three; ``splitk``, ``swapab``, ``streamk``, ``quack_gated`` and ``common`` are imported as
+modules.
 """
 
 from .act_mul import act_mul
