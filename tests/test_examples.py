@@ -17,6 +17,8 @@ EXPECT = {
     "compile_backend.py": ([], ["compiled with mlp_fuser.backend: OK"], False),
     "static_cache_generate.py": ([], ["both backends generated the same 12 tokens", "ms/token decode"], False),
     "training_step.py": ([], ["gradients match the unfused model", "mlp_fuser.patch(backward='save')"], False),
+    "merge_gate_up.py": ([], ["gate and up stored as one: True", "round trip keeps the weights: True",
+                              "merge_gate_up: OK"], False),
     "explain_models.py": ([], ["llama", "gpt2", "qwen3", "summary"], True),
     "generate_smollm2.py": (["--tokens", "12"], ["all variants generated the same 12 tokens", "ms/token"], True),
 }
