@@ -415,6 +415,19 @@ def test_gpu_reduce_overhead_at_batched_sizes(impl, monkeypatch):
         _first_calls_in_cuda_graph_trees(make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda"))
 
 
+@pytest.mark.parametrize("impl", [None, "quack_gated_128x224c"], ids=lambda i: i or "dispatch")
+def test_gpu_reduce_overhead_with_gate_and_up_stored_as_one(impl, monkeypatch):
+    """Inductor's CUDA-graph trees around the op where gate and up are one weight (merge_gate_up's layout): the
+    dispatcher's own choice (quack's configs among its candidates where quack is installed), and a quack config
+    forced; first calls in the trees' warm-up, then recorded and replayed graphs, right every time."""
+    if impl is not None:
+        pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed here")
+    monkeypatch.setattr(config, "force_impl", impl)
+    for M in (128, 300, 2048):
+        _first_calls_in_cuda_graph_trees(make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda",
+                                                   bias=(False,) * 3, layout="merged"))
+
+
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_gpu_patched_module_takes_the_eager_entry_and_stays_right(M):
     """patch's per-module forward computes the op without the dispatcher's hop, with the implementation chosen for
