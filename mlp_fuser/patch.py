@@ -119,9 +119,10 @@ def merge_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None],
 
     Each Parameter stays the same object (optimizers, hooks and tied references still hold it); its ``.data`` becomes
     a view of the buffer. Taken: the MLP modules ``patch`` fuses on their own (``filter_fn`` as for ``patch``) whose
-    gate and up are bias-free contiguous parameters of one shape, dtype and device. ``.to()`` / ``.half()`` give each
-    weight its own storage again, as does ``split_gate_up``. ``torch.save`` keeps the shared buffer; safetensors'
-    ``save_file`` refuses tensors that share storage (transformers' ``save_pretrained`` copies them apart itself)."""
+    gate and up are bias-free contiguous parameters of one shape, dtype and device. ``.to()`` / ``.cuda()`` /
+    ``.half()`` give each weight its own storage again (merge after them), as does ``split_gate_up``. ``torch.save``
+    keeps the shared buffer; transformers' ``save_pretrained`` writes the halves as two tensors
+    (tests/test_merge_gate_up.py loads them back)."""
     return _merge(model, _gate_up_paths(_proven(model, filter_fn)))
 
 
