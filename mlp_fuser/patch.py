@@ -107,7 +107,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     model.__dict__[_ORIG] = orig
     model.__dict__[_SETTINGS] = settings
     if merge_gate_up:
-        pairs = _gate_up_paths(_proven(model, filter_fn))
+        pairs = _gate_up_paths(_proven(model, filter_fn, pass_options(**options)))
         model.__dict__[_MERGED] = {p: pairs[p] for p in _merge(model, pairs)}
     return model
 
@@ -132,13 +132,14 @@ def split_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None],
     return _split(model, _gate_up_paths(_proven(model, filter_fn)))
 
 
-def _proven(model: nn.Module, filter_fn) -> dict[str, FusedModuleForward]:
-    """The MLP modules ``patch`` would fuse on their own, each with its proof (already patched ones: theirs)."""
+def _proven(model: nn.Module, filter_fn, options: dict | None = None) -> dict[str, FusedModuleForward]:
+    """The MLP modules ``patch`` would fuse on their own (with the pass's ``options``), each with its proof (already
+    patched ones: theirs)."""
     proven = {}
     for path, module in model.named_modules():
         forward = module.__dict__.get("forward")
         if not isinstance(forward, FusedModuleForward):
-            forward = fuse_module(module)
+            forward = fuse_module(module, **(options or {}))
         if forward is not None and (filter_fn is None or filter_fn(path, module)):
             proven[path] = forward
     return proven

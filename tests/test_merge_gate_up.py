@@ -128,3 +128,17 @@ def test_the_op_tells_the_dispatcher_when_gate_and_up_are_stored_as_one(monkeypa
     assert seen == [("silu", True), ("silu", False), ("silu", False), ("swish", False)]
     ref = (torch.nn.functional.silu(x.double() @ w[:24].double().T) * (x.double() @ w[24:].double().T)) @ wd.double().T
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_whole_model_merges_what_its_options_fuse():
+    model, inputs, n = build("llama")
+    mlps = [layer.mlp for layer in model.model.layers]
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    mlp_fuser.patch(model, per_module=False, merge_gate_up=True)
+    assert all(_one(m) for m in mlps)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, ref, rtol=1e-5, atol=1e-5)
+    mlp_fuser.patch(model, per_module=False, merge_gate_up=True, activations=["gelu"])  # no silu site is fused
+    assert not any(_one(m) for m in mlps)  # re-patching split them, and nothing it fuses is merged again
+    mlp_fuser.unpatch(model)
