@@ -57,6 +57,9 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(WINNERS),
                     help="quack configs for the concatenated layout: default, or e.g. 128x128-1x2-pingpong")
     ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--interleaved", action="store_true",
+                    help="also the row-interleaved layout (g0, u0, g1, ...; no concat_layout) under each config, and "
+                         "every gate/up candidate's plain-call µs (quack's warm fast path skips concat_layout calls)")
     args = ap.parse_args()
     try:
         from quack.gemm_config import GemmConfig
@@ -86,6 +89,8 @@ def main() -> int:
                                 **pin)[1]
             return gemm_act(x, w_int.t(), activation="swiglu", store_preact=False, **pin)[1]
 
+        interleaved = {f"gu quack int {c}": c for c in configs if c != "default"} if args.interleaved else {}
+
         for M in map(int, args.ms.split(",")):
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"budget spent: stop before {shape} M={M}", flush=True)
@@ -99,6 +104,8 @@ def main() -> int:
                 "gu cublas": lambda x=x, w=w: act_mul(F.linear(x, w[0]), F.linear(x, w[1]), "silu"),
                 "gu quack int": lambda x=x, q=quack_gu: q(x, concat=False),
                 **{f"gu quack {c}": lambda x=x, q=quack_gu, c=configs[c]: q(x, config=c) for c in configs},
+                **{n: lambda x=x, q=quack_gu, c=configs[c]: q(x, concat=False, config=c)
+                   for n, c in interleaved.items()},
                 "mlp cublas_act_mul": lambda x=x, w=w: cublas(x, w[0], None, w[1], None, w[2], None, "silu"),
                 "mlp cublas_two_streams": lambda x=x, w=w: two(x, w[0], None, w[1], None, w[2], None, "silu"),
                 "mlp quack": lambda x=x, w=w, q=quack_gu: F.linear(q(x), w[2]),
@@ -118,8 +125,11 @@ def main() -> int:
             t = timed(cands, "cuda")
             rows.append((shape, M, {k: v[0] for k, v in t.items()}, bad))
             print(shape, M, {k: round(v[0], 1) for k, v in t.items()}, "ok" if not bad else f"WRONG {bad}", flush=True)
-            best = min((k for k in t if k.startswith("gu quack ") and k != "gu quack int"), key=lambda k: t[k][0],
-                       default=None)
+            if args.interleaved:  # plain calls: the host's time shows where it exceeds the GPU's
+                print(f"  plain µs {shape} M={M}:", {k: round(v[1], 1) for k, v in t.items() if k.startswith("gu")},
+                      flush=True)
+            best = min((k for k in t if k.startswith("gu quack ") and not k.startswith("gu quack int")),
+                       key=lambda k: t[k][0], default=None)
             if best is not None:
                 wholes.append(whole_mlp(shape, M, x, w, configs[best.removeprefix("gu quack ")], best, quack_gu,
                                         errs["mlp cublas_act_mul"], y_ref, cublas, two))
