@@ -28,6 +28,7 @@ from torch import nn
 from ._dynamo_utils import fresh_code
 from .backend import make_backend, pass_options
 from .kernels.common import stored_as_one
+from .ops import _PLAIN
 from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
@@ -86,8 +87,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
             model.__dict__[_MODULES] = list(fused)
             model.__dict__[_SETTINGS] = settings
             if merge_gate_up:
-                pairs = _gate_up_paths(fused)
-                model.__dict__[_MERGED] = {p: pairs[p] for p in _merge(model, pairs)}
+                model.__dict__[_MERGED] = _merge(model, _gate_up_paths(fused))
             return model
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
 
@@ -107,8 +107,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     model.__dict__[_ORIG] = orig
     model.__dict__[_SETTINGS] = settings
     if merge_gate_up:
-        pairs = _gate_up_paths(_proven(model, filter_fn, pass_options(**options)))
-        model.__dict__[_MERGED] = {p: pairs[p] for p in _merge(model, pairs)}
+        model.__dict__[_MERGED] = _merge(model, _gate_up_paths(_proven(model, filter_fn, pass_options(**options))))
     return model
 
 
@@ -123,7 +122,7 @@ def merge_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None],
     ``.half()`` give each weight its own storage again (merge after them), as does ``split_gate_up``. ``torch.save``
     keeps the shared buffer; transformers' ``save_pretrained`` writes the halves as two tensors
     (tests/test_merge_gate_up.py loads them back)."""
-    return _merge(model, _gate_up_paths(_proven(model, filter_fn)))
+    return list(_merge(model, _gate_up_paths(_proven(model, filter_fn))))
 
 
 def split_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None) -> list[str]:
@@ -162,18 +161,19 @@ def _weights(model: nn.Module, pairs: dict[str, tuple[str, str]]):
         yield path, module.get_parameter(g_name), module.get_parameter(u_name)
 
 
-def _merge(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> list[str]:
-    merged = []
+def _merge(model: nn.Module, pairs: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """The entries of ``pairs`` whose weights are now stored as one (merged here, or already)."""
+    merged = {}
     with torch.no_grad():
         for path, wg, wu in _weights(model, pairs):
             if (wg is wu or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
-                    or not (wg.is_contiguous() and wu.is_contiguous()) or type(wg.data) is not torch.Tensor
-                    or type(wu.data) is not torch.Tensor or wg.dim() != 2):
+                    or not (wg.is_contiguous() and wu.is_contiguous()) or type(wg.data) not in _PLAIN
+                    or type(wu.data) not in _PLAIN or wg.dim() != 2):
                 continue
             if not stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()):
                 w = torch.cat([wg.data, wu.data])
                 wg.data, wu.data = w[: wg.shape[0]], w[wg.shape[0]:]
-            merged.append(path)
+            merged[path] = pairs[path]
     return merged
 
 
