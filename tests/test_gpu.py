@@ -344,14 +344,18 @@ def test_gpu_first_calls_inside_inductor_cuda_graph_trees(M):
     _first_calls_in_cuda_graph_trees(make_case(M, 512, 1408, 512, dtype=torch.bfloat16, device="cuda"))
 
 
-def _first_calls_in_cuda_graph_trees(case):
+def _first_calls_in_cuda_graph_trees(case, parameters=False):
     """The op (its choices and plans forgotten first) inside torch.compile(mode="reduce-overhead"): warm-up, recorded
-    graph, replays, each output matching float64 as the unfused module does."""
+    graph, replays, each output matching float64 as the unfused module does. ``parameters``: the weights and biases
+    as nn.Parameters, as a model holds them, which the CUDA-graph trees take as static inputs; other tensors they copy
+    into buffers of their own before recording (so weights stored as one would reach the op as separate copies)."""
     dispatch._choice_cache.clear()
     dispatch._resolved.clear()
     plans.clear()
     torch._dynamo.reset()
     x, *rest = case.args()
+    if parameters:
+        rest = [torch.nn.Parameter(t, requires_grad=False) if isinstance(t, torch.Tensor) else t for t in rest]
 
     def f(x):
         return torch.ops.mlp_fuser.gated_mlp.default(x, *rest) * 2
@@ -424,8 +428,8 @@ def test_gpu_reduce_overhead_with_gate_and_up_stored_as_one(impl, monkeypatch):
         pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed here")
     monkeypatch.setattr(config, "force_impl", impl)
     for M in (128, 300, 2048):
-        _first_calls_in_cuda_graph_trees(make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda",
-                                                   bias=(False,) * 3, layout="merged"))
+        case = make_case(M, 1024, 2816, 1024, dtype=torch.bfloat16, device="cuda", bias=(False,) * 3, layout="merged")
+        _first_calls_in_cuda_graph_trees(case, parameters=True)
 
 
 @pytest.mark.parametrize("M", [1, 8, 64])
