@@ -23,12 +23,13 @@ live in one int32 buffer zeroed per call (a memset before the launch). The barri
 once: P = the SM count and nothing else holding SMs for long (an MPS client limited to fewer SMs would deadlock: the
 reason this stays a probe until it earns a place in dispatch with a guard).
 
-The CPU interpreter runs programs one after another, so it cannot run the barrier: ``--device cpu`` (and
-tests/test_one_launch_probe.py) runs the same kernel as two launches, PHASE=1 then PHASE=2, and checks y against
-float64. On the GPU the probe times, in CUDA graphs and in turns (``probe_two_streams.timed``): the one launch
-(PREFETCH 0, 2, 4 tiles), the same kernel as two launches (what the barrier saves), the op's implementations
-(``triton_swapab``, ``triton_gemm_splitk``, ``triton_gemm``, ``cublas_act_mul``) and a one-kernel read of all the
-weight bytes (``probe_read_ceiling``); every output within 1.25x the unfused module's error against float64.
+The CPU interpreter runs programs one after another, so it cannot run the barrier: ``--device cpu`` runs the same
+kernel as two launches, PHASE=1 then PHASE=2 (3 and 5 programs, O-blocks of 64 and 128), and checks y against float64.
+On the GPU the probe times, in CUDA graphs and in turns (``probe_two_streams.timed``): the one launch (PREFETCH 0, 2,
+4 tiles; O-blocks of 128; 4 stages), the same kernel as two launches (what the barrier saves), the op's
+implementations (``triton_swapab``, ``triton_gemm_splitk``, ``triton_gemm``, ``cublas_act_mul``) and a one-kernel read
+of all the weight bytes (``probe_read_ceiling.read``, its best config of run 81); every MLP output within 1.25x the
+unfused module's error against float64.
 Prediction (NOTES, seventeenth session): GELU + biases and the 70B shard at M = 1 from 47.5-48.4 µs to 45-46 µs.
 """
 from __future__ import annotations
@@ -241,14 +242,31 @@ def candidates(x, w, act, dev):
     """{name: the MLP on x}: on the CPU the two phases as two launches (the interpreter cannot run the barrier) with
     3 and 5 programs (split and unsplit items); on the GPU the one launch and its peers."""
     if dev != "cuda":
-        return {f"two launches, {p} programs": (lambda p=p: one_launch_mlp(x, *w, act, programs=p, two_launches=True,
-                                                                          block_k=32)) for p in (3, 5)}
+        cands = {f"two launches, {p} programs": (lambda p=p: one_launch_mlp(x, *w, act, programs=p, two_launches=True,
+                                                                           block_k=32)) for p in (3, 5)}
+        cands["two launches, 3 programs, O-blocks of 128"] = lambda: one_launch_mlp(
+            x, *w, act, programs=3, two_launches=True, block_k=32, block_o=128)
+        return cands
     from mlp_fuser.dispatch import IMPLS_BY_NAME
     cands = {f"one launch, prefetch {n}": (lambda n=n: one_launch_mlp(x, *w, act, prefetch=n)) for n in (0, 2, 4)}
+    # variants: O-blocks of 128 down rows (half the re-reads of h at M = 16), a deeper pipeline
+    cands["one launch, O-blocks of 128, prefetch 2"] = lambda: one_launch_mlp(x, *w, act, prefetch=2, block_o=128)
+    cands["one launch, 4 stages, prefetch 2"] = lambda: one_launch_mlp(x, *w, act, prefetch=2, stages=4)
     cands["two launches"] = lambda: one_launch_mlp(x, *w, act, two_launches=True)
     cands |= {name: (lambda fn=IMPLS_BY_NAME[name].fn: fn(x, *w, act))
               for name in ("triton_swapab", "triton_gemm_splitk", "triton_gemm", "cublas_act_mul")}
     return cands
+
+
+def read_all(w, dev):
+    """A one-kernel read of every weight byte of the MLP (``probe_read_ceiling.read`` in run 81's best config for four
+    of the five shapes: 8 programs per SM, blocks of 8192 elements, 16 warps), as a callable: the ceiling the one
+    launch is measured against."""
+    from probe_read_ceiling import read
+    wg, _, wu, _, wd, _ = w
+    first = torch.cat([wg.view(-1), wu.view(-1)]) if wu is not None else wg  # gate and up as one stream
+    out = torch.empty(16 * num_sms(torch.device(dev)), device=dev)
+    return lambda: read(first, wd, 8 * num_sms(torch.device(dev)), 8192, 16, out)
 
 
 def main():
@@ -274,6 +292,8 @@ def main():
             cands = candidates(x, w, act, dev)
             errs = {k: rel(fn(), ref) for k, fn in cands.items()}
             bad = [f"{k} {e:.2e}" for k, e in errs.items() if not e <= 1.25 * unfused + 1e-6]
+            if dev == "cuda":
+                cands["read of all weight bytes"] = read_all(w, dev)  # not an MLP: timed, not checked
             t = {k: v[0] for k, v in timed(cands, dev).items()}
             nbytes = sum(t_.numel() * t_.element_size() for t_ in w if t_ is not None)
             rows.append((shape, M, nbytes / 4.24e12 * 1e6, t, bad))
