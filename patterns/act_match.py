@@ -44,6 +44,7 @@ class ActMatch:
     leaf: Node  # its one tensor input (a projection's output)
     nodes: list[Node] = field(default_factory=list)  # the subgraph, in topological order
     name: str | None = None  # registry name, or None when it computes none of them
+    reads: list[str] = field(default_factory=list)  # tensors it reads besides its input (learned parameters)
 
     @property
     def desc(self) -> str:
@@ -51,7 +52,11 @@ class ActMatch:
             t = n.target
             return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
-        return " → ".join(short(n) for n in self.nodes)
+        text = " → ".join(short(n) for n in self.nodes)
+        if self.reads:
+            text += f" (it reads tensors besides its input: {', '.join(self.reads)}; the op's activations are " \
+                    "functions of the input alone)"
+        return text
 
 
 def _elementwise(n: Node) -> bool:
@@ -115,7 +120,7 @@ def match(out: Node, is_leaf: Callable[[Node], bool]) -> ActMatch | None:
         return len(nodes) <= MAX_NODES
 
     if not visit(out) or len(leaves) != 1 or not nodes or not is_leaf(leaves[0]):
-        return _opaque(out, is_leaf)
+        return _opaque(out, is_leaf) or _with_parameters(out, is_leaf)
     return ActMatch(out, leaves[0], nodes=nodes, name=identify(nodes, leaves[0], out))
 
 
@@ -137,3 +142,69 @@ def _opaque(out: Node, is_leaf) -> ActMatch | None:
             shape_only = all(c.target in _SHAPE_OPS for c in chain)
             return ActMatch(out, n, nodes=chain, name=None) if same and not shape_only else None
     return None
+
+
+MAX_PARAMETER_NUMEL = 4  # xIELU's alpha_p, alpha_n, beta and eps are one element each
+# what an activation with parameters may apply to its input: elementwise ops (a norm's single call is not one)
+_ELEMENTWISE_OF_INPUT_FNS = ELEMENTWISE_FNS | {
+    torch.where, torch.gt, torch.lt, torch.ge, torch.le, operator.gt, operator.lt, operator.ge, operator.le,
+    torch.min, torch.max, torch.minimum, torch.maximum, torch.clamp, torch.clip, torch.expm1, torch.log1p, torch.log,
+    torch.abs, torch.sign, F.softplus, F.elu, F.leaky_relu,
+}  # fmt: skip
+_ELEMENTWISE_OF_INPUT_METHODS = ELEMENTWISE_METHODS | {
+    "gt", "lt", "ge", "le", "clamp", "clip", "expm1", "log1p", "log", "abs", "sign", "minimum", "maximum", "where",
+}  # fmt: skip
+
+
+def _with_parameters(out: Node, is_leaf) -> ActMatch | None:
+    """An activation of one projection's output that also reads a few tiny tensors, learned parameters or buffers
+    (Apertus' xIELU: ``where(x > 0, α_p·x² + β·x, (expm1(min(x, ε)) − x)·α_n + β·x)`` with softplus'd scalars):
+    returned unnamed, with what it reads, so that it is reported as a near miss. Every node that depends on the
+    projection's output must be elementwise and keep its shape (a chain of ops on it, not a norm's one call)."""
+    nodes: list[Node] = []
+    leaves: list[Node] = []
+    reads: list[Node] = []
+    depends: dict[Node, bool] = {}
+
+    def visit(n: Node) -> bool:
+        if n in depends:
+            return True
+        if n is not out and is_leaf(n):
+            leaves.append(n)
+            depends[n] = True
+            return len(leaves) == 1
+        if n.op in ("placeholder", "get_attr"):
+            v = val(n)
+            if v is None or v.numel() > MAX_PARAMETER_NUMEL:
+                return False
+            reads.append(n)
+            depends[n] = False
+            return True
+        if n.op not in ("call_function", "call_method"):
+            return False
+        inputs = _inputs(n)
+        for m in inputs:
+            if not visit(m):
+                return False
+        depends[n] = any(depends[m] for m in inputs)
+        nodes.append(n)
+        return len(nodes) <= MAX_NODES
+
+    if not visit(out) or len(leaves) != 1 or not reads:
+        return None
+    shape = val(leaves[0]).shape if val(leaves[0]) is not None else None
+    if shape is None or any(depends[n] and not _elementwise_of_input(n, shape) for n in nodes):
+        return None
+
+    def short(n: Node) -> str:  # Dynamo's placeholder for model.layers[0].mlp.act_fn.alpha_p ends "..._alpha_p_"
+        name = n.name.rstrip("_")
+        for part in ("_parameters_", "_buffers_"):
+            name = name.rsplit(part, 1)[-1]
+        return name
+
+    return ActMatch(out, leaves[0], nodes=nodes, name=None, reads=[short(n) for n in reads])
+
+
+def _elementwise_of_input(n: Node, shape) -> bool:
+    ok = n.target in _ELEMENTWISE_OF_INPUT_FNS if n.op == "call_function" else n.target in _ELEMENTWISE_OF_INPUT_METHODS
+    return (ok or is_identity(n)) and val(n) is not None and same_shape(val(n).shape, shape)

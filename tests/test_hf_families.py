@@ -81,6 +81,23 @@ def test_bloom_training_gelu_is_a_named_near_miss():
     assert "autograd_function_apply" in str(report)
 
 
+def test_apertus_xielu_is_a_named_near_miss_and_left_alone():
+    """Apertus' MLP applies xIELU, an activation with learned scalars: explain names what it reads, patch leaves the
+    model as it was."""
+    from mlp_fuser._hf import example_inputs, tiny_model
+
+    model = tiny_model("apertus")
+    inputs = example_inputs(model)
+    report = mlp_fuser.explain(model, *inputs)
+    assert not report.fused and report.checks_failed() == {"activation"}, str(report)
+    assert all(name in str(report) for name in ("alpha_p", "alpha_n")), str(report)
+    with torch.no_grad():
+        ref = main_output(model(*inputs))
+        mlp_fuser.patch(model)
+        assert count_ops(lambda: model(*inputs)) == 0
+        torch.testing.assert_close(main_output(model(*inputs)), ref)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_training_step_backend(family):
     model, inputs, n_mlp = build(family)

@@ -388,6 +388,36 @@ def test_near_miss_opaque_activation():
     assert "mish" in str(report)
 
 
+class LearnedActivation(nn.Module):
+    """xIELU's form (Apertus' MLP): an activation with scalars learned with the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p, self.alpha_n = nn.Parameter(torch.tensor([0.8])), nn.Parameter(torch.tensor([0.3]))
+        self.register_buffer("beta", torch.tensor(0.5))
+
+    def forward(self, x):
+        pos = F.softplus(self.alpha_p) * x * x + self.beta * x
+        neg = (torch.expm1(torch.clamp(x, max=0.0)) - x) * (self.beta + F.softplus(self.alpha_n)) + self.beta * x
+        return torch.where(x > 0, pos, neg)
+
+
+def test_near_miss_activation_with_learned_parameters():
+    report = assert_not_fused(Plain(LearnedActivation()), x3(), check="activation")
+    assert "alpha_p" in str(report) and "alpha_n" in str(report) and "beta" in str(report), str(report)
+    report = assert_not_fused(Gated(LearnedActivation()), x3(), check="activation")
+    assert "alpha_p" in str(report), str(report)
+
+
+def test_a_norm_between_projections_is_not_an_activation():
+    """A LayerNorm reads tensors besides its input too (its weight and bias), but reduces over a row: nothing there
+    resembles an MLP, even with a row as short as a learned activation's scalars."""
+    for width in (I, 2):
+        m = nn.Sequential(nn.Linear(K, width), nn.LayerNorm(width), nn.Linear(width, O))
+        report = mlp_fuser.explain(m, x3())
+        assert not report.fused and not report.near_misses, str(report)
+
+
 def test_near_miss_shapes():
     m = Gated()
     m.up = nn.Linear(K, 1, bias=False)  # broadcasts against the gate: not a gated MLP
