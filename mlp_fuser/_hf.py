@@ -54,7 +54,7 @@ _MOE = {
     "num_experts": 4,
     "num_experts_per_tok": 2,
 }
-# Families with separate encoder/decoder sizes, and partial rotary embeddings (GPT-J, CodeGen).
+# Families with separate encoder/decoder sizes, partial rotary embeddings (GPT-J, CodeGen), per-layer embeddings.
 _EXTRA = {
     "encoder_layers": 2,
     "decoder_layers": 2,
@@ -62,6 +62,7 @@ _EXTRA = {
     "encoder_attention_heads": 4,
     "decoder_attention_heads": 4,
     "rotary_dim": 16,
+    "vocab_size_per_layer_input": 512,  # Gemma 3n / 4: per-layer input embeddings, a vocabulary of their own
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 
@@ -159,15 +160,22 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         return amap.get(name, name)
 
     def has(name: str) -> bool:
-        # present, and settable (not a read-only property such as Falcon's head_dim)
-        return hasattr(defaults, real(name)) and not isinstance(getattr(type(defaults), real(name), None), property)
+        # present, and settable (not a read-only property such as Falcon's head_dim, nor an attribute that varies
+        # per layer, which Gemma 4's config refuses to read globally with a RuntimeError)
+        try:
+            present = hasattr(defaults, real(name))
+        except RuntimeError:
+            return False
+        return present and not isinstance(getattr(type(defaults), real(name), None), property)
 
     want: dict[str, Any] = {}
     for k, v in TINY.items():
         if has(k):
             want[real(k)] = v
-    if has("head_dim") and getattr(defaults, real("head_dim"), None) is None and "head_dim" not in overrides:
-        want.pop(real("head_dim"), None)  # derived from hidden/heads by the model
+    # head_dim stays TINY's (hidden / heads) even where the family's default is None ("derived"): some models read
+    # config.head_dim without deriving it (Ministral)
+    if has("attention_types") and isinstance(getattr(defaults, "attention_types", None), list):
+        want["attention_types"] = [[["global", "local"], 1]]  # GPT-Neo: the pattern once, for 2 layers
     for k in _FFN_NAMES:
         if has(k):
             want[real(k)] = _TINY_FFN
@@ -196,8 +204,13 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             cfg = transformers.AutoConfig.for_model(model_type, **want)
     lt = getattr(cfg, "layer_types", None)
     n_layers = TINY["num_hidden_layers"] if "num_hidden_layers" not in overrides else overrides["num_hidden_layers"]
-    if isinstance(lt, list) and len(lt) != n_layers:
-        cfg.layer_types = (lt * n_layers)[:n_layers]
+    if isinstance(lt, list):
+        # every kind of layer the family has, in its order, when the toy has room for them: hybrids whose first
+        # layers are all linear attention (Qwen3-Next: three of every four) would otherwise get no attention layer
+        kinds = list(dict.fromkeys(getattr(defaults, "layer_types", None) or lt))
+        settable = not isinstance(getattr(type(cfg), "layer_types", None), property)  # Jamba derives it
+        if settable and (len(lt) != n_layers or (set(lt) != set(kinds) and len(kinds) <= n_layers)):
+            cfg.layer_types = ((kinds if len(kinds) <= n_layers else lt) * n_layers)[:n_layers]
     if hasattr(cfg, "_attn_implementation"):
         cfg._attn_implementation = "eager"
     return cfg
@@ -238,8 +251,30 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> Any:
         raise ValueError(
             f"{name_or_path!r} is neither a local path nor a HF model type (such as llama, gpt2, qwen3, gemma2, phi3)"
         )
+    n = toy_parameters(name_or_path)
+    if n is not None and n > MAX_TOY_PARAMETERS:
+        raise ValueError(
+            f"the toy {name_or_path!r} would still have {n / 1e6:.0f}M parameters (parts of it, such as a vision "
+            f"tower, keep their full size): explain its text model type (e.g. {name_or_path}_text) or a local "
+            "checkpoint"
+        )
     with step(f"building a tiny random {name_or_path!r} model"):
         return tiny_model(name_or_path).to(dtype)
+
+
+MAX_TOY_PARAMETERS = 200e6  # a toy above this is refused: multimodal families keep their towers' full sizes
+
+
+def toy_parameters(model_type: str) -> int | None:
+    """How many parameters ``tiny_model(model_type)`` would have, counted on the meta device (nothing allocated), or
+    None where the family cannot be built there."""
+    cfg = tiny_config(model_type)
+    try:
+        with torch.device("meta"), _quiet_transformers():
+            model = _model_class(cfg).from_config(cfg)
+    except Exception:
+        return None
+    return sum(p.numel() for p in model.parameters())
 
 
 def example_inputs(model: Any, seq_len: int = 8, batch: int = 1, seed: int = 0) -> tuple[Any, ...]:

@@ -98,6 +98,14 @@ def test_explain_unknown_target(capsys):
     assert "no_such_model_type" in err and len(err) < 400
 
 
+def test_explain_refuses_a_toy_that_is_not_tiny(capsys):
+    """gemma3's toy keeps its full-size vision tower (2.7B parameters, 11 GB in fp32): counted on the meta device and
+    refused with what to run instead, before anything is allocated."""
+    assert cli.main(["explain", "gemma3"]) == 2
+    err = capsys.readouterr().err
+    assert "gemma3_text" in err and "M parameters" in err and len(err) < 600, err
+
+
 def test_explain_subprocess():
     r = run_cli("explain", "gpt2", timeout=600)
     assert r.returncode == 0, r.stderr
@@ -107,7 +115,8 @@ def test_explain_subprocess():
 # ---- _hf helpers ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gemma2", "phi3", "opt", "bert", "mixtral", "falcon"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gemma2", "phi3", "opt", "bert", "mixtral", "falcon",
+                                        "ministral", "gpt_neo", "qwen3_next", "gemma4_text"])
 def test_tiny_config_is_tiny_and_runs(model_type):
     cfg = _hf.tiny_config(model_type)
     assert cfg.model_type == model_type
@@ -118,6 +127,14 @@ def test_tiny_config_is_tiny_and_runs(model_type):
     with torch.no_grad():
         out = model(*_hf.example_inputs(model))
     assert out[0].shape[:2] == (1, 8)
+
+
+def test_tiny_config_keeps_every_kind_of_layer():
+    """A hybrid's toy keeps each kind of layer its family has (Qwen3-Next: linear attention in three of every four
+    layers; the first two alone would leave the cache no attention layer), and a family of one kind stays so."""
+    assert _hf.tiny_config("qwen3_next").layer_types == ["linear_attention", "full_attention"]
+    assert _hf.tiny_config("gemma2").layer_types == ["sliding_attention", "full_attention"]
+    assert getattr(_hf.tiny_config("llama"), "layer_types", None) is None  # none to keep
 
 
 def test_tiny_config_overrides():
