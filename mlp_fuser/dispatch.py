@@ -44,7 +44,7 @@ class Problem(NamedTuple):
     O: int
     gated: bool
     activation: str | None = None  # the op's activation argument (None where no constraint reads it)
-    one_weight: bool = False  # gate and up stored as one (2I, K) weight, neither with a bias (common.gate_up_as_one)
+    one_weight: bool = False  # gate and up stored as one (2I, K) weight, neither with a bias (common.is_gate_up_as_one)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from torch import Tensor
 from . import config, dispatch, plans
 from .activations import ACTIVATIONS, ALIASES, get_activation
 from .kernels import act_mul as act_mul_kernel
-from .kernels.common import stored_as_one
+from .kernels.common import is_gate_up_as_one
 from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
@@ -142,9 +142,8 @@ def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False
     if M == 0:
         return x.new_empty((*shape[:-1], O))
     args = (x2, wg, bg, wu, bu, wd, bd, activation)
-    one = wu is not None and bg is None and bu is None and stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr())
     impl = dispatch.resolve(x.device, x.dtype, M, K, wg.shape[0], O, wu is not None, args, eager,
-                            activation=activation, one_weight=one)
+                            activation=activation, one_weight=is_gate_up_as_one(wg, bg, wu, bu))
     if planned and impl.name in plans.PLANNED:
         y = plans.run_and_plan(key, impl.name, impl.fn, x, args)
     else:

@@ -85,9 +85,15 @@ def stored_as_one(wg: torch.Tensor, wu: torch.Tensor, pg: int, pu: int) -> bool:
             and wg.untyped_storage().data_ptr() == wu.untyped_storage().data_ptr())
 
 
+def is_gate_up_as_one(wg: torch.Tensor, bg, wu, bu) -> bool:
+    """Whether ``stored_as_one`` holds for gate and up and neither has a bias: what ``gate_up_as_one`` views, and
+    what the dispatcher's ``Problem.one_weight`` says."""
+    return wu is not None and bg is None and bu is None and stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr())
+
+
 def gate_up_as_one(wg: torch.Tensor, bg, wu, bu) -> torch.Tensor | None:
-    """[w_gate; w_up] as one (2I, K) view where ``stored_as_one`` holds and neither has a bias; else None."""
-    if wu is None or bg is not None or bu is not None or not stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()):
+    """[w_gate; w_up] as one (2I, K) view where ``is_gate_up_as_one``; else None."""
+    if not is_gate_up_as_one(wg, bg, wu, bu):
         return None
     return wg.as_strided((2 * wg.shape[0], wg.shape[1]), wg.stride())
 
