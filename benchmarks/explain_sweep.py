@@ -18,14 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 ONE = """
 import json, sys, time
 import mlp_fuser
-from mlp_fuser._hf import example_inputs, tiny_model, toy_parameters
+from mlp_fuser._hf import example_inputs, model_from_config, tiny_config, toy_parameters
 t, limit = sys.argv[1], float(sys.argv[2])
 t0 = time.time()
 try:
-    n = toy_parameters(t)  # counted on the meta device first: a multimodal toy can be billions
+    cfg = tiny_config(t)
+    n = toy_parameters(cfg)  # counted on the meta device first: a multimodal toy can be billions
     if n is not None and n > limit:
         raise RuntimeError(f"not tiny: {n / 1e6:.0f}M parameters")
-    m = tiny_model(t)
+    m = model_from_config(cfg)
     r = mlp_fuser.explain(m, *example_inputs(m))
     out = dict(fused=len(r.fused), near=[(x.path, x.check, x.reason[:160]) for x in r.near_misses],
                breaks=r.graph_breaks, s=round(time.time() - t0, 1))

@@ -228,7 +228,11 @@ def _model_class(config: Any) -> Any:
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     """A randomly initialized toy model of ``model_type`` (see ``tiny_config``), in eval mode, float32."""
-    cfg = tiny_config(model_type, **overrides)
+    return model_from_config(tiny_config(model_type, **overrides), seed)
+
+
+def model_from_config(cfg: Any, seed: int = 0) -> Any:
+    """A randomly initialized model of ``cfg``'s family (its causal-LM class where it has one), eval mode, float32."""
     torch.manual_seed(seed)
     with _quiet_transformers():
         model = _model_class(cfg).from_config(cfg)
@@ -251,7 +255,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> Any:
         raise ValueError(
             f"{name_or_path!r} is neither a local path nor a HF model type (such as llama, gpt2, qwen3, gemma2, phi3)"
         )
-    n = toy_parameters(name_or_path)
+    cfg = tiny_config(name_or_path)
+    n = toy_parameters(cfg)
     if n is not None and n > MAX_TOY_PARAMETERS:
         raise ValueError(
             f"the toy {name_or_path!r} would still have {n / 1e6:.0f}M parameters (parts of it, such as a vision "
@@ -259,16 +264,15 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> Any:
             "checkpoint"
         )
     with step(f"building a tiny random {name_or_path!r} model"):
-        return tiny_model(name_or_path).to(dtype)
+        return model_from_config(cfg).to(dtype)
 
 
 MAX_TOY_PARAMETERS = 200e6  # a toy above this is refused: multimodal families keep their towers' full sizes
 
 
-def toy_parameters(model_type: str) -> int | None:
-    """How many parameters ``tiny_model(model_type)`` would have, counted on the meta device (nothing allocated), or
+def toy_parameters(cfg: Any) -> int | None:
+    """How many parameters ``model_from_config(cfg)`` would have, counted on the meta device (nothing allocated), or
     None where the family cannot be built there."""
-    cfg = tiny_config(model_type)
     try:
         with torch.device("meta"), _quiet_transformers():
             model = _model_class(cfg).from_config(cfg)
