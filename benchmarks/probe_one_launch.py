@@ -185,15 +185,30 @@ def best_split(blocks: int, programs: int, K: int, block_k: int, most: int = 8) 
     return min(splits, key=lambda s: (cdiv(blocks * s, programs) / s, s))
 
 
-def one_launch_mlp(x2, wg, bg, wu, bu, wd, bd, activation, *, programs=None, prefetch=0, two_launches=False,
-                   block_n=64, block_o=64, block_k=128, warps=4, stages=3):
-    """y (M, O) for M <= 16: the MLP as one persistent launch (``two_launches``: PHASE 1 then PHASE 2, no barrier)."""
+def resident_per_sm(kernel, args, grid, meta) -> int:
+    """How many programs of the compiled kernel fit on one SM at once (registers, shared memory, threads): the grid
+    barrier needs all of them resident, so a grid past this many per SM would wait forever."""
+    k = kernel.warmup(*args, grid=grid, **meta)
+    k._init_handles()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    warps = meta["num_warps"]
+    regs_per_warp = cdiv(k.n_regs * 32, 256) * 256  # allocated per warp in units of 256 registers
+    by_regs = (getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp) // warps
+    by_smem = props.shared_memory_per_multiprocessor // (k.metadata.shared + 1024)  # 1 KB reserved per block
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    return min(by_regs, by_smem, by_threads)
+
+
+def one_launch_mlp(x2, wg, bg, wu, bu, wd, bd, activation, *, programs=None, per_sm=1, prefetch=0,
+                   two_launches=False, block_n=64, block_o=64, block_k=128, warps=4, stages=3):
+    """y (M, O) for M <= 16: the MLP as one persistent launch (``two_launches``: PHASE 1 then PHASE 2, no barrier),
+    ``per_sm`` programs per SM (refused unless that many are resident at once)."""
     M, K = x2.shape
     I, O = wg.shape[0], wd.shape[0]
     if M > BLOCK_M:
         raise ValueError(f"one_launch_mlp: M={M} > {BLOCK_M}")
     act = get_activation(activation)
-    P = programs or num_sms(x2.device)
+    P = programs or per_sm * num_sms(x2.device)
     n1, n2 = cdiv(I, block_n), cdiv(O, block_o)
     s1, s2 = best_split(n1, P, K, block_k), best_split(n2, P, I, block_k)
     k1 = cdiv(cdiv(K, s1), block_k) * block_k
@@ -216,6 +231,9 @@ def one_launch_mlp(x2, wg, bg, wu, bu, wd, bd, activation, *, programs=None, pre
         _one_launch_kernel[(P,)](*args, PHASE=1, **meta)
         _one_launch_kernel[(P,)](*args, PHASE=2, **meta)
     else:
+        fits = resident_per_sm(_one_launch_kernel, args, (P,), dict(meta, PHASE=0)) if x2.is_cuda else P
+        if fits < cdiv(P, num_sms(x2.device)):
+            raise ValueError(f"one_launch_mlp: {P} programs cannot all be resident (the barrier would never open)")
         _one_launch_kernel[(P,)](*args, PHASE=0, **meta)
     return y
 
@@ -248,11 +266,18 @@ def candidates(x, w, act, dev):
             x, *w, act, programs=3, two_launches=True, block_k=32, block_o=128)
         return cands
     from mlp_fuser.dispatch import IMPLS_BY_NAME
-    cands = {f"one launch, prefetch {n}": (lambda n=n: one_launch_mlp(x, *w, act, prefetch=n)) for n in (0, 2, 4)}
-    # variants: O-blocks of 128 down rows (half the re-reads of h at M = 16), a deeper pipeline
-    cands["one launch, O-blocks of 128, prefetch 2"] = lambda: one_launch_mlp(x, *w, act, prefetch=2, block_o=128)
-    cands["one launch, 4 stages, prefetch 2"] = lambda: one_launch_mlp(x, *w, act, prefetch=2, stages=4)
-    cands["two launches"] = lambda: one_launch_mlp(x, *w, act, two_launches=True)
+    # Run 84 timed one program per SM with PREFETCH 0/2/4, O-blocks of 128 and 4 stages: every variant 60-70% of the
+    # floor against the op's 82-95%, and the barrier saved only 0.2-1.0 µs over the same kernel's two launches.
+    # Here: more programs per SM (more weight bytes in flight), each config as one launch and as two launches.
+    configs = {"1/SM BK128 4st": dict(per_sm=1, block_k=128, stages=4),
+               "2/SM BK128 3st": dict(per_sm=2, block_k=128, stages=3),
+               "2/SM BK64 4st": dict(per_sm=2, block_k=64, stages=4),
+               "3/SM BK64 3st": dict(per_sm=3, block_k=64, stages=3),
+               "4/SM BK64 2st": dict(per_sm=4, block_k=64, stages=2)}
+    cands = {}
+    for name, cfg in configs.items():
+        cands[f"one {name}"] = lambda cfg=cfg: one_launch_mlp(x, *w, act, **cfg)
+        cands[f"two {name}"] = lambda cfg=cfg: one_launch_mlp(x, *w, act, two_launches=True, **cfg)
     cands |= {name: (lambda fn=IMPLS_BY_NAME[name].fn: fn(x, *w, act))
               for name in ("triton_swapab", "triton_gemm_splitk", "triton_gemm", "cublas_act_mul")}
     return cands
@@ -290,7 +315,13 @@ def main():
             ref = reference64(x, *w, act)
             unfused = rel(reference_mlp(x, *w, act), ref)  # the unfused module's error, the bar
             cands = candidates(x, w, act, dev)
-            errs = {k: rel(fn(), ref) for k, fn in cands.items()}
+            errs = {}
+            for k, fn in list(cands.items()):
+                try:
+                    errs[k] = rel(fn(), ref)
+                except ValueError as e:  # a config whose programs cannot all be resident: not timed
+                    print(f"{shape} M={M} {k}: {e}", flush=True)
+                    del cands[k]
             bad = [f"{k} {e:.2e}" for k, e in errs.items() if not e <= 1.25 * unfused + 1e-6]
             if dev == "cuda":
                 cands["read of all weight bytes"] = read_all(w, dev)  # not an MLP: timed, not checked
