@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from mlp_fuser.reference import reference_mlp
+from mlp_fuser.reference import reference_gate_up, reference_mlp
 
 
 @dataclass
@@ -37,6 +38,13 @@ class Case:
     def reference64(self) -> Tensor:
         d = [None if t is None else t.double() for t in (self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd)]
         return reference_mlp(*d, self.act)
+
+    def rounded_once(self) -> Tensor:
+        """The MLP in float64 with h rounded to the case's dtype once and the output once: what a kernel that keeps
+        its sums in fp32 and stores h in x's dtype (as the op does) computes, short of its fp32 rounding."""
+        d = [None if t is None else t.double() for t in (self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd)]
+        h = reference_gate_up(*d[:5], self.act).to(self.x.dtype).double()
+        return F.linear(h, d[5], d[6]).to(self.x.dtype)
 
     def unfused(self) -> Tensor:
         """What the unfused nn.Linear modules compute in the case's own dtype."""

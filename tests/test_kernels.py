@@ -165,8 +165,31 @@ def _pin_one_config(monkeypatch, s: Shape, dtype):
     """On the GPU, run one autotune config per case (each config in turn across the cases), not all of them:
     tuning every case would compile ~6 kernels per case. The interpreter has a single config anyway."""
     kernel = gemm._gate_up_act_kernel
-    fits = [c for c in kernel.configs if gemm.config_fits(c, dtype.itemsize, m_bucket(s.M))] or kernel.configs
+    fits = gemm.tuning_configs(kernel.configs, dtype.itemsize, m_bucket(s.M))  # what the op tunes over
     monkeypatch.setattr(kernel, "configs", [fits[zlib.crc32(str(s).encode()) % len(fits)]])
+
+
+def test_gate_up_configs_tuned_fit_in_shared_memory_and_suit_m(monkeypatch):
+    """The GPU's config list, pruned per dtype and M bucket as the autotuner prunes it: every config tuned fits in
+    shared memory and suits M. fp32 at M <= 16 fits none at its stages (run 86: a 128 x 128 x 64 fp32 tile asked
+    288 KiB of 227), so those take fewer stages; fp16/bf16 keep the configs that fit as they are."""
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    configs = gemm._configs()
+    assert len(configs) > 1
+    for itemsize in (2, 4):
+        for bucket in (1, 2, 8, 16, 32, 64, 128, 4096):
+            tuned = gemm.tuning_configs(configs, itemsize, bucket)
+            assert tuned, (itemsize, bucket)
+            for c in tuned:
+                k = c.kwargs
+                assert common.k_loop_fits(c.num_stages, k["BLOCK_M"], k["BLOCK_K"], k["BLOCK_N"], 2, itemsize), c
+                assert k["BLOCK_M"] <= max(32, 2 * bucket), (c, bucket)
+            if itemsize == 2:
+                assert tuned == [c for c in configs if gemm.config_fits(c, 2, bucket)]
+    fp32_few = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]): c.num_stages
+                for c in gemm.tuning_configs(configs, 4, 1)}
+    assert fp32_few[16, 32, 128] == 5 and fp32_few[32, 64, 128] == 2  # 6 and 4 stages in the list (5: 200 KiB)
+    assert (16, 64, 256) not in fp32_few  # 288 KiB at 2 stages
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

@@ -97,8 +97,9 @@ def test_matches_float64(impl, dtype, force_impl):
         err = rel_err(out, ref)
         if dtype == torch.float32:
             assert err <= 1e-5, (impl, M, K, I, O, err)
-        else:
-            assert err <= 1.25 * rel_err(case.unfused(), ref) + 1e-6, (impl, M, K, I, O, err)
+        else:  # 1.25x the unfused module's error, or that of rounding h and y once (a lottery on 3 outputs: run 86)
+            bar = 1.25 * max(rel_err(case.unfused(), ref), rel_err(case.rounded_once(), ref)) + 1e-6
+            assert err <= bar, (impl, M, K, I, O, err, bar)
     assert ran >= 4, f"{impl}: only {ran} of the shapes within its caps"
 
 
@@ -241,7 +242,9 @@ def test_gate_and_up_stored_as_one_take_one_gemm(impl, transposed, force_impl, m
     made.clear()  # with a bias on either half, or two weights of their own: gate and up separately
     for bg, wu2 in ((torch.randn(40, device=device), wu), (None, wu.clone())):
         torch.ops.mlp_fuser.gated_mlp.default(c.x, wg, bg, wu2, None, c.wd, None, "silu")
-    assert [tuple(m.shape) for m in made] == [(40, 24), (40, 24), (12, 40)] * 2
+    side_stream = impl == "cublas_two_streams" and device == "cuda"  # up there: torch.mm(out=) on the side stream
+    each = [(40, 24), (12, 40)] if side_stream else [(40, 24), (40, 24), (12, 40)]
+    assert [tuple(m.shape) for m in made] == each * 2
 
 
 def test_stored_as_one_needs_one_storage_adjacent_rows_and_equal_layouts():

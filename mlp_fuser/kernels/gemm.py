@@ -50,11 +50,28 @@ def config_fits(config: triton.Config, itemsize: int, bucket: int) -> bool:
             and c["BLOCK_M"] <= max(32, 2 * bucket))
 
 
+def fewer_stages(config: triton.Config, itemsize: int) -> triton.Config | None:
+    """``config`` with the most pipeline stages (down to 2) whose tiles fit in shared memory; None if 2 do not."""
+    c = config.kwargs
+    for stages in range(config.num_stages, 1, -1):
+        if k_loop_fits(stages, c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], 2, itemsize):
+            return triton.Config(dict(c), num_warps=config.num_warps, num_stages=stages)
+    return None
+
+
+def tuning_configs(configs: list[triton.Config], itemsize: int, bucket: int) -> list[triton.Config]:
+    """The configs tuned for this dtype and M bucket: those that fit and suit M; where none does (fp32 at M <= 16:
+    every config with BLOCK_M <= 32 is too large at its stages), the ones that suit M with fewer stages."""
+    fitting = [c for c in configs if config_fits(c, itemsize, bucket)]
+    if fitting:
+        return fitting
+    suited = [c for c in configs if c.kwargs["BLOCK_M"] <= max(32, 2 * bucket)] or configs
+    return [f for f in (fewer_stages(c, itemsize) for c in suited) if f is not None]
+
+
 def _prune(configs, named_args, **kwargs):
     """Skip configs that cannot compile (fp32 tiles too large) or waste most of their rows (BLOCK_M >> M)."""
-    itemsize = named_args["x_ptr"].element_size()
-    fitting = [c for c in configs if config_fits(c, itemsize, named_args["M_BUCKET"])]
-    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    return tuning_configs(configs, named_args["x_ptr"].element_size(), named_args["M_BUCKET"])
 
 
 @triton.jit
