@@ -47,7 +47,8 @@ def k_loop_bytes(stages: int, block_m: int, block_k: int, block_n: int, n_weight
 
 def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
     """Whether ``k_loop_bytes`` fit in the shared memory budget (200 KiB of the H200's 227, the rest left to the
-    epilogue)."""
+    epilogue). The count is an upper bound of what Triton 3.6 allocates: every gate_up_act config compiled at or below
+    it (run 87; fp32 FMA dots one stage less), and an fp32 one with x read transposed exactly at it (run 86)."""
     return k_loop_bytes(stages, block_m, block_k, block_n, n_weights, itemsize) <= 200 * 1024
 
 

@@ -29,8 +29,8 @@ for dtype, prec in ((torch.float32, "ieee"), (torch.bfloat16, "tf32")):
             except Exception as e:  # noqa: BLE001
                 got = f"{type(e).__name__}"
             fits = isinstance(got, int) and got <= limit
-            print(f"| {dtype} | {prec} | {k['BLOCK_M']} | {k['BLOCK_N']} | {k['BLOCK_K']} | {stages} | {pred} | {got} | "
-                  f"{fits} |", flush=True)
+            blocks = f"{k['BLOCK_M']} | {k['BLOCK_N']} | {k['BLOCK_K']}"
+            print(f"| {dtype} | {prec} | {blocks} | {stages} | {pred} | {got} | {fits} |", flush=True)
 
 for M in (1, 16, 40):
     torch.manual_seed(M)
@@ -40,7 +40,7 @@ for M in (1, 16, 40):
     try:
         out = gemm.gate_up_act(x, wg, None, wu, None, "silu")
         err = rel_err(out, reference_gate_up(x.double(), wg.double(), None, wu.double(), None, "silu"))
-        print(f"fp32 gate_up_act M={M}: tuned {[(c.kwargs['BLOCK_M'], c.kwargs['BLOCK_N'], c.kwargs['BLOCK_K'], c.num_stages) for c in tuned]}, "
-              f"rel err {err:.2e}", flush=True)
+        shown = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages) for c in tuned]
+        print(f"fp32 gate_up_act M={M}: tuned {shown}, rel err {err:.2e}", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"fp32 gate_up_act M={M}: {type(e).__name__}: {str(e)[:200]}", flush=True)
