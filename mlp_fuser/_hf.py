@@ -53,6 +53,11 @@ _MOE = {
     "num_local_experts": 4,
     "num_experts": 4,
     "num_experts_per_tok": 2,
+    # DeepSeek-style routing: 4 experts in one group, and the second toy layer a MoE one (the first dense)
+    "n_routed_experts": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
 }
 # Families with separate encoder/decoder sizes, partial rotary embeddings (GPT-J, CodeGen), per-layer embeddings.
 _EXTRA = {
@@ -63,6 +68,14 @@ _EXTRA = {
     "decoder_attention_heads": 4,
     "rotary_dim": 16,
     "vocab_size_per_layer_input": 512,  # Gemma 3n / 4: per-layer input embeddings, a vocabulary of their own
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi, LongCat): the rotary part is head_dim, kept TINY's
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "linear_head_dim": 16,  # Kimi-Linear's linear-attention layers
+    "linear_num_heads": 4,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 
@@ -185,6 +198,10 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     for k, v in _MOE.items():
         if has(k) and getattr(defaults, real(k), None) is not None:
             want[real(k)] = v
+    if has("n_routed_experts") and has("num_experts_per_tok"):
+        want[real("num_experts_per_tok")] = _MOE["num_experts_per_tok"]  # DeepSeek-V2's default leaves it None
+    if getattr(defaults, "kv_lora_rank", None) is not None and has("num_key_value_heads"):
+        want[real("num_key_value_heads")] = TINY["num_attention_heads"]  # latent attention: a key per query head
     for k in _TOKEN_IDS:
         tid = getattr(defaults, k, None) if has(k) else None
         if isinstance(tid, int) and tid >= TINY["vocab_size"]:

@@ -66,6 +66,15 @@ def _configs():
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
             L, "AutoModelForCausalLM",
         ),
+        # multi-head latent attention and a MoE layer whose shared experts are one gated MLP (fused) beside the
+        # routed experts (left alone): layer 0 dense, layer 1 MoE
+        "deepseek_v3": (
+            T.DeepseekV3Config(**{**llama_like, "num_key_value_heads": HEADS}, q_lora_rank=16, kv_lora_rank=16,
+                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                               moe_intermediate_size=32, n_shared_experts=1),
+            L, "AutoModelForCausalLM",
+        ),
         "mt5": (
             T.MT5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1, num_heads=HEADS,
                         dropout_rate=0.0, feed_forward_proj="gated-gelu", decoder_start_token_id=0),
@@ -80,7 +89,7 @@ def _configs():
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi3", "gpt_neox", "gpt2", "bert", "opt"]
-EXTRA_FAMILIES = ["qwen3", "gemma2", "starcoder2", "falcon", "bloom", "gptj", "mt5", "t5"]
+EXTRA_FAMILIES = ["qwen3", "gemma2", "starcoder2", "falcon", "bloom", "gptj", "deepseek_v3", "mt5", "t5"]
 
 
 def build(family: str, batch: int = 2, seq: int = 7, seed: int = 0):

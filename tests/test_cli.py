@@ -116,7 +116,8 @@ def test_explain_subprocess():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gemma2", "phi3", "opt", "bert", "mixtral", "falcon",
-                                        "ministral", "gpt_neo", "qwen3_next", "gemma4_text"])
+                                        "ministral", "gpt_neo", "qwen3_next", "gemma4_text", "deepseek_v2",
+                                        "deepseek_v3", "kimi_linear"])
 def test_tiny_config_is_tiny_and_runs(model_type):
     cfg = _hf.tiny_config(model_type)
     assert cfg.model_type == model_type
@@ -135,6 +136,19 @@ def test_tiny_config_keeps_every_kind_of_layer():
     assert _hf.tiny_config("qwen3_next").layer_types == ["linear_attention", "full_attention"]
     assert _hf.tiny_config("gemma2").layer_types == ["sliding_attention", "full_attention"]
     assert getattr(_hf.tiny_config("llama"), "layer_types", None) is None  # none to keep
+
+
+def test_tiny_config_latent_attention_and_routed_experts():
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi) keeps a key per query head and its rotary part at the toy's
+    head_dim; DeepSeek's routing gets its expert count in one group, and a MoE second layer whose shared experts
+    explain finds (DeepSeek-V2's own default leaves the experts per token None)."""
+    for t in ("deepseek_v2", "deepseek_v3"):
+        cfg = _hf.tiny_config(t)
+        assert cfg.num_key_value_heads == cfg.num_attention_heads and cfg.qk_rope_head_dim == cfg.head_dim == 16
+        assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.first_k_dense_replace) == (4, 2, 1)
+        model = _hf.tiny_model(t)
+        report = mlp_fuser.explain(model, *_hf.example_inputs(model))
+        assert [f.path for f in report.fused] == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"], report
 
 
 def test_tiny_config_overrides():
