@@ -76,6 +76,13 @@ _EXTRA = {
     "q_lora_rank": 32,
     "linear_head_dim": 16,  # Kimi-Linear's linear-attention layers
     "linear_num_heads": 4,
+    # Jamba: attention and experts every 2nd layer from the 2nd (its defaults, every 8th from the 5th, leave two
+    # layers no attention layer for the cache); its Mamba rank small
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "mamba_dt_rank": 8,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 

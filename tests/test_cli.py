@@ -117,7 +117,7 @@ def test_explain_subprocess():
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gemma2", "phi3", "opt", "bert", "mixtral", "falcon",
                                         "ministral", "gpt_neo", "qwen3_next", "gemma4_text", "deepseek_v2",
-                                        "deepseek_v3", "kimi_linear"])
+                                        "deepseek_v3", "kimi_linear", "jamba"])
 def test_tiny_config_is_tiny_and_runs(model_type):
     cfg = _hf.tiny_config(model_type)
     assert cfg.model_type == model_type
@@ -149,6 +149,16 @@ def test_tiny_config_latent_attention_and_routed_experts():
         model = _hf.tiny_model(t)
         report = mlp_fuser.explain(model, *_hf.example_inputs(model))
         assert [f.path for f in report.fused] == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"], report
+
+
+def test_tiny_config_jamba_has_an_attention_layer():
+    """Jamba's toy puts attention (and experts) in its second layer: with the family's period of 8 from the 5th, two
+    layers hold only Mamba, and the cache then refuses to give a sequence length."""
+    cfg = _hf.tiny_config("jamba")
+    assert (cfg.attn_layer_period, cfg.attn_layer_offset) == (2, 1)
+    model = _hf.tiny_model("jamba")
+    report = mlp_fuser.explain(model, *_hf.example_inputs(model))
+    assert [f.path for f in report.fused] == ["model.layers.0.feed_forward"], report  # layer 1: routed experts
 
 
 def test_tiny_config_overrides():
