@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run 88 (one H200; eighteenth session, call 5): the whole test suite on the GPU again, at the final code (kernels on CUDA,
 # bf16 included, the GPU-only tests among them), after run 86's mends; pytest-xdist carried as wheels
-# (.whl/xdist), 12 workers. test_packaging (builds a wheel; CPU CI runs it) left out. quack not installed: its
+# (.whl/xdist), 14 workers. test_packaging (builds a wheel; CPU CI runs it) left out. quack not installed: its
 # tests skip here (run 81 ran them).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 ln -sfn ../patterns mlp_fuser/patterns
