@@ -205,8 +205,11 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     for k, v in _MOE.items():
         if has(k) and getattr(defaults, real(k), None) is not None:
             want[real(k)] = v
-    if has("n_routed_experts") and has("num_experts_per_tok"):
-        want[real("num_experts_per_tok")] = _MOE["num_experts_per_tok"]  # DeepSeek-V2's default leaves it None
+    if has("n_routed_experts") and has("num_experts_per_tok"):  # DeepSeek-V2's and dots1's defaults leave them None
+        want[real("n_routed_experts")] = _MOE["n_routed_experts"]
+        if has("n_shared_experts"):
+            want[real("n_shared_experts")] = 1
+        want[real("num_experts_per_tok")] = _MOE["num_experts_per_tok"]
     if getattr(defaults, "kv_lora_rank", None) is not None and has("num_key_value_heads"):
         want[real("num_key_value_heads")] = TINY["num_attention_heads"]  # latent attention: a key per query head
     for k in _TOKEN_IDS:

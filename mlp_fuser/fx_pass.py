@@ -161,6 +161,8 @@ def _autocast_dtype(x) -> torch.dtype | None:
 
 def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=None) -> tuple[str, str] | None:
     """The first failed check as (name, reason), or None when the site may be fused."""
+    if c.unsupported:
+        return "activation", c.unsupported
     if c.act.name is None:
         return "activation", f"unrecognized activation: {c.act.desc}"
     if patterns is not None and c.pattern not in patterns:

@@ -19,6 +19,8 @@ DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
 # Nodes that hand their first argument on unchanged (a no-op cast is checked later by the dtype check).
 IDENTITY_METHODS = ("to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous")
 MUL = (operator.mul, torch.mul)
+CLAMP_FNS = (torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max)
+CLAMP_METHODS = ("clamp", "clip", "clamp_min", "clamp_max")
 
 
 def is_fn(n, *targets) -> bool:
@@ -73,6 +75,17 @@ def is_mul(n) -> bool:
     return (is_fn(n, *MUL) or is_method(n, "mul")) and len(n.args) == 2 and all(isinstance(a, Node) for a in n.args)
 
 
+def is_clamp(n) -> bool:
+    return (is_fn(n, *CLAMP_FNS) or is_method(n, *CLAMP_METHODS)) and bool(n.args) and isinstance(n.args[0], Node)
+
+
+def clamp_text(n: Node) -> str:
+    """``clamp(min=-7.0, max=7.0)``: the clamp and its bounds, as a near miss names them."""
+    name = n.target if isinstance(n.target, str) else n.target.__name__
+    bounds = [repr(a) for a in n.args[1:]] + [f"{k}={v!r}" for k, v in n.kwargs.items()]
+    return f"{name}({', '.join(bounds)})"
+
+
 def strip(n: Node) -> tuple[Node, list[Node]]:
     """Walk back through dropout and no-op-cast nodes; return the first real node and the nodes passed."""
     passed = []
@@ -92,6 +105,7 @@ class Candidate:
     up: Proj | None
     act: ActMatch
     extra: list[Node] = field(default_factory=list)  # mul and pass-through nodes between the pieces
+    unsupported: str | None = None  # why the op cannot compute this site although it is shaped like an MLP
 
     def intermediates(self) -> list[Node]:
         """Every node whose value is internal to the MLP: none may have a user outside the site."""

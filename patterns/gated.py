@@ -7,7 +7,7 @@ from collections.abc import Callable
 from torch.fx import Node
 
 from . import act_match
-from .common import Candidate, is_mul, strip
+from .common import Candidate, clamp_text, is_clamp, is_mul, strip
 from .projections import Proj, match_projection
 
 
@@ -18,6 +18,10 @@ def match_gated(down: Proj, proj: Callable[[Node], Proj | None], pattern: str) -
         return None
     for act_side, up_side in (mul.args, mul.args[::-1]):
         up_base, up_passed = strip(up_side)
+        clamped = up_base if is_clamp(up_base) else None  # DeepSeek-V4, GPT-OSS: up clamped to ±swiglu_limit
+        if clamped is not None:
+            up_base, more = strip(clamped.args[0])
+            up_passed = up_passed + [clamped] + more
         up = proj(up_base)
         if up is None:
             continue
@@ -27,7 +31,12 @@ def match_gated(down: Proj, proj: Callable[[Node], Proj | None], pattern: str) -
         gate = proj(act.leaf)
         if gate.out is up.out:
             continue
-        return Candidate(pattern, down, gate=gate, up=up, act=act, extra=passed + [mul] + up_passed)
+        c = Candidate(pattern, down, gate=gate, up=up, act=act, extra=passed + [mul] + up_passed)
+        if clamped is not None:
+            c.unsupported = (f"up's output is clamped ({clamp_text(clamped)}) before the product, with act "
+                             f"{act.desc}: a bounded gated activation (DeepSeek-V4's and GPT-OSS's swiglu_limit); "
+                             "the op's activations take the projections' outputs as they are")
+        return c
     return None
 
 

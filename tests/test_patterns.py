@@ -409,6 +409,36 @@ def test_near_miss_activation_with_learned_parameters():
     assert "alpha_p" in str(report), str(report)
 
 
+class ClampedGated(Gated):
+    """DeepSeek-V4's shared experts and GPT-OSS's experts: gate clamped above, up on both sides (swiglu_limit)."""
+
+    def __init__(self, gate=True, up=True, how="kwargs"):
+        super().__init__()
+        self.clamp_gate, self.clamp_up, self.how = gate, up, how
+
+    def forward(self, x):
+        g, u = self.gate(x), self.up(x)
+        if self.clamp_gate:
+            g = g.clamp(max=0.5)
+        if self.clamp_up:
+            u = u.clamp(min=-0.5, max=0.5) if self.how == "kwargs" else torch.clamp(u, -0.5, 0.5)
+        return self.down(F.silu(g) * u)
+
+
+def test_near_miss_clamped_gated_activation():
+    """Clamped projections are a bounded activation: never fused, and named. The bound 0.5 sits inside the
+    projections' range here, so a fusion that dropped either clamp would change the output (assert_not_fused)."""
+    for gate, up, how in ((False, True, "args"), (True, True, "kwargs"), (True, False, "kwargs")):
+        report = assert_not_fused(ClampedGated(gate, up, how), x3(), check="activation")
+        assert "clamp" in str(report), (gate, up, str(report))
+        if up:
+            assert "up's output is clamped" in str(report) and "0.5" in str(report), str(report)
+    x = x3()
+    m = Gated()
+    clamped_input = nn.Sequential(nn.Hardtanh(-0.5, 0.5), m)  # a clamp outside the MLP changes nothing
+    assert len(mlp_fuser.explain(clamped_input, x).fused) == 1
+
+
 def test_a_norm_between_projections_is_not_an_activation():
     """A LayerNorm reads tensors besides its input too (its weight and bias), but reduces over a row: nothing there
     resembles an MLP, even with a row as short as a learned activation's scalars."""
