@@ -31,12 +31,12 @@ def match_gated(down: Proj, proj: Callable[[Node], Proj | None], pattern: str) -
         gate = proj(act.leaf)
         if gate.out is up.out:
             continue
-        c = Candidate(pattern, down, gate=gate, up=up, act=act, extra=passed + [mul] + up_passed)
-        if clamped is not None:
-            c.unsupported = (f"up's output is clamped ({clamp_text(clamped)}) before the product, with act "
-                             f"{act.desc}: a bounded gated activation (DeepSeek-V4's and GPT-OSS's swiglu_limit); "
-                             "the op's activations take the projections' outputs as they are")
-        return c
+        unsupported = None if clamped is None else (
+            f"up's output is clamped ({clamp_text(clamped)}) before the product, with act {act.desc}: a bounded "
+            "gated activation (DeepSeek-V4's and GPT-OSS's swiglu_limit); the op's activations take the projections' "
+            "outputs as they are")
+        return Candidate(pattern, down, gate=gate, up=up, act=act, extra=passed + [mul] + up_passed,
+                         unsupported=unsupported)
     return None
 
 

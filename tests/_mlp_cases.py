@@ -35,14 +35,18 @@ class Case:
     def op(self):
         return torch.ops.mlp_fuser.gated_mlp.default if self.gated else torch.ops.mlp_fuser.mlp.default
 
+    def _float64(self) -> list[Tensor | None]:
+        """x, wg, bg, wu, bu, wd, bd in float64."""
+        tensors = (self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd)
+        return [None if t is None else t.double() for t in tensors]
+
     def reference64(self) -> Tensor:
-        d = [None if t is None else t.double() for t in (self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd)]
-        return reference_mlp(*d, self.act)
+        return reference_mlp(*self._float64(), self.act)
 
     def rounded_once(self) -> Tensor:
         """The MLP in float64 with h rounded to the case's dtype once and the output once: what a kernel that keeps
         its sums in fp32 and stores h in x's dtype (as the op does) computes, short of its fp32 rounding."""
-        d = [None if t is None else t.double() for t in (self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd)]
+        d = self._float64()
         h = reference_gate_up(*d[:5], self.act).to(self.x.dtype).double()
         return F.linear(h, d[5], d[6]).to(self.x.dtype)
 

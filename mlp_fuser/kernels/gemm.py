@@ -42,12 +42,16 @@ def _configs() -> list[triton.Config]:
     ]
 
 
+def suits_m(config: triton.Config, bucket: int) -> bool:
+    """Whether a config's BLOCK_M suits M (``bucket``: M rounded up to a power of two): not mostly empty rows."""
+    return config.kwargs["BLOCK_M"] <= max(32, 2 * bucket)
+
+
 def config_fits(config: triton.Config, itemsize: int, bucket: int) -> bool:
-    """Whether a config's pipelined tiles fit in shared memory (both weights counted) and its BLOCK_M suits M
-    (``bucket``: M rounded up to a power of two)."""
+    """Whether a config's pipelined tiles fit in shared memory (both weights counted) and it ``suits_m``."""
     c = config.kwargs
-    return (k_loop_fits(config.num_stages, c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], 2, itemsize)
-            and c["BLOCK_M"] <= max(32, 2 * bucket))
+    fits = k_loop_fits(config.num_stages, c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], 2, itemsize)
+    return fits and suits_m(config, bucket)
 
 
 def fewer_stages(config: triton.Config, itemsize: int) -> triton.Config | None:
@@ -65,7 +69,7 @@ def tuning_configs(configs: list[triton.Config], itemsize: int, bucket: int) -> 
     fitting = [c for c in configs if config_fits(c, itemsize, bucket)]
     if fitting:
         return fitting
-    suited = [c for c in configs if c.kwargs["BLOCK_M"] <= max(32, 2 * bucket)] or configs
+    suited = [c for c in configs if suits_m(c, bucket)] or configs
     return [f for f in (fewer_stages(c, itemsize) for c in suited) if f is not None]
 
 
