@@ -98,6 +98,24 @@ def test_apertus_xielu_is_a_named_near_miss_and_left_alone():
         torch.testing.assert_close(main_output(model(*inputs)), ref)
 
 
+def test_deepseek_v4_clamped_shared_experts_are_named_near_misses_and_left_alone():
+    """DeepSeek-V4's shared experts clamp gate and up to its swiglu_limit before act·mul: explain names both sites
+    and the clamp, patch leaves the model as it was."""
+    from mlp_fuser._hf import example_inputs, tiny_model
+
+    model = tiny_model("deepseek_v4")
+    inputs = example_inputs(model)
+    report = mlp_fuser.explain(model, *inputs)
+    assert not report.fused and report.checks_failed() == {"activation"}, report
+    assert [m.path for m in report.near_misses] == [f"model.layers.{i}.mlp.shared_experts" for i in (0, 1)], report
+    assert all("up's output is clamped" in m.reason for m in report.near_misses), report
+    with torch.no_grad():
+        ref = main_output(model(*inputs))
+        mlp_fuser.patch(model)
+        assert count_ops(lambda: model(*inputs)) == 0
+        torch.testing.assert_close(main_output(model(*inputs)), ref)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_training_step_backend(family):
     model, inputs, n_mlp = build(family)
