@@ -157,7 +157,7 @@ def test_gpu_training_step_bf16_autocast_matches_unfused(way):
     """A tiny LLaMA on the GPU under bf16 autocast (fp32 master weights), patched with each backward choice and
     through the backend: the loss's gradients within 1.25 x the unfused model's error against float64, per parameter.
     Each parameter's error is taken over its gradients from three seeds together: from one seed, the ratio of two
-    bf16 errors is a noisy sample (run 20, `benchmarks/train_error_seeds.py`, eight seeds: per-parameter ratios
+    bf16 errors is a noisy sample (benchmarks/NOTES.md, tests on the GPU: eight seeds gave per-parameter ratios
     1.03-1.29, the highest on norm weights, one parameter in 168 over 1.25; over all gradients 0.96-1.05). One test
     per way: the backend's compilation takes minutes on the H200 host, so each is time-boxed on its own."""
     import copy
@@ -291,8 +291,8 @@ QUACK = [i.name for i in dispatch.IMPLS if i.name.startswith("quack_gated_")]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_quack_gated_match_float64_plain_and_in_a_cuda_graph(dtype, monkeypatch):
     """quack's gated GEMM (each tile config) over gate and up stored as one, then cuBLAS's down GEMM: matching float64
-    as the unfused module does, called plainly and replayed in a CUDA graph. Needs quack installed (the device
-    machine has it only where a run carries its wheels: benchmarks/quack_wheels.sh)."""
+    as the unfused module does, called plainly and replayed in a CUDA graph. Needs quack installed
+    (``pip install -e ".[quack]"``)."""
     pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed here")
     for M, K, I, O, act in ((100, 1024, 2816, 1024, "silu"), (300, 576, 1536, 576, "gelu_tanh"),
                             (2048, 2048, 5632, 2048, "silu"), (129, 4096, 11008, 4096, "relu")):
