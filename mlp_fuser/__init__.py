@@ -2,8 +2,9 @@
 
 __version__ = "0.1.0"
 
-from . import ops  # noqa: F401  (registers the mlp_fuser:: op family)
+from . import moe, ops  # noqa: F401  (register the mlp_fuser:: op family)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
+from .moe import moe_mlp  # noqa: F401
 from .ops import gated_mlp, mlp  # noqa: F401
 
 
@@ -17,13 +18,15 @@ def _register_backend() -> None:
         pass
 
 
+from . import experts  # noqa: E402
 from .backend import backend, make_backend  # noqa: E402, F401
 from .explain import explain  # noqa: E402, F401
 from .patch import is_patched, merge_gate_up, patch, split_gate_up, unpatch  # noqa: E402, F401
 
 _register_backend()
+experts.install()  # transformers' experts implementation "mlp_fuser", registered once transformers loads its MoE code
 
 __all__ = [
     "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "is_patched", "make_backend",
-    "merge_gate_up", "mlp", "patch", "split_gate_up", "unpatch",
+    "merge_gate_up", "mlp", "moe_mlp", "patch", "split_gate_up", "unpatch",
 ]

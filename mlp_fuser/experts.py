@@ -1,0 +1,276 @@
+"""transformers' routed experts as ``mlp_fuser::moe_mlp``: what a module computes, its forward, the experts switch.
+
+transformers 5 stores routed experts as 3-D parameters in classes decorated with ``@use_experts_implementation``
+(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GPT-OSS, …): ``gate_up_proj`` (E, 2I, H) or, transposed,
+(E, H, 2I); ``down_proj`` (E, H, I) or (E, I, H); optional biases; ``act_fn`` and a ``_apply_gate`` that families
+may override (GPT-OSS: interleaved gate/up, clamps, ``(up + 1)``). ``spec(module)`` reads all of it and says what
+the op computes for the module, or why it cannot (``Spec.reason``): the activation is identified by evaluating
+``act_fn`` / ``_apply_gate`` in float64 on probe points against the op's gated activations, as the graph pass
+identifies activations, so the way a family writes it does not matter.
+
+Three ways in, all through ``experts_forward``:
+- importing mlp_fuser registers it in transformers' ``ExpertsInterface`` as ``"mlp_fuser"``:
+  ``from_pretrained(..., experts_implementation="mlp_fuser")`` or ``model.set_experts_implementation("mlp_fuser")``
+  (``generate`` keeps it while decoding: it only swaps ``grouped_mm``);
+- ``mlp_fuser.patch(model)`` gives each experts module it can fuse an instance-level forward (``fuse_experts``);
+- the backend finds the experts' graph in what Dynamo captured (``patterns/experts.py``).
+A module ``spec`` rejects runs transformers' own implementation.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import itertools
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .activations import ACTIVATIONS
+from .moe import Gate
+
+NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What ``moe_mlp`` computes for one experts module, or why it cannot (``reason``)."""
+
+    gate: Gate | None = None
+    transposed: bool = False
+    biases: bool = False
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module (a class decorated with ``@use_experts_implementation``)."""
+    return hasattr(type(module), "_apply_gate") and hasattr(module, "has_gate") and hasattr(module, "down_proj")
+
+
+def is_routed_like(module: nn.Module) -> bool:
+    """A module that holds stacked expert weights without transformers' experts interface (Llama 4's experts run
+    every expert on every token): ``explain`` names it."""
+    w = getattr(module, "gate_up_proj", None)
+    return isinstance(w, Tensor) and w.dim() == 3 and not is_experts(module)
+
+
+_PROBE = torch.cat([torch.linspace(-10.0, 10.0, 161), torch.tensor([-30.0, -7.0, -1e-3, 1e-3, 7.0, 30.0])]).double()
+
+
+def _probe_rows() -> Tensor:
+    """(P, 2) float64 rows [g, u] running over every pair of ``_PROBE`` values."""
+    return torch.stack([_PROBE.repeat_interleave(len(_PROBE)), _PROBE.repeat(len(_PROBE))], dim=-1)
+
+
+def _candidates(module: nn.Module, interleaved: bool):
+    limits = [None] + sorted({float(v) for k, v in vars(module).items() if isinstance(v, (int, float))
+                              and not isinstance(v, bool) and "limit" in k})
+    for name, L, after, off in itertools.product(ACTIVATIONS, limits, (False, True), (0.0, 1.0)):
+        if L is None and after:
+            continue
+        yield Gate(name, True, interleaved, L, after, off)
+
+
+def _identify_gated(module: nn.Module) -> Gate | None:
+    """The op's gated activation equal to the module's ``_apply_gate`` on probe rows (float64), or None."""
+    interleaved = not getattr(module, "is_concatenated", True)
+    rows, width = _probe_rows(), 1  # one gate and one up column: either layout reads them as g, u
+    try:
+        with torch.no_grad():
+            ref = module._apply_gate(rows)
+    except Exception:
+        return None
+    if not isinstance(ref, Tensor) or ref.shape != (rows.shape[0], width):
+        return None
+    for gate in _candidates(module, interleaved):
+        if torch.allclose(gate(rows), ref, rtol=1e-6, atol=1e-9, equal_nan=True):
+            return gate
+    return None
+
+
+def _identify_plain(module: nn.Module) -> Gate | None:
+    try:
+        with torch.no_grad():
+            ref = module.act_fn(_PROBE.clone())
+    except Exception:
+        return None
+    for name, act in ACTIVATIONS.items():
+        if isinstance(ref, Tensor) and ref.shape == _PROBE.shape and torch.allclose(act.fn(_PROBE), ref, rtol=1e-6,
+                                                                                   atol=1e-9):
+            return Gate(name, False)
+    return None
+
+
+_GATES: dict[tuple, Gate | None] = {}  # what a class's activation was identified as, per the attributes it reads
+
+
+def spec(module: nn.Module) -> Spec:
+    """What the op computes for ``module`` (a transformers experts module), or why it cannot; cached on the module."""
+    cached = module.__dict__.get("_mlp_fuser_spec")
+    if cached is not None:
+        return cached
+    result = _spec(module)
+    module.__dict__["_mlp_fuser_spec"] = result
+    return result
+
+
+def _gate_of(module: nn.Module, gated: bool) -> Gate | None:
+    act = getattr(module, "act_fn", None)
+    key = (type(module), gated, getattr(module, "is_concatenated", True), type(act), repr(act),
+           tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (int, float, str, bool)))))
+    if key not in _GATES:
+        _GATES[key] = _identify_gated(module) if gated else _identify_plain(module)
+    return _GATES[key]
+
+
+def _spec(module: nn.Module) -> Spec:
+    name = type(module).__name__
+    if not is_experts(module):
+        return Spec(reason=f"{name} is not a transformers experts module (@use_experts_implementation)")
+    gated = bool(module.has_gate)
+    w = module.gate_up_proj if gated else getattr(module, "up_proj", None)
+    wd = module.down_proj
+    if not isinstance(w, Tensor) or not isinstance(wd, Tensor) or w.dim() != 3 or wd.dim() != 3:
+        return Spec(reason=f"{name}'s expert weights are not 3-D tensors")
+    for pname, t in (("gate_up_proj" if gated else "up_proj", w), ("down_proj", wd)):
+        if type(t) not in (Tensor, nn.Parameter):
+            kind = type(t.data).__name__ if isinstance(t, nn.Parameter) else type(t).__name__
+            return Spec(reason=f"{pname} is a {kind} (a tensor subclass); the op reads plain tensors")
+        if not t.is_floating_point() or t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            return Spec(reason=f"{pname} has dtype {t.dtype} (quantized experts); the op reads float weights")
+    if w.dtype != wd.dtype:
+        return Spec(reason=f"the expert weights' dtypes differ ({w.dtype}, {wd.dtype})")
+    gate = _gate_of(module, gated)
+    if gated:
+        if gate is None:
+            return Spec(reason=f"{name}._apply_gate computes none of the op's gated activations (act·up with a registry"
+                               " act, optionally clamped, up + 1, interleaved)")
+    elif gate is None:
+        return Spec(reason=f"{name}.act_fn ({type(module.act_fn).__name__}) is none of the registry's activations")
+    transposed = bool(getattr(module, "is_transposed", False))
+    E = w.shape[0]
+    H = w.shape[1] if transposed else w.shape[2]
+    I = wd.shape[1] if transposed else wd.shape[2]
+    N = w.shape[2] if transposed else w.shape[1]
+    if N != (2 * I if gated else I) or (wd.shape[2] if transposed else wd.shape[1]) != H or wd.shape[0] != E:
+        return Spec(reason=f"{name}'s weight shapes {tuple(w.shape)} and {tuple(wd.shape)} do not chain")
+    return Spec(gate, transposed, bool(getattr(module, "has_bias", False)))
+
+
+@torch._dynamo.assume_constant_result
+def _traced_spec(module: nn.Module) -> Spec:
+    """``spec`` run for real while Dynamo traces a forward (it probes tensors), its result a constant of the graph."""
+    return spec(module)
+
+
+def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """(w_gate_up, b_gate_up, w_down, b_down) in the op's logical shapes: views, never copies."""
+    w = module.gate_up_proj if s.gate.gated else module.up_proj
+    wd = module.down_proj
+    if s.transposed:
+        w, wd = w.transpose(1, 2), wd.transpose(1, 2)
+    bias = None
+    if s.biases:
+        bias = module.gate_up_proj_bias if s.gate.gated else module.up_proj_bias
+    return w, bias, wd, module.down_proj_bias if s.biases else None
+
+
+def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The ``"mlp_fuser"`` experts implementation: ``moe_mlp`` where ``spec`` allows, else transformers' grouped_mm."""
+    s = _traced_spec(self) if torch.compiler.is_compiling() else spec(self)
+    if not s.ok:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    w, b, wd, bd = weights(self, s)
+    g = s.gate
+    x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
+    y = torch.ops.mlp_fuser.moe_mlp.default(x, top_k_index, top_k_weights, w, b, wd, bd, g.activation,
+                                            g.interleaved, g.limit, g.clamp_after, g.up_offset)
+    return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+class FusedExpertsForward:
+    """The forward ``patch`` installs on an experts module: ``experts_forward`` for calls shaped like transformers'
+    (three tensors), the module's own forward for anything else."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 3 and not kwargs and all(isinstance(a, Tensor) for a in args):
+            return experts_forward(self.module, *args)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
+        return _plain_forward, (self.module,)
+
+    def __deepcopy__(self, memo):
+        twin = memo.get(id(self.module))
+        return FusedExpertsForward(twin) if twin is not None else _plain_forward(self.module)
+
+
+def _plain_forward(module):
+    return type(module).forward.__get__(module)
+
+
+def fuse_experts(module: nn.Module) -> FusedExpertsForward | None:
+    """The fused forward for a transformers experts module ``spec`` accepts, else None."""
+    if not is_experts(module) or "forward" in module.__dict__ or not spec(module).ok:
+        return None
+    return FusedExpertsForward(module)
+
+
+# ---- the experts switch: registered in transformers' ExpertsInterface once it is imported --------------------------
+
+
+def register() -> bool:
+    """Register ``experts_forward`` as transformers' experts implementation ``"mlp_fuser"``; False without it."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except Exception:
+        return False
+    ExpertsInterface.register(NAME, experts_forward)
+    return True
+
+
+_MODULE = "transformers.integrations.moe"
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers the experts implementation right after transformers' MoE integration is first imported, so that
+    importing mlp_fuser costs no transformers import and ``experts_implementation="mlp_fuser"`` works either way."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            found = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if found is not None and found.loader is not None and hasattr(found.loader, "exec_module"):
+                loader = found.loader
+                run = loader.exec_module
+
+                def exec_module(mod, _run=run):
+                    _run(mod)
+                    mod.ExpertsInterface.register(NAME, experts_forward)
+                    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
+
+                loader.exec_module = exec_module
+                return found
+        return None
+
+
+def install() -> None:
+    """Register now when transformers' MoE integration is loaded, else as soon as it is."""
+    if _MODULE in sys.modules:
+        register()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
