@@ -1,0 +1,496 @@
+"""Routed experts: y[t] = Σ_j w[t, j] · expert_{ids[t, j]}(x[t]), ids outside [0, E) contributing nothing.
+
+An expert is o = A(x @ Wgu[e]ᵀ + bgu[e]) @ Wd[e]ᵀ + bd[e] with Wgu[e] (2I, H) gated (gate|up concatenated, or
+interleaved as GPT-OSS stores it), (I, H) plain, and Wd[e] (H, I); weights are read through their strides, never
+copied. Two ways through it, each without host syncs (CUDA-graph safe):
+
+- sorted (prefill): ``moe_align`` groups the pairs by expert in BLOCK_M-row blocks; ``moe_gate_up`` runs one tile
+  GEMM per (block, BLOCK_N) over gathered x rows with the activation in its epilogue and writes h per pair;
+  ``moe_down`` multiplies h into Wd[e] with the bias and routing weight in its epilogue (fp32 per pair), and
+  ``moe_combine`` sums each token's k rows in j order. Or ``moe_down_tokens`` for the last two.
+- pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
+  ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
+
+All accumulation is fp32; h is rounded to x's dtype once, y once. No atomics: results are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..activations import get_activation
+from .common import INTERPRET, cdiv, dot_precision, k_loop_fits
+from .gemm import gate_up_acc
+from .moe_routing import Routing, moe_align
+
+__all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_pairs",
+           "moe_down_tokens", "moe_experts", "moe_reference", "default_config", "CONFIGS", "PATHS", "Routing"]
+
+
+@dataclass(frozen=True)
+class ExpertAct:
+    """The experts' activation. Gated: h = A(g, u) as ``gated_act`` computes it; plain: h = act(gu)."""
+    name: str = "silu"  # a registry activation (unused where alpha != 0)
+    alpha: float = 0.0  # != 0: a = g · sigmoid(alpha · g) (GPT-OSS: 1.702)
+    limit: float | None = None  # clamp g from above and u both ways at this value
+    clamp_after: bool = False  # clamp act(g) rather than g
+    up_offset: float = 0.0  # h = a · (u + up_offset) (GPT-OSS: 1.0)
+
+    def torch_gated(self, g: Tensor, u: Tensor) -> Tensor:
+        """A(g, u) in torch ops (the reference's), on fp32 or fp64 values."""
+        if self.limit is not None and not self.clamp_after:
+            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        a = g * torch.sigmoid(self.alpha * g) if self.alpha != 0 else get_activation(self.name).fn(g)
+        if self.limit is not None and self.clamp_after:
+            a, u = a.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        return a * (u + self.up_offset)
+
+    def constexprs(self) -> dict:
+        return dict(ACT=get_activation(self.name).triton_fn, ALPHA=float(self.alpha),
+                    HAS_LIMIT=self.limit is not None, LIMIT=float(self.limit or 0.0),
+                    CLAMP_AFTER=self.clamp_after, UP_OFFSET=float(self.up_offset))
+
+
+@triton.jit
+def gated_act(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+              CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr):
+    """h = A(g, u) in fp32: the clamps (before or after the activation), ACT or g·σ(ALPHA·g), times (u + UP_OFFSET)."""
+    if HAS_LIMIT and not CLAMP_AFTER:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    if ALPHA != 0.0:
+        a = g * tl.sigmoid(ALPHA * g)
+    else:
+        a = ACT(g)
+    if HAS_LIMIT and CLAMP_AFTER:
+        a = tl.minimum(a, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    return a * (u + UP_OFFSET)
+
+
+@triton.jit
+def expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
+                    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
+                    ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+                    CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr):
+    """Biases of expert e (gate at row GATE_STEP·n, up at UP_ROW + GATE_STEP·n), then A(g, u) or act(g), in fp32."""
+    if HAS_BIAS:
+        b_base = b_ptr + e * stride_be
+        acc_g += tl.load(b_base + offs_n * GATE_STEP * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            b_up = b_base + (UP_ROW + offs_n * GATE_STEP) * stride_bn
+            acc_u += tl.load(b_up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        return gated_act(acc_g, acc_u, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    return ACT(acc_g)
+
+
+# ---- sorted path: grouped GEMMs over BLOCK_M-row blocks of one expert each ---------------------------
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, K_TOP, N, K, UP_ROW,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)  # int64: E·2I·H overflows int32 (DeepSeek-V3)
+    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < S
+    tokens = pairs // K_TOP  # x rows gathered per pair
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+
+    # -- gate and up tiles of expert e from one gathered x tile, two fp32 accumulators ---------------
+    w_e = w_ptr + e * stride_we
+    acc_g, acc_u = gate_up_acc(
+        x_ptr, w_e, w_e + UP_ROW * stride_wn, tokens, offs_n, mask_m, mask_n, K,
+        stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk,
+        GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    h = expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
+                        GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, w_ptr, b_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, K_TOP, N, K,
+    stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_wt, stride_wj,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- this program's block of pairs (one expert) and BLOCK_N columns of the output ---------------
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < S
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+
+    # -- h rows of the pairs (K = I columns) times Wd[e]ᵀ -------------------------------------------
+    w_e = w_ptr + e * stride_we
+    acc, _ = gate_up_acc(
+        h_ptr, w_e, w_e, pairs.to(tl.int64), offs_n, mask_m, mask_n, K,
+        K, 1, stride_wn, stride_wk, stride_wn, stride_wk,
+        False, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+
+    # -- epilogue: bias, routing weight; one fp32 row per pair --------------------------------------
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    wts = tl.load(wts_ptr + (pairs // K_TOP) * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+    acc = acc * wts.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    out_ptr, ids_ptr, y_ptr, E, N, stride_it, stride_ij, stride_yt,
+    K_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # -- y[t, n-block] = Σ_j out[t·k + j] over the valid j, in j order -------------------------------
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(K_TOP):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ij)
+        ok = (e >= 0) & (e < E)  # the rows of dropped pairs were never written
+        row = out_ptr + (t * K_TOP + j).to(tl.int64) * N
+        acc += tl.load(row + offs_n, mask=mask_n & ok, other=0.0)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+# ---- pairs path: a GEMV per pair, then per token ---------------------------------------------------
+
+
+@triton.jit
+def _moe_gate_up_pairs_kernel(
+    x_ptr, ids_ptr, w_ptr, b_ptr, h_ptr,
+    E, K_TOP, N, K, UP_ROW,
+    stride_xm, stride_xk, stride_it, stride_ij, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- pair p = t·k + j, its expert, BLOCK_N columns of h ------------------------------------------
+    p = tl.program_id(0)
+    t = p // K_TOP
+    e = tl.load(ids_ptr + t * stride_it + (p % K_TOP) * stride_ij).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # -- stream the gate and up rows (BLOCK_N, BLOCK_K) once, products summed over K in fp32 ----------
+    x_ptrs = x_ptr + t * stride_xm + offs_k * stride_xk
+    wg_ptrs = w_ptr + e * stride_we + (offs_n * GATE_STEP)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    wu_ptrs = wg_ptrs + UP_ROW * stride_wn
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)[None, :]
+        w_mask = mask_n[:, None] & (offs_k[None, :] < k_left)
+        acc_g += tl.sum(tl.load(wg_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        if GATED:
+            acc_u += tl.sum(tl.load(wu_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+
+    h = expert_epilogue(acc_g[None, :], acc_u[None, :], b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
+                        GATED, HAS_BIAS, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    h_ptrs = h_ptr + p.to(tl.int64) * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_n[None, :])
+
+
+@triton.jit
+def _moe_down_tokens_kernel(
+    h_ptr, ids_ptr, wts_ptr, w_ptr, b_ptr, y_ptr,
+    E, N, K,
+    stride_it, stride_ij, stride_wt, stride_wj, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_yt,
+    HAS_BIAS: tl.constexpr, K_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- token t, BLOCK_N columns of y; its k experts one after the other, in j order ----------------
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(K_TOP):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int64)
+        if (e >= 0) & (e < E):
+            # -- o = h[t·k + j] @ Wd[e][n-block]ᵀ (+ bd[e]), streamed over I in BLOCK_K steps -------
+            h_ptrs = h_ptr + (t * K_TOP + j).to(tl.int64) * K + offs_k
+            w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            o = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                h = tl.load(h_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                o += tl.sum(w.to(tl.float32) * h, axis=1)
+                h_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K * stride_wk
+            if HAS_BIAS:
+                o += tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
+            y += tl.load(wts_ptr + t * stride_wt + j * stride_wj).to(tl.float32) * o
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+# ---- host side --------------------------------------------------------------------------------------
+
+
+def _gate_up_layout(w_gu: Tensor, I: int, interleaved: bool) -> tuple[bool, int, int]:
+    """(gated, GATE_STEP, UP_ROW): gate row n of an expert is GATE_STEP·n, up row n is UP_ROW + GATE_STEP·n."""
+    rows = w_gu.shape[1]
+    if rows == I:
+        return False, 1, 0
+    if rows != 2 * I:
+        raise ValueError(f"w_gate_up has {rows} rows per expert; expected 2·I = {2 * I} (gated) or I = {I} (plain)")
+    return (True, 2, 1) if interleaved else (True, 1, I)
+
+
+def _launch_opts(config: dict) -> dict:
+    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+
+
+def moe_gate_up(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
+                interleaved: bool = False, config: dict | None = None) -> Tensor:
+    """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
+    pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's)."""
+    T, H = x.shape
+    S = T * routing.k
+    E = w_gu.shape[0]
+    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
+    cfg = config or default_config("gate_up", T, routing.k, E, H, I, x.dtype)
+    h = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    n_blocks = routing.block_expert.shape[0]
+    if n_blocks == 0 or I == 0:
+        return h
+    b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
+    grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
+    _moe_gate_up_kernel[grid](
+        x, w_gu, b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+        S, routing.k, I, H, up_row,
+        x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
+        GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
+        PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        **_launch_opts(cfg),
+    )
+    return h
+
+
+def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
+             config: dict | None = None) -> Tensor:
+    """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten)."""
+    S, I = h.shape
+    E, H = w_d.shape[0], w_d.shape[1]
+    cfg = config or default_config("down", S // max(routing.k, 1), routing.k, E, H, I, h.dtype)
+    out = torch.empty((S, H), dtype=torch.float32, device=h.device)
+    n_blocks = routing.block_expert.shape[0]
+    if n_blocks == 0 or H == 0:
+        return out
+    h = h.contiguous()
+    b = b_d if b_d is not None else w_d
+    grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
+    _moe_down_kernel[grid](
+        h, w_d, b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+        S, routing.k, H, I,
+        *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
+        HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype),
+        BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
+    )
+    return out
+
+
+def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype) -> Tensor:
+    """y (T, H) in ``dtype``: y[t] = Σ_j out[t·k + j] over the j with ids[t, j] in [0, E), in j order."""
+    T, k = ids.shape
+    H = out.shape[1]
+    y = torch.empty((T, H), dtype=dtype, device=out.device)
+    if T == 0 or H == 0:
+        return y
+    block_n = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, cdiv(H, block_n))](
+        out, ids, y, E, H, ids.stride(0), ids.stride(1), y.stride(0), K_TOP=k, BLOCK_N=block_n, num_warps=4,
+    )
+    return y
+
+
+def moe_gate_up_pairs(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
+                      interleaved: bool = False, config: dict | None = None) -> Tensor:
+    """h (S, I) as ``moe_gate_up`` computes it, with no routing: one GEMV program per (pair, BLOCK_N columns)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E = w_gu.shape[0]
+    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
+    cfg = config or default_config("gate_up_pairs", T, k, E, H, I, x.dtype)
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    if T * k == 0 or I == 0:
+        return h
+    b = b_gu if b_gu is not None else w_gu
+    _moe_gate_up_pairs_kernel[(T * k, cdiv(I, cfg["BLOCK_N"]))](
+        x, ids, w_gu, b, h,
+        E, k, I, H, up_row,
+        x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
+        GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
+    )
+    return h
+
+
+def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None, dtype: torch.dtype,
+                    config: dict | None = None) -> Tensor:
+    """y (T, H) in ``dtype``: y[t] = Σ_j w[t, j] · (h[t·k + j] @ Wd[e]ᵀ + bd[e]) over valid j, in j order, summed in
+    registers (no (S, H) buffer). h may come from either gate/up kernel."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    cfg = config or default_config("down_tokens", T, k, E, H, I, h.dtype)
+    y = torch.empty((T, H), dtype=dtype, device=h.device)
+    if T == 0 or H == 0:
+        return y
+    h = h.contiguous()
+    b = b_d if b_d is not None else w_d
+    _moe_down_tokens_kernel[(T, cdiv(H, cfg["BLOCK_N"]))](
+        h, ids, wts, w_d, b, y,
+        E, H, I,
+        ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0), b.stride(-1),
+        y.stride(0),
+        HAS_BIAS=b_d is not None, K_TOP=k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
+    )
+    return y
+
+
+PATHS = ("sorted", "sorted_tokens", "pairs")
+
+
+def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
+                b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
+                configs: dict | None = None) -> Tensor:
+    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches),
+    "sorted_tokens" (routing, gate_up, down_tokens: 3), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
+    ``configs``: a config per kind ("gate_up", "down", "gate_up_pairs", "down_tokens"), else default_config's."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    cfg = {kind: default_config(kind, T, k, E, H, I, x.dtype) for kind in CONFIGS} | (configs or {})
+    if path == "pairs":
+        h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg["gate_up_pairs"])
+        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg["down_tokens"])
+    if path not in PATHS:
+        raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
+    routing = moe_align(ids, E, cfg["gate_up"]["BLOCK_M"])
+    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, cfg["gate_up"])
+    if path == "sorted_tokens":
+        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg["down_tokens"])
+    return moe_combine(moe_down(h, routing, wts, w_d, b_d, cfg["down"]), ids, E, x.dtype)
+
+
+def moe_reference(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
+                  b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False) -> Tensor:
+    """y in torch ops, fp32 throughout, rounded once to x's dtype: a loop over the experts, each on the rows routed
+    to it (``torch.where`` on the ids: meant for the CPU, where it costs no sync). Differentiable."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
+    xf = x.float()
+    y = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    for e in range(E):
+        tok, j = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        gu = xf[tok] @ w_gu[e].float().T
+        if b_gu is not None:
+            gu = gu + b_gu[e].float()
+        if gated:
+            g, u = gu[:, 0:step * I:step], gu[:, up_row:up_row + step * I:step]
+            hh = act.torch_gated(g, u)
+        else:
+            hh = get_activation(act.name).fn(gu)
+        o = hh @ w_d[e].float().T
+        if b_d is not None:
+            o = o + b_d[e].float()
+        y = y.index_add(0, tok, o * wts[tok, j].float()[:, None])
+    return y.to(x.dtype)
+
+
+# ---- configs --------------------------------------------------------------------------------------
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
+# Candidates per kind and M bucket (rows per touched expert, rounded up to 16, 64 or 128), which a GPU run times.
+# Two weight tiles per K step in gate_up; every one fits k_loop_fits in bf16.
+CONFIGS: dict[str, dict[int, list[dict]]] = {
+    "gate_up": {
+        16: [_cfg(16, 32, 256, 4, 4), _cfg(16, 64, 128, 4, 4), _cfg(16, 64, 64, 4, 6), _cfg(16, 32, 128, 4, 5)],
+        64: [_cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 3), _cfg(32, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 3)],
+        128: [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 8, 4)],
+    },
+    "down": {
+        16: [_cfg(16, 64, 256, 4, 4), _cfg(16, 32, 256, 4, 4), _cfg(16, 128, 128, 4, 4), _cfg(16, 64, 128, 4, 5)],
+        64: [_cfg(64, 128, 64, 4, 4), _cfg(64, 64, 64, 4, 4), _cfg(32, 128, 128, 4, 4), _cfg(64, 128, 128, 8, 3)],
+        128: [_cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4)],
+    },
+    "gate_up_pairs": {
+        1: [_cfg(1, 16, 256, 4, 3), _cfg(1, 32, 256, 4, 3), _cfg(1, 16, 512, 4, 3), _cfg(1, 8, 512, 4, 3),
+            _cfg(1, 32, 128, 4, 4)],
+    },
+    "down_tokens": {
+        1: [_cfg(1, 32, 256, 4, 3), _cfg(1, 16, 256, 4, 3), _cfg(1, 64, 128, 4, 3), _cfg(1, 16, 512, 4, 3),
+            _cfg(1, 32, 512, 8, 3)],
+    },
+}
+_INTERPRET_CONFIG = {  # the CPU interpreter: small tiles, so that masking at the edges is exercised
+    "gate_up": _cfg(16, 32, 32, 4, 1), "down": _cfg(16, 32, 32, 4, 1),
+    "gate_up_pairs": _cfg(1, 16, 32, 4, 1), "down_tokens": _cfg(1, 16, 32, 4, 1),
+}
+
+
+def rows_bucket(T: int, k: int, E: int) -> int:
+    """The M bucket of the sorted path: the mean rows per touched expert, S / min(E, S), as 16, 64 or 128."""
+    S = T * k
+    rows = S / max(1, min(E, S))
+    return 16 if rows <= 24 else 64 if rows <= 96 else 128
+
+
+def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
+    """The first candidate of CONFIGS[kind] for this size's M bucket, with fewer stages where fp32 tiles do not fit
+    shared memory; under the interpreter one small config."""
+    if kind not in CONFIGS:
+        raise ValueError(f"default_config: kind must be one of {tuple(CONFIGS)}, not {kind!r}")
+    if INTERPRET:
+        return dict(_INTERPRET_CONFIG[kind])
+    buckets = CONFIGS[kind]
+    cfg = dict((buckets[rows_bucket(T, k, E)] if kind in ("gate_up", "down") else buckets[1])[0])
+    n_weights = 2 if kind == "gate_up" else 1
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    while cfg["num_stages"] > 2 and not k_loop_fits(cfg["num_stages"], cfg["BLOCK_M"], cfg["BLOCK_K"],
+                                                    cfg["BLOCK_N"], n_weights, itemsize):
+        cfg["num_stages"] -= 1
+    return cfg

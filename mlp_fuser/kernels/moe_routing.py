@@ -1,0 +1,129 @@
+"""Routing metadata for the grouped expert GEMMs, built on the device with static shapes (no host sync).
+
+``moe_align(ids, E, BLOCK_M)`` sorts the S = T·k token-expert pairs (pair p = t·k + j) by expert and pads each
+expert's run to a multiple of BLOCK_M with the sentinel S, so that every BLOCK_M-row block of the sorted list belongs
+to one expert. Pairs whose id is not in [0, E) (expert-parallel sentinels) are dropped. Within an expert the pairs
+keep their order (ascending p), so the torch and Triton versions give identical results.
+
+Shapes are static upper bounds: B_max = cdiv(S + (BLOCK_M - 1) · min(E, S), BLOCK_M) blocks; ``num_blocks`` (on the
+device) says how many are used, and block_expert is E past it, so that programs for unused blocks exit at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import INTERPRET, cdiv, next_power_of_2
+
+TRITON_MAX_PAIRS = 4096  # one program sorts every pair in registers: beyond this the torch version is used
+
+
+class Routing(NamedTuple):
+    sorted_pairs: Tensor  # int32 (B_max·BLOCK_M,): pair ids grouped by expert, runs padded with S
+    block_expert: Tensor  # int32 (B_max,): the expert of each block, E past num_blocks
+    num_blocks: Tensor  # int32 (1,): blocks in use
+    block_m: int
+    k: int  # experts per token: pair p is token p // k
+
+
+def max_blocks(S: int, E: int, block_m: int) -> int:
+    return cdiv(S + (block_m - 1) * min(E, S), block_m)
+
+
+def moe_align_torch(ids: Tensor, E: int, block_m: int) -> Routing:
+    """The reference: torch ops only, no host sync (fine for any S)."""
+    T, k = ids.shape
+    S, dev = T * k, ids.device
+    n_blocks = max_blocks(S, E, block_m)
+    flat = ids.reshape(-1).long()
+    expert = torch.where((flat >= 0) & (flat < E), flat, E)  # dropped pairs go to bin E
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, expert, torch.ones_like(expert))[:E]
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    block_start = torch.cat([block_end.new_zeros(1), block_end])  # index E: the dump slot of dropped pairs
+    count_start = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    order = torch.argsort(expert, stable=True)
+    sorted_expert = expert[order]
+    rank = torch.arange(S, device=dev) - count_start[sorted_expert]
+    dest = torch.where(sorted_expert < E, block_start[sorted_expert] * block_m + rank, n_blocks * block_m)
+    sorted_pairs = torch.full((n_blocks * block_m + 1,), S, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    b = torch.arange(n_blocks, device=dev)
+    block_expert = torch.searchsorted(block_end, b, right=True).to(torch.int32)  # E past the last used block
+    num_blocks = block_end[-1:].to(torch.int32) if E > 0 else torch.zeros(1, dtype=torch.int32, device=dev)
+    return Routing(sorted_pairs[:-1], block_expert, num_blocks, block_m, k)
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, E, n_sorted, n_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr,
+):
+    # -- experts of all S pairs (BLOCK_S >= S lanes), dropped and padding lanes in bin E -------------
+    offs_s = tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + offs_s, mask=offs_s < S, other=E)
+    expert = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+
+    # -- per-expert counts, blocks and starts (BLOCK_E > E bins) -------------------------------------
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.where(offs_e < E, tl.histogram(expert, BLOCK_E), 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_start = tl.cumsum(blocks, 0) - blocks
+    count_start = tl.cumsum(counts, 0) - counts
+    num_blocks = tl.sum(blocks, 0)
+
+    # -- sort the keys expert·BLOCK_S + p: pairs by expert, ascending p inside; rank = place in the run ---
+    keys = tl.sort(expert * BLOCK_S + offs_s)
+    sorted_expert = keys // BLOCK_S
+    pair = keys % BLOCK_S
+    valid = sorted_expert < E
+    rank = offs_s - tl.gather(count_start, sorted_expert, 0)
+    dest = tl.gather(block_start, sorted_expert, 0) * BLOCK_M + rank
+
+    # -- the padding everywhere first, then (after the barrier) the pairs over it ---------------------
+    for start in range(0, n_sorted, FILL):
+        offs_f = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs_f, S, mask=offs_f < n_sorted)
+    for start in range(0, n_blocks, FILL):  # unused blocks only: the used ones are written below
+        offs_f = start + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + offs_f, E, mask=(offs_f < n_blocks) & (offs_f >= num_blocks))
+    tl.debug_barrier()
+    tl.store(sorted_ptr + dest, pair, mask=valid)
+    tl.store(block_expert_ptr + dest // BLOCK_M, sorted_expert, mask=valid & (rank % BLOCK_M == 0))
+    tl.store(num_blocks_ptr, num_blocks)
+
+
+def moe_align_triton(ids: Tensor, E: int, block_m: int) -> Routing:
+    """One single-program Triton launch (S up to TRITON_MAX_PAIRS)."""
+    T, k = ids.shape
+    S, dev = T * k, ids.device
+    if S > TRITON_MAX_PAIRS:
+        raise ValueError(f"moe_align_triton: ids has {S} pairs, more than {TRITON_MAX_PAIRS}; use moe_align_torch")
+    n_blocks = max_blocks(S, E, block_m)
+    sorted_pairs = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    if S == 0:
+        return Routing(sorted_pairs, block_expert, num_blocks.zero_(), block_m, k)
+    flat = ids.reshape(-1)  # a copy only where ids is not contiguous
+    block_s = max(16, next_power_of_2(S))
+    _moe_align_kernel[(1,)](
+        flat, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m, n_blocks,
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=max(16, next_power_of_2(E + 1)), FILL=1024,
+        num_warps=4 if S <= 1024 else 8,
+    )
+    return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+
+
+def moe_align(ids: Tensor, E: int, block_m: int) -> Routing:
+    """Pairs sorted by expert and padded to BLOCK_M: the Triton kernel where S fits one program, else torch ops."""
+    on_triton = ids.is_cuda or INTERPRET
+    if on_triton and ids.shape[0] * ids.shape[1] <= TRITON_MAX_PAIRS and ids.dtype in (torch.int32, torch.int64):
+        return moe_align_triton(ids, E, block_m)
+    return moe_align_torch(ids, E, block_m)

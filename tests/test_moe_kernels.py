@@ -1,0 +1,199 @@
+"""The routed-experts kernels (mlp_fuser.kernels.moe) against a float64 reference written here, on every path."""
+
+import math
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, poisoned_empty
+
+from mlp_fuser.kernels import moe
+from mlp_fuser.kernels.moe import ExpertAct
+from mlp_fuser.kernels.moe_routing import moe_align_torch, moe_align_triton
+from mlp_fuser.reference import rel_err
+
+GPT_OSS = ExpertAct(alpha=1.702, limit=7.0, up_offset=1.0)
+CLAMPED_SILU = ExpertAct("silu", limit=1.5)  # small, so that the clamps bite on these inputs
+CLAMPED_AFTER = ExpertAct("silu", limit=0.5, clamp_after=True)
+
+
+def random_ids(gen, T, k, E, sentinels=0.15):
+    """Top-k ids in [0, E) with duplicates across tokens, about ``sentinels`` of them E or beyond."""
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    drop = torch.rand((T, k), generator=gen) < sentinels
+    return torch.where(drop, E + torch.randint(0, 3, (T, k), generator=gen), ids)
+
+
+# ---- routing -----------------------------------------------------------------------------------------
+
+
+def check_routing(r, ids, E, block_m):
+    """The invariants, independently of either implementation: each valid pair once, in a block of its expert,
+    ascending inside it; padding S; block_expert E past num_blocks; every expert's run as short as it can be."""
+    S = ids.numel()
+    flat = ids.reshape(-1).tolist()
+    pairs, experts, n = r.sorted_pairs.tolist(), r.block_expert.tolist(), int(r.num_blocks[0])
+    counts = [sum(1 for e in flat if e == x) for x in range(E)]
+    assert n == sum(math.ceil(c / block_m) for c in counts)
+    assert all(e == E for e in experts[n:]) and all(p == S for p in pairs[n * block_m:])
+    seen = []
+    for b in range(n):
+        run = [p for p in pairs[b * block_m:(b + 1) * block_m] if p != S]
+        assert run and all(flat[p] == experts[b] for p in run) and run == sorted(run)
+        seen += run
+    assert sorted(seen) == [p for p, e in enumerate(flat) if 0 <= e < E]
+    assert experts[:n] == sorted(experts[:n])
+
+
+@pytest.mark.parametrize("T,k,E,block_m", [
+    (0, 2, 8, 16), (1, 1, 1, 16), (1, 8, 256, 16), (3, 4, 8, 16), (17, 8, 64, 16), (17, 2, 8, 64),
+    (40, 8, 256, 64), (60, 8, 128, 16), (64, 4, 4, 128),
+])
+def test_align_triton_equals_torch(T, k, E, block_m):
+    gen = torch.Generator().manual_seed(T * 1000 + k * 10 + E)
+    ids = random_ids(gen, T, k, E).to(KERNEL_DEVICE)
+    ids[:T // 2, 0] = 0  # one expert takes many tokens
+    ref = moe_align_torch(ids, E, block_m)
+    out = moe_align_triton(ids.int(), E, block_m)
+    for a, b in zip(ref[:3], out[:3]):
+        assert torch.equal(a.cpu(), b.cpu())
+    check_routing(ref, ids.cpu(), E, block_m)
+
+
+def test_align_every_token_one_expert_and_all_dropped():
+    ids = torch.full((9, 2), 5, device=KERNEL_DEVICE)
+    check_routing(moe_align_triton(ids, 8, 16), ids.cpu(), 8, 16)
+    ids = torch.full((3, 2), 8, device=KERNEL_DEVICE)
+    r = moe_align_triton(ids, 8, 16)
+    check_routing(r, ids.cpu(), 8, 16)
+    assert int(r.num_blocks[0]) == 0
+
+
+# ---- the experts, every path, against float64 -----------------------------------------------------
+
+
+def act64(name, z):
+    if name == "silu":
+        return z / (1 + torch.exp(-z))
+    if name == "gelu":
+        return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+    raise AssertionError(name)
+
+
+def reference64(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved):
+    """y in float64, one (token, j) pair at a time."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    y = torch.zeros((T, H), dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            gu = w_gu[e].double() @ x[t].double() + (b_gu[e].double() if b_gu is not None else 0)
+            if w_gu.shape[1] == I:
+                h = act64(act.name, gu)
+            else:
+                g, u = (gu[0::2], gu[1::2]) if interleaved else (gu[:I], gu[I:])
+                if act.limit is not None and not act.clamp_after:
+                    g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
+                a = g * torch.sigmoid(act.alpha * g) if act.alpha else act64(act.name, g)
+                if act.limit is not None and act.clamp_after:
+                    a, u = a.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
+                h = a * (u + act.up_offset)
+            o = w_d[e].double() @ h + (b_d[e].double() if b_d is not None else 0)
+            y[t] += float(wts[t, j]) * o
+    return y
+
+
+def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * I if gated else I
+    x = torch.randn((T, H), generator=gen)
+    w_gu = torch.randn((E, rows, H), generator=gen) / H ** 0.5 * 2
+    w_d = torch.randn((E, H, I), generator=gen) / I ** 0.5
+    b_gu = torch.randn((E, rows), generator=gen) if bias else None
+    b_d = torch.randn((E, H), generator=gen) if bias else None
+    ids = random_ids(gen, T, k, E)
+    wts = torch.rand((T, k), generator=gen)
+    dev = KERNEL_DEVICE
+    ts = [t.to(dtype) if t is not None else None for t in (x, w_gu, b_gu, w_d, b_d)]
+    x, w_gu, b_gu, w_d, b_d = ts
+    ref = (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d)
+    if transposed:  # stored (E, H, 2I) and (E, I, H) as GPT-OSS keeps them; the kernels get transposed views
+        w_gu = w_gu.transpose(1, 2).contiguous().transpose(1, 2)
+        w_d = w_d.transpose(1, 2).contiguous().transpose(1, 2)
+    on_dev = [t.to(dev) if t is not None else None for t in (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d)]
+    return ref, on_dev
+
+
+CASES = {  # T, k, E, H, I, dtype, extra
+    "silu-fp32": (3, 2, 8, 40, 36, torch.float32, {}),
+    "gpt-oss-transposed-fp16": (9, 4, 16, 48, 40, torch.float16,
+                                dict(act=GPT_OSS, interleaved=True, bias=True, transposed=True)),
+    "clamped-silu-E256-k8-fp16": (1, 8, 256, 32, 48, torch.float16, dict(act=CLAMPED_SILU)),
+    "clamped-after-k8-fp32": (3, 8, 8, 36, 20, torch.float32, dict(act=CLAMPED_AFTER, bias=True)),
+    "plain-gelu-E1-fp32": (17, 1, 1, 40, 52, torch.float32, dict(act=ExpertAct("gelu"), gated=False, bias=True)),
+    "one-expert-interleaved-fp16": (17, 2, 8, 33, 36, torch.float16, dict(interleaved=True, one_expert=True)),
+    "empty": (0, 2, 8, 32, 32, torch.float32, {}),
+}
+
+
+@pytest.mark.parametrize("path", moe.PATHS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_experts_against_float64(case, path):
+    T, k, E, H, I, dtype, extra = CASES[case]
+    act, interleaved = extra.get("act", ExpertAct()), extra.get("interleaved", False)
+    ref_args, args = make_case(T, k, E, H, I, dtype, extra.get("gated", True), extra.get("bias", False),
+                               extra.get("transposed", False))
+    if extra.get("one_expert"):  # every token to expert 3, the rest dropped: seven experts get nothing
+        for ids in (ref_args[1], args[1]):
+            ids[:, 0], ids[:, 1:] = 3, E
+    with poisoned_empty():
+        y = moe.moe_experts(*args, act=act, interleaved=interleaved, path=path)
+    assert y.dtype == dtype and y.shape == (T, H)
+    expected = reference64(*ref_args, act, interleaved)
+    if T == 0:
+        return
+    assert expected.abs().max() > 0.1  # the inputs exercise the sum
+    bar = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel_err(y.cpu(), expected, ord=math.inf) < bar, case
+    assert rel_err(moe.moe_reference(*args, act=act, interleaved=interleaved).cpu(), expected, math.inf) < bar
+
+
+def test_down_and_combine_parts():
+    """moe_down's per-pair rows are weighted expert outputs; dropped rows stay unwritten and combine skips them."""
+    ref_args, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(5, 2, 4, 32, 24, torch.float32, bias=True, seed=3)
+    ids.copy_(torch.tensor([[1, 4], [2, 0], [3, 3], [0, 1], [2, 2]]))  # pair 1 dropped
+    routing = moe.moe_align(ids, 4, 16)
+    with poisoned_empty():
+        h = moe.moe_gate_up(x, routing, w_gu, b_gu, ExpertAct(), 24)
+        out = moe.moe_down(h, routing, wts, w_d, b_d)
+    assert out.dtype == torch.float32 and torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+    e = int(ids[1, 0])
+    row = (h[2].double() @ w_d[e].double().T + b_d[e].double()) * float(wts[1, 0])
+    assert rel_err(out[2].cpu(), row.cpu(), math.inf) < 1e-5
+    y = moe.moe_combine(out, ids, 4, x.dtype)
+    assert rel_err(y[0].cpu(), out[0].cpu(), math.inf) == 0
+
+
+def test_gate_up_layout_errors():
+    _, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(2, 2, 4, 32, 24, torch.float32)
+    with pytest.raises(ValueError, match="w_gate_up has 40 rows"):
+        moe.moe_gate_up_pairs(x, ids, w_gu[:, :40], None, ExpertAct(), 24)
+    with pytest.raises(ValueError, match="path must be one of"):
+        moe.moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, path="dense")
+
+
+def test_configs_fit_shared_memory():
+    from mlp_fuser.kernels.common import k_loop_fits
+
+    for kind, buckets in moe.CONFIGS.items():
+        n_weights = 2 if kind == "gate_up" else 1
+        for bucket, cands in buckets.items():
+            assert 3 <= len(cands) <= 6
+            for c in cands:
+                assert c["BLOCK_M"] <= max(bucket, 16)
+                if kind in ("gate_up", "down"):
+                    assert k_loop_fits(c["num_stages"], c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], n_weights, 2)
+    assert moe.rows_bucket(1, 8, 128) == 16 and moe.rows_bucket(2048, 8, 128) == 128
+    assert moe.rows_bucket(2048, 2, 8) == 128 and moe.rows_bucket(64, 8, 64) == 16
