@@ -255,21 +255,14 @@ class Impl:
         return self.why(p) if self.why is not None else None
 
 
-def _kernels():
-    from .kernels import moe as kmoe  # imported on first use: Triton compiles nothing until then
-    return kmoe
+def _triton(path: str) -> ImplFn:
+    """The Triton kernels (``kernels/moe.py``) through one of their paths."""
+    def impl(x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
+        from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
 
-
-def _triton_sorted(x, ids, wts, wgu, bgu, wd, bd, gate):
-    return _kernels().moe_sorted(x, ids, wts, wgu, bgu, wd, bd, gate)
-
-
-def _triton_sorted_tokdown(x, ids, wts, wgu, bgu, wd, bd, gate):
-    return _kernels().moe_sorted_tokdown(x, ids, wts, wgu, bgu, wd, bd, gate)
-
-
-def _triton_pairs(x, ids, wts, wgu, bgu, wd, bd, gate):
-    return _kernels().moe_pairs(x, ids, wts, wgu, bgu, wd, bd, gate)
+        act = kmoe.ExpertAct(gate.activation, 0.0, gate.limit, gate.clamp_after, gate.up_offset)
+        return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, act, gate.interleaved, path)
+    return impl
 
 
 def _few_pairs(p: Problem) -> str | None:
@@ -287,9 +280,9 @@ def _grouped_mm_ok(p: Problem) -> str | None:
 
 
 IMPLS: list[Impl] = [
-    Impl("triton_moe_pairs", _triton_pairs, frozenset({"cuda"}), triton=True, why=_few_pairs),
-    Impl("triton_moe_sorted_tokdown", _triton_sorted_tokdown, frozenset({"cuda"}), triton=True),
-    Impl("triton_moe_sorted", _triton_sorted, frozenset({"cuda"}), triton=True),
+    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, why=_few_pairs),
+    Impl("triton_moe_sorted_tokdown", _triton("sorted_tokens"), frozenset({"cuda"}), triton=True),
+    Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
 ]
