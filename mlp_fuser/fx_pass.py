@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
 from mlp_fuser import patterns as P
+from mlp_fuser import sharding
 from mlp_fuser.ops import _PLAIN
 from mlp_fuser.patterns.common import dropout_active, is_dropout, same, same_shape, val
 
@@ -185,7 +186,7 @@ def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=
     for n in [c.gate.x, *tensors]:
         v = val(n)
         if isinstance(v, torch.Tensor) and not _plain(v):
-            return "plain_tensors", f"{n.name} is a {type(v).__name__}, a tensor subclass"
+            return "plain_tensors", f"{n.name} is {sharding.describe(v)}"
     amp = _autocast_dtype(x)
     computed = set(inter) | {c.down.out}
     for n in tensors + inter + [c.down.out]:
@@ -290,6 +291,8 @@ def fuse_mlps(
     ``save_preact``: the ops keep their pre-activations for the backward instead of recomputing them."""
     _fill_get_attr_values(gm)
     report = PassReport()
+    gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
+    report.near_misses += [NearMiss(*m) for m in lowered]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[Node] = set()
     for n in reversed(list(order)):

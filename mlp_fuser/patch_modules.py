@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from . import fx_pass
+from . import fx_pass, sharding
 from ._dynamo_utils import fresh_code
 from .ops import EAGER
 from .patterns.common import dropout_active, is_dropout
@@ -165,7 +165,9 @@ def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> Proof | 
             return gm.forward
 
         try:
-            with torch.no_grad(), _quiet("torch._subclasses.fake_tensor", "torch._dynamo"):
+            # grad on for DTensor weights: transformers' tensor parallelism records its autograd-correct chain then
+            with torch.set_grad_enabled(sharding.holds_dtensors(module)), _quiet("torch._subclasses.fake_tensor",
+                                                                                  "torch._dynamo"):
                 torch.compile(fresh_code(type(module).forward), backend=capture, fullgraph=True)(module, x)
         except torch._dynamo.exc.BackendCompilerFailed:
             raise  # the graph pass failed: a bug to see, not a sample input of the wrong width
@@ -177,6 +179,8 @@ def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> Proof | 
 
 
 def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Proof | None:
+    if any(sharding.placeholder_getter(v) for v in example_inputs):  # a tensor-parallel MLP, the mesh an input
+        return sharding.proof(module, x, gm, example_inputs, report)
     if len(report.fused) != 1 or report.near_misses:
         return None
     g = gm.graph
