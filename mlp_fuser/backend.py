@@ -13,12 +13,14 @@ directly, not through the dispatcher (``mlp_fuser.inductor``).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from . import fx_pass, ops
 from . import patterns as registry
@@ -62,6 +64,27 @@ def without_graphs(compiled: Callable) -> Callable:
 
 
 BACKWARD = ("recompute", "save")
+FilterFn = Callable[[nn.Module | None, str], bool]
+
+
+def check_filter(filter_fn: FilterFn | None) -> FilterFn | None:
+    """``filter_fn`` as given, once it is known to take ``(module, fqn)`` (a wrong arity raises TypeError here, not
+    at the first site)."""
+    if filter_fn is None:
+        return None
+    if not callable(filter_fn):
+        raise TypeError(f"mlp_fuser: filter_fn must be callable, got {type(filter_fn).__name__}")
+    try:
+        sig = inspect.signature(filter_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: taken as it is
+        return filter_fn
+    try:
+        sig.bind(None, "")
+    except TypeError:
+        raise TypeError(f"mlp_fuser: filter_fn{sig} must take two arguments, (module, fqn) -> bool, as torchao's "
+                        "quantize_ takes it: module is the MLP's module (or None), fqn its path such as "
+                        "'model.layers.0.mlp'") from None
+    return filter_fn
 
 
 def pass_options(activations: Iterable[str] | None = None, patterns: Iterable[str] | None = None,
@@ -86,20 +109,25 @@ def make_backend(
     patterns: Iterable[str] | None = None,
     enabled: bool = True,
     inductor: bool = True,
-    filter_fn: Callable[[str], bool] | None = None,
+    filter_fn: FilterFn | None = None,
     backward: str = "save",
+    root: nn.Module | None = None,
 ):
     """A backend that fuses MLP sites, then compiles with Inductor (or, with ``inductor=False``, runs the graph).
 
     ``activations``: registry names or aliases allowed (default: all); ``patterns``: names from
     ``mlp_fuser.patterns.PATTERNS`` allowed (default: all); ``enabled=False``: no fusion at all;
-    ``filter_fn(path) -> bool``: which sites, by module path, may be fused. ``backward`` (training only):
+    ``filter_fn(module, fqn) -> bool``: which sites may be fused, as torchao's ``quantize_`` takes it: ``fqn`` is
+    the site's module path (the common ancestor of its projections, ``model.layers.0.mlp``), ``module`` the module
+    at that path in ``root`` (the model this backend compiles, when given), else None: a graph holds no modules.
+    ``backward`` (training only):
     "save" (the default) keeps the gate and up outputs, 2·tokens·I elements per MLP (fastest; less than
     torch.compile keeps); "recompute" keeps nothing of the intermediate's size between forward and backward and
     recomputes the gate and up GEMMs in the backward (least memory, two more GEMMs). torch.compile's ``mode`` and
     ``options`` reach Inductor unchanged.
     """
     allowed = pass_options(activations, patterns, backward)
+    filter_fn = check_filter(filter_fn)
     compilers: list = []  # the Inductor wrappers this backend compiled with, for reset()
 
     def mlp_fuser_backend(gm, example_inputs, *, mode: str | None = None, options: dict[str, Any] | None = None):
@@ -109,7 +137,7 @@ def make_backend(
         compiler = inductor_compiler(mode, options) if inductor else None  # a bad mode or option raises here
         gid = next(_graph_ids)
         if enabled:
-            report = fx_pass.fuse_mlps(gm, filter_fn=filter_fn, **allowed)
+            report = fx_pass.fuse_mlps(gm, filter_fn=filter_fn, root=root, **allowed)
             log.info("mlp_fuser: graph %d: %s", gid, report.summary())
             for m in report.near_misses:
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)

@@ -1,8 +1,9 @@
 """The command line: ``python -m mlp_fuser {demo,explain,bench}`` (also installed as ``mlp-fuser``).
 
 - ``demo``: SmolLM2-135M-Instruct with its MLPs fused: explain report, identical tokens, timings.
-- ``explain TARGET``: TARGET is a HF model type (``llama``, ``gpt2``, ``qwen3``...: a tiny random model of that
-  family is built) or a local checkpoint folder or ``.gguf`` file; prints ``mlp_fuser.explain``'s report.
+- ``explain TARGET [--details]``: TARGET is a HF model type (``llama``, ``gpt2``, ``qwen3``...: a tiny random model
+  of that family is built) or a local checkpoint folder or ``.gguf`` file; prints ``mlp_fuser.explain``'s report
+  (``--details``: one row per block).
 - ``bench [ARGS]``: the GPU benchmark, ``mlp_fuser.bench.main(ARGS)``.
 
 Results go to stdout, progress to stderr.
@@ -35,19 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("target", help="a HF model type (llama, gpt2, qwen3, ...) or a local checkpoint folder / .gguf file")
     e.add_argument("--seq-len", type=int, default=8, help="length of the random example input_ids (default 8)")
     e.add_argument("--dtype", choices=sorted(demo.DTYPES), default="float32")
+    e.add_argument("--details", action="store_true", help="one row per block (else identical blocks fold into one)")
 
     bench_help = "the GPU benchmark (needs CUDA); its arguments are passed to mlp_fuser.bench.main"
     sub.add_parser("bench", help=bench_help, add_help=False)
     return ap
 
 
-def explain(target: str, seq_len: int = 8, dtype: str = "float32") -> str:
+def explain(target: str, seq_len: int = 8, dtype: str = "float32", details: bool = False) -> str:
     """The explain report of ``target`` (see ``python -m mlp_fuser explain --help``), as text."""
     model = _hf.load_model(target, dtype=demo.DTYPES[dtype])
     inputs = _hf.example_inputs(model, seq_len=seq_len)
     with _hf.step(f"explain: tracing {type(model).__name__}"):
         report = mlp_fuser.explain(model, *inputs)
-    return str(report)
+    return report.details() if details else str(report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo.run_from_args(args)
     if args.command == "explain":
         try:
-            print(explain(args.target, seq_len=args.seq_len, dtype=args.dtype))
+            print(explain(args.target, seq_len=args.seq_len, dtype=args.dtype, details=args.details))
         except (ValueError, KeyError, OSError, ImportError) as err:
             print(f"mlp_fuser explain: {err}", file=sys.stderr)
             return 2

@@ -1,7 +1,13 @@
-"""``explain(model, *inputs)``: which MLPs would be fused, which were not and why, without compiling anything."""
+"""``explain(model, *inputs)``: which MLPs would be fused, which were not and why, without compiling anything.
+
+The report folds identical blocks into one line (``model.layers.{0..29}.mlp  gated  silu  576 → 1536 → 576  ×30``)
+and near misses into one line per reason; ``report.details()`` (or ``explain(..., verbose=True)``) has one row per
+block.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +17,7 @@ from ._dynamo_utils import fresh_code
 from .activations import get_activation
 from .fx_pass import CHECKS, PassReport, fuse_mlps
 from .patch import original_forward
+from .patch_modules import weight_near_miss
 
 
 @dataclass
@@ -20,21 +27,23 @@ class Report(PassReport):
     graphs: int = 0
     graph_breaks: int = 0  # distinct graph-break reasons met while capturing
     break_reasons: list[str] = field(default_factory=list)
+    error: str | None = None  # what the forward raised under Dynamo, where it did
+    verbose: bool = False  # str() gives the details
 
     def __bool__(self) -> bool:
         return bool(self.fused)
 
-    def __str__(self) -> str:
+    def _head(self) -> list[str]:
         lines = [
             f"mlp_fuser.explain: {len(self.fused)} MLP(s) fused, {len(self.near_misses)} near miss(es) "
             f"in {self.graphs} graph(s), {self.graph_breaks} graph break(s)"
         ]
-        if self.fused:
-            rows = [(s.path or "<root>", s.pattern, s.activation, str(s.K), str(s.I), str(s.O)) for s in self.fused]
-            lines += ["", "Fused:", *_table(("module", "pattern", "activation", "K", "I", "O"), rows)]
-        if self.near_misses:
-            rows = [(m.path or "<root>", m.pattern, m.check, m.reason) for m in self.near_misses]
-            lines += ["", "Not fused:", *_table(("module", "resembles", "failed check", "reason"), rows)]
+        if self.error:
+            lines += ["", f"The forward raised while Dynamo captured it: {self.error}"]
+        return lines
+
+    def _tail(self) -> list[str]:
+        lines = []
         if self.break_reasons:
             lines += ["", "Graph breaks:", *(f"  - {r.splitlines()[0][:200]}" for r in self.break_reasons)]
         if not self.fused:
@@ -42,6 +51,8 @@ class Report(PassReport):
             if self.near_misses:
                 failed = ", ".join(sorted(self.checks_failed()))
                 lines.append(f"Nothing fused: every candidate failed a check ({failed}).")
+            elif self.error:
+                lines.append("Nothing fused: no graph of the whole forward was captured (see above).")
             elif self.graphs == 0:
                 lines.append("Nothing fused: Dynamo captured no graph (the forward fell back to Python entirely).")
             else:
@@ -49,26 +60,121 @@ class Report(PassReport):
                     f"Nothing fused: no Linear → activation → Linear chain (plain, gated or merged gate/up) among the "
                     f"{self.projections} projection(s) in the captured graph(s)."
                 )
-        return "\n".join(lines)
+        return lines
+
+    def __str__(self) -> str:
+        if self.verbose:
+            return self.details()
+        lines = self._head()
+        if self.fused:
+            groups = _groups(self.fused, lambda s: (s.pattern, s.activation, f"{s.K} → {s.I} → {s.O}"))
+            lines += ["", "Fused:", *_table(None, groups)]
+        if self.near_misses:
+            groups = _groups(self.near_misses, lambda m: (m.pattern, m.check, _relative(m.reason, m.path)))
+            lines += ["", "Not fused:", *_table(None, groups)]
+        return "\n".join(lines + self._tail())
+
+    def details(self) -> str:
+        """The report with one row per block (``str(report)`` folds identical blocks into one line)."""
+        lines = self._head()
+        if self.fused:
+            rows = [(s.path or "<root>", s.pattern, s.activation, str(s.K), str(s.I), str(s.O)) for s in self.fused]
+            lines += ["", "Fused:", *_table(("module", "pattern", "activation", "K", "I", "O"), rows)]
+        if self.near_misses:
+            rows = [(m.path or "<root>", m.pattern, m.check, m.reason) for m in self.near_misses]
+            lines += ["", "Not fused:", *_table(("module", "resembles", "failed check", "reason"), rows)]
+        return "\n".join(lines + self._tail())
 
     __repr__ = __str__
 
 
+def _relative(reason: str, path: str) -> str:
+    """``reason`` with the block's own path left out (``gate_proj.weight is ...``), so that blocks alike read alike."""
+    return reason.replace(f"{path}.", "").replace(path, "the block") if path else reason
+
+
+def _indices(values: list[int]) -> str:
+    """``{0..29}`` for a run, ``{0,2,5}`` for a set, ``{0..5,8}`` for both."""
+    values, parts, i = sorted(set(values)), [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts += [f"{values[i]}..{values[j]}"] if j - i >= 2 else [str(v) for v in values[i:j + 1]]
+        i = j + 1
+    return "{" + ",".join(parts) + "}"
+
+
+def fold(paths: list[str]) -> list[tuple[str, int]]:
+    """Module paths that differ in one index folded into one (``model.layers.{0..29}.mlp``), each with the number
+    of paths it stands for; paths alike in nothing stay as they are."""
+    by_shape: dict[tuple, list[list[str]]] = {}
+    for p in dict.fromkeys(paths):
+        parts = p.split(".")
+        by_shape.setdefault(tuple("#" if q.isdigit() else q for q in parts), []).append(parts)
+    out = []
+    for members in by_shape.values():
+        varying = [i for i in range(len(members[0])) if len({m[i] for m in members}) > 1]
+        if not varying:
+            out.append((".".join(members[0]), 1))
+            continue
+        last = varying[-1]  # fold the innermost index; blocks that differ elsewhere too get a line each
+        rest: dict[tuple, list[list[str]]] = {}
+        for m in members:
+            rest.setdefault(tuple(m[i] for i in varying[:-1]), []).append(m)
+        for group in rest.values():
+            parts = list(group[0])
+            if len(group) > 1:
+                parts[last] = _indices([int(m[last]) for m in group])
+            out.append((".".join(parts), len(group)))
+    return out
+
+
+def _groups(items, key) -> list[tuple[str, ...]]:
+    """One row per folded path of the items alike under ``key``: (path, *key, ×count)."""
+    alike: dict[tuple, list[str]] = {}
+    for it in items:
+        alike.setdefault(key(it), []).append(it.path or "<root>")
+    return [(p, *k, f"×{n}" if n > 1 else "") for k, paths in alike.items() for p, n in fold(paths)]
+
+
 def _table(header, rows) -> list[str]:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    body = [header, *rows] if header else rows
+    widths = [max(len(str(r[i])) for r in body) for i in range(len(body[0]))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return ["  " + fmt.format(*header).rstrip(), "  " + fmt.format(*("-" * w for w in widths))] + [
-        "  " + fmt.format(*r).rstrip() for r in rows
-    ]
+    head = ["  " + fmt.format(*header).rstrip(), "  " + fmt.format(*("-" * w for w in widths))] if header else []
+    return head + ["  " + fmt.format(*r).rstrip() for r in rows]
 
 
-def explain(model, *example_inputs, activations=None, patterns=None, **example_kwargs) -> Report:
+def _error_text(error: BaseException) -> str:
+    """The error a user's code raised, without Dynamo's wrapping around it (``TorchRuntimeError: RuntimeError when
+    making fake tensor call``), on one line."""
+    seen: set[int] = set()
+    while isinstance(error, torch._dynamo.exc.TorchDynamoException) and id(error) not in seen:
+        seen.add(id(error))
+        inner = error.__cause__ or error.__context__
+        if inner is None:
+            break
+        error = inner
+    got = re.search(r": got (\w+\(.*\))$", str(error), re.M)  # what a function Dynamo ran raised
+    if got:
+        return got.group(1)[:300]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def explain(model, *example_inputs, activations=None, patterns=None, verbose: bool = False,
+            **example_kwargs) -> Report:
     """Capture ``model``'s graph(s) with Dynamo on the example inputs and report every MLP site and near miss.
 
     Nothing is rewritten or compiled; the model runs once (eagerly, graph by graph). ``model`` may be an
-    ``nn.Module`` (patched or not) or a function.
+    ``nn.Module`` (patched or not) or a function. MLP modules whose weights the op cannot read (float8, integer,
+    a tensor subclass) are near misses, whatever their forward does with them. Where the forward raises under
+    Dynamo, the report says what it raised instead of raising it. ``verbose=True``: ``str(report)`` is
+    ``report.details()``, one row per block.
     """
     acts = None if activations is None else {get_activation(a).name for a in activations}
+    pats = set(patterns) if patterns else None
     graphs = []
 
     def record(gm, example_inputs):
@@ -77,15 +183,27 @@ def explain(model, *example_inputs, activations=None, patterns=None, **example_k
 
     fn = original_forward(model) if isinstance(model, torch.nn.Module) else model
     before = dict(counters["graph_break"])
-    torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
+    error = None
+    try:
+        torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
+    except Exception as e:  # the report says what the forward raised: explain is how a user finds out why
+        error = _error_text(e)
     reasons = [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
-    report = Report(graphs=len(graphs), graph_breaks=len(reasons), break_reasons=reasons)
+    report = Report(graphs=len(graphs), graph_breaks=len(reasons), break_reasons=reasons, error=error,
+                    verbose=verbose)
     for gm in graphs:
-        r = fuse_mlps(gm, activations=acts, patterns=set(patterns) if patterns else None, dry_run=True)
+        r = fuse_mlps(gm, activations=acts, patterns=pats, dry_run=True)
         report.fused += r.fused
         report.near_misses += r.near_misses
         report.projections += r.projections
+    if isinstance(model, torch.nn.Module):
+        seen = {s.path for s in report.fused} | {m.path for m in report.near_misses}
+        memo: dict = {}
+        for path, module in model.named_modules():
+            if path not in seen and (m := weight_near_miss(module, path, dict(activations=acts, patterns=pats),
+                                                           memo)) is not None:
+                report.near_misses.append(m)
     return report
 
 
-__all__ = ["CHECKS", "Report", "explain"]
+__all__ = ["CHECKS", "Report", "explain", "fold"]

@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 from mlp_fuser import patterns as P
 from mlp_fuser import sharding
 from mlp_fuser.ops import _PLAIN
-from mlp_fuser.patterns.common import dropout_active, is_dropout, same, same_shape, val
+from mlp_fuser.patterns.common import dropout_active, input_name, is_dropout, same, same_shape, val
 
 log = logging.getLogger("mlp_fuser")
 
@@ -94,6 +94,33 @@ def module_path(n: Node) -> str:
     return path.strip(".")
 
 
+def node_text(n) -> str:
+    """How a near miss names a graph node: a weight or input by its path, a projection's output by its module, any
+    other value by what computes it and where (``mul in model.layers.0.mlp``), never by Dynamo's variable name."""
+    if not isinstance(n, Node):
+        return repr(n)
+    if n.op == "placeholder":
+        return input_name(n)
+    if n.op == "get_attr":
+        return str(n.target)
+    where = module_path(n) or "<root>"
+    if P.match_projection(n) is not None:
+        return f"the output of {where}"
+    t = n.target
+    what = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    return f"{what} in {where}"
+
+
+def _module_at(root, path: str):
+    """The module at ``path`` in ``root``, or None (no root, or no such module)."""
+    if root is None:
+        return None
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def site_path(c: P.Candidate) -> str:
     paths = [module_path(p.nodes[0]).split(".") for p in (c.gate, c.up, c.down) if p is not None]
     common = []
@@ -112,8 +139,8 @@ def _users_outside(n: Node, inside: set[Node]) -> str | None:
     if not outside:
         return None
     if any(u.op == "output" for u in outside):
-        return f"{n.name} escapes the graph (returned, stored on a module, or captured by a hook)"
-    return f"{n.name} is also read by {', '.join(u.name for u in outside)}"
+        return f"{node_text(n)} escapes the graph (returned, stored on a module, or captured by a hook)"
+    return f"{node_text(n)} is also read by {', '.join(node_text(u) for u in outside)}"
 
 
 def _check_shapes(c: P.Candidate) -> str | None:
@@ -134,14 +161,14 @@ def _check_shapes(c: P.Candidate) -> str | None:
     for p, (out, _) in zip(projs, shapes):
         b = val(p.bias) if p.bias is not None else None
         if p.bias is not None and (b is None or b.dim() != 1 or b.shape[0] != out * (p.rows[1] if p.rows else 1)):
-            return f"bias {p.bias.name} has shape {tuple(b.shape) if b is not None else '?'}, expected ({out},)"
+            return f"bias {node_text(p.bias)} has shape {tuple(b.shape) if b is not None else '?'}, expected ({out},)"
     for p, n in ((c.gate, I), (c.up, I), (c.down, O)):
         if p is not None and (val(p.out) is None or not same_shape(val(p.out).shape, (*x.shape[:-1], n))):
-            return f"{p.out.name} does not have shape x.shape[:-1] + ({n},)"
+            return f"{node_text(p.out)} does not have shape x.shape[:-1] + ({n},)"
     for n in c.act.nodes + c.extra:
         v = val(n)
         if v is None or not same_shape(v.shape, (*x.shape[:-1], I)):
-            return f"{n.name} does not have the intermediate's shape"
+            return f"{node_text(n)} does not have the intermediate's shape"
     return None
 
 
@@ -155,13 +182,15 @@ def _autocast_dtype(x) -> torch.dtype | None:
     """The dtype autocast computes this graph's projections in, when it is on for x's device: the graph was
     captured under it (Dynamo guards on it), and the op's own autocast kernel casts its inputs the same way
     ``nn.Linear`` does, so a site whose every computed value has that dtype is the same computation fused."""
-    if not isinstance(x, torch.Tensor) or not torch.is_autocast_enabled(x.device.type):
+    if not isinstance(x, torch.Tensor) or x.is_meta or not torch.is_autocast_enabled(x.device.type):
         return None
     return torch.get_autocast_dtype(x.device.type)
 
 
-def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=None) -> tuple[str, str] | None:
-    """The first failed check as (name, reason), or None when the site may be fused."""
+def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=None,
+          root=None) -> tuple[str, str] | None:
+    """The first failed check as (name, reason), or None when the site may be fused. ``filter_fn(module, fqn)``
+    as for ``make_backend``, ``module`` looked up in ``root``."""
     if c.unsupported:
         return "activation", c.unsupported
     if c.act.name is None:
@@ -170,7 +199,7 @@ def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=
         return "allowed", f"pattern {c.pattern!r} is not enabled"
     if activations is not None and c.act.name not in activations:
         return "allowed", f"activation {c.act.name!r} is not enabled"
-    if filter_fn is not None and not filter_fn(path):
+    if filter_fn is not None and not filter_fn(_module_at(root, path), path):
         return "filter", "rejected by filter_fn"
     inter = c.intermediates()
     inside = set(inter) | {c.down.out}
@@ -179,31 +208,31 @@ def check(c: P.Candidate, path: str, activations=None, patterns=None, filter_fn=
         if why:
             return "single_use", why
     if c.up is not None and c.up.x is not c.gate.x:
-        return "same_input", f"gate reads {c.gate.x.name} but up reads {c.up.x.name}"
+        return "same_input", f"gate reads {node_text(c.gate.x)} but up reads {node_text(c.up.x)}"
     x = val(c.gate.x)
     tensors = [p.weight for p in (c.gate, c.up, c.down) if p is not None]
     tensors += [p.bias for p in (c.gate, c.up, c.down) if p is not None and p.bias is not None]
     for n in [c.gate.x, *tensors]:
         v = val(n)
         if isinstance(v, torch.Tensor) and not _plain(v):
-            return "plain_tensors", f"{n.name} is {sharding.describe(v)}"
+            return "plain_tensors", f"{node_text(n)} is {sharding.describe(v)}"
     amp = _autocast_dtype(x)
     computed = set(inter) | {c.down.out}
     for n in tensors + inter + [c.down.out]:
         v = n.meta.get("example_value", n.meta.get("val"))
         vs = list(v) if isinstance(v, (tuple, list)) else [v]
         if x is None or not vs or not all(isinstance(t, torch.Tensor) for t in vs):
-            return "dtype_device", f"no dtype/device known for {n.name}"
+            return "dtype_device", f"no dtype/device known for {node_text(n)}"
         for t in vs:
             if t.device != x.device:
-                return "dtype_device", f"{n.name} is on {t.device} but x is on {x.device}"
+                return "dtype_device", f"{node_text(n)} is on {t.device} but x is on {x.device}"
             if amp is None and t.dtype != x.dtype:
-                return "dtype_device", f"{n.name} is {t.dtype} but x is {x.dtype}"
+                return "dtype_device", f"{node_text(n)} is {t.dtype} but x is {x.dtype}"
             if amp is not None and n in computed and t.dtype != amp:
-                return "dtype_device", f"{n.name} is {t.dtype} under autocast to {amp}"
+                return "dtype_device", f"{node_text(n)} is {t.dtype} under autocast to {amp}"
     for n in inter:
         if is_dropout(n) and dropout_active(n):
-            return "dropout_inactive", f"{n.name} is an active dropout (training mode, p > 0)"
+            return "dropout_inactive", f"{node_text(n)} is an active dropout (training mode, p > 0)"
     why = _check_shapes(c)
     return ("shapes", why) if why else None
 
@@ -283,12 +312,14 @@ def fuse_mlps(
     *,
     activations=None,
     patterns=None,
-    filter_fn: Callable[[str], bool] | None = None,
+    filter_fn: Callable[..., bool] | None = None,
     dry_run: bool = False,
     save_preact: bool = False,
+    root=None,
 ) -> PassReport:
     """Find, check and (unless ``dry_run``) rewrite every MLP site of ``gm``; return what was fused and missed.
-    ``save_preact``: the ops keep their pre-activations for the backward instead of recomputing them."""
+    ``save_preact``: the ops keep their pre-activations for the backward instead of recomputing them.
+    ``filter_fn(module, fqn)``: as for ``make_backend``, ``module`` the module at ``fqn`` in ``root`` or None."""
     _fill_get_attr_values(gm)
     report = PassReport()
     gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
@@ -307,7 +338,7 @@ def fuse_mlps(
         if c is None:
             continue
         path = site_path(c)
-        failed = check(c, path, activations, patterns, filter_fn)
+        failed = check(c, path, activations, patterns, filter_fn, root)
         if failed:
             report.near_misses.append(NearMiss(path, c.pattern, *failed))
             continue
@@ -326,7 +357,7 @@ def fuse_mlps(
     for sub in gm.children():
         if isinstance(sub, GraphModule):
             inner = fuse_mlps(sub, activations=activations, patterns=patterns, filter_fn=filter_fn, dry_run=dry_run,
-                              save_preact=save_preact)
+                              save_preact=save_preact, root=root)
             report.fused += inner.fused
             report.near_misses += inner.near_misses
             report.projections += inner.projections

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from ._dynamo_utils import fresh_code
-from .backend import make_backend, pass_options
+from .backend import FilterFn, check_filter, make_backend, pass_options
 from .kernels.common import stored_as_one
 from .ops import _PLAIN
-from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module
+from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
@@ -38,6 +38,7 @@ _MODULES = "_mlp_fuser_fused_modules"  # per-module patching: the paths of the m
 _SETTINGS = "_mlp_fuser_settings"  # what patch was called with
 _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weight paths it stored as one
 _MISSING = object()
+log = logging.getLogger("mlp_fuser")
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -59,28 +60,39 @@ def original_forward(model: nn.Module):
     return orig
 
 
-def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None, *,
+def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
           per_module: bool = True, merge_gate_up: bool = False, **options) -> nn.Module:
     """Fuse ``model``'s MLP blocks in place (eager mode); return ``model``. Idempotent; undone by ``unpatch``.
 
-    ``filter_fn(path, module) -> bool`` picks the sites to fuse; ``path`` is the site's module path (the common
-    ancestor of its projections, e.g. ``model.layers.0.mlp``). ``options`` go to ``make_backend``
+    ``filter_fn(module, fqn) -> bool`` picks the sites to fuse, as torchao's ``quantize_`` takes it: ``fqn`` is the
+    site's module path (the common ancestor of its projections, e.g. ``model.layers.0.mlp``), ``module`` the module
+    at that path (None where the path names no module). ``options`` go to ``make_backend``
     (``activations=``, ``patterns=``, ``backward="save" | "recompute"``: what the fused ops keep for training, "save"
     by default, as for ``make_backend``). ``per_module=False`` runs the whole forward through Dynamo even where the
-    MLPs are modules of their own. A call that fails raises what the unpatched forward raises. Patching a patched
-    model again with other options re-patches it with those. ``merge_gate_up=True``: then ``merge_gate_up(model,
-    filter_fn)``, which ``unpatch`` undoes.
+    MLPs are modules of their own. An MLP module whose weights the op cannot read (float8, integer, a tensor subclass
+    such as torchao's) is left as it is, with its reason logged (``explain`` reports it); where that leaves nothing
+    to fuse, the model is left exactly as it was. A call that fails raises what the unpatched forward raises.
+    Patching a patched model again with other options re-patches it with those. ``merge_gate_up=True``: then
+    ``merge_gate_up(model, filter_fn)``, which ``unpatch`` undoes.
     """
+    filter_fn = check_filter(filter_fn)
     settings = (repr(filter_fn), per_module, merge_gate_up, repr(sorted(options.items())))  # strings: pickle keeps it
     if is_patched(model) and model.__dict__.get(_SETTINGS) == settings:
         return model
     unpatch(model)  # patched with other options, or unpickled from a patched model: drop the entries, patch afresh
     if per_module:
-        fused, allowed = {}, pass_options(**options)
+        fused, allowed, misses, memo = {}, pass_options(**options), [], {}
         for path, module in model.named_modules():
             forward = fuse_module(module, **allowed)
-            if forward is not None and (filter_fn is None or filter_fn(path, module)):
+            if forward is None and (miss := weight_near_miss(module, path, allowed, memo)) is not None:
+                misses.append(miss)
+            if forward is not None and (filter_fn is None or filter_fn(module, path)):
                 fused[path] = forward
+        for m in misses:
+            log.info("mlp_fuser.patch: not fused %s (%s): %s", m.path, m.check, m.reason)
+        if misses and not fused:  # its MLPs are modules the op cannot run: Dynamo over the whole model would not either
+            log.warning("mlp_fuser.patch: nothing fused, the model is left as it was: %s", misses[0].reason)
+            return model
         if fused:
             for path, forward in fused.items():
                 model.get_submodule(path).forward = forward
@@ -90,15 +102,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
                 model.__dict__[_MERGED] = _merge(model, _gate_up_paths(fused))
             return model
     orig = model.__dict__.get("forward")  # an instance-level forward (e.g. from a wrapper) to restore later
-
-    def path_filter(path: str) -> bool:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            module = None
-        return filter_fn(path, module)
-
-    be = make_backend(inductor=False, filter_fn=path_filter if filter_fn else None, **options)
+    be = make_backend(inductor=False, filter_fn=filter_fn, root=model, **options)
     _hold_back_meta_failure_logs()
     forward = type(model).forward if orig is None else orig
     fused_forward = functools.wraps(forward)(_fused(torch.compile(fresh_code(forward), backend=be), eager=forward))
@@ -111,7 +115,7 @@ def patch(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] |
     return model
 
 
-def merge_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None) -> list[str]:
+def merge_gate_up(model: nn.Module, filter_fn: FilterFn | None = None) -> list[str]:
     """Store each gated MLP module's gate and up weights as the two halves of one buffer, in place; return the
     modules' paths. The model computes the same; the fused op then runs one GEMM over both (``cublas_act_mul``), or
     quack's gated GEMM where it is installed (``quack_gated_*``), as for a model that keeps one merged weight (Phi-3).
@@ -122,13 +126,13 @@ def merge_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None],
     ``.half()`` give each weight its own storage again (merge after them), as does ``split_gate_up``. ``torch.save``
     keeps the shared buffer; transformers' ``save_pretrained`` writes the halves as two tensors
     (tests/test_merge_gate_up.py loads them back)."""
-    return list(_merge(model, _gate_up_paths(_proven(model, filter_fn))))
+    return list(_merge(model, _gate_up_paths(_proven(model, check_filter(filter_fn)))))
 
 
-def split_gate_up(model: nn.Module, filter_fn: Callable[[str, nn.Module | None], bool] | None = None) -> list[str]:
+def split_gate_up(model: nn.Module, filter_fn: FilterFn | None = None) -> list[str]:
     """``merge_gate_up`` undone: each MLP module's gate and up weights stored as one get a storage each again; return
     the modules' paths."""
-    return _split(model, _gate_up_paths(_proven(model, filter_fn)))
+    return _split(model, _gate_up_paths(_proven(model, check_filter(filter_fn))))
 
 
 def _proven(model: nn.Module, filter_fn, options: dict | None = None) -> dict[str, FusedModuleForward]:
@@ -139,7 +143,7 @@ def _proven(model: nn.Module, filter_fn, options: dict | None = None) -> dict[st
         forward = module.__dict__.get("forward")
         if not isinstance(forward, FusedModuleForward):
             forward = fuse_module(module, **(options or {}))
-        if forward is not None and (filter_fn is None or filter_fn(path, module)):
+        if forward is not None and (filter_fn is None or filter_fn(module, path)):
             proven[path] = forward
     return proven
 

@@ -14,6 +14,7 @@ no graph of the attention and the cache to replay op by op.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import types
@@ -147,11 +148,12 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
     return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
 
 
-def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> Proof | None:
+def _prove(module: nn.Module, projs: list[nn.Module], options: dict, sites: list | None = None) -> Proof | None:
     """Capture ``module``'s forward on a sample input; the rewritten graph's forward and its input getters when it
-    is exactly one fused MLP."""
-    # the sample input's dtype and device: the first floating-point tensor's (a quantized projection may hold int8)
-    first = next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+    is exactly one fused MLP (its ``fx_pass.Site`` appended to ``sites``)."""
+    # the sample input's dtype and device: the first tensor's of a dtype x can have (a quantized projection may hold
+    # int8 or float8, its scales float32)
+    first = next((t for t in (*module.parameters(), *module.buffers()) if t.dtype in COMPUTE_DTYPES), None)
     if first is None:
         return None
     widths = [getattr(projs[0], "in_features", None), getattr(projs[0], "nx", None)]  # Linear, Conv1D
@@ -174,8 +176,68 @@ def _prove(module: nn.Module, projs: list[nn.Module], options: dict) -> Proof | 
         except Exception:
             continue
         if len(captured) == 1:
-            return _graph(module, x, *captured[0])
+            proof = _graph(module, x, *captured[0])
+            if proof is not None and sites is not None:
+                sites += captured[0][2].fused[:1]
+            return proof
     return None
+
+
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _unreadable(t: Tensor) -> str | None:
+    """Why the op cannot read weight ``t`` as it is stored (a float8 or integer dtype, a tensor subclass), or None.
+    A DTensor is left to ``sharding``."""
+    if sharding.is_dtensor(t):
+        return None
+    if type(t) not in (Tensor, nn.Parameter):
+        return f"{sharding.describe(t)} (of {t.dtype}): the op's kernels read plain tensors"
+    if t.dtype in COMPUTE_DTYPES:
+        return None
+    kind = "Float8" if "float8" in str(t.dtype) else "quantized"
+    return f"a {kind} tensor ({str(t.dtype).removeprefix('torch.')}): the op reads fp16, bf16, fp32 or fp64 weights"
+
+
+def _stand_in(child: nn.Module) -> nn.Module:
+    """``child`` with plain weights on the meta device: a Linear (FP8Linear is one) becomes ``nn.Linear``, any other
+    projection a shallow copy with meta tensors of the same shapes. Nothing of ``child`` is changed."""
+    if isinstance(child, nn.Linear):
+        return nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+    twin = copy.copy(child)
+    twin._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, device="meta"))
+                        for k, p in child._parameters.items()}
+    return twin
+
+
+def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict) -> fx_pass.NearMiss | None:
+    """A near miss for ``module`` when it is an MLP whose projections hold weights the op cannot read (float8,
+    integer, a tensor subclass such as torchao's): proven on a twin of the module whose projections are plain
+    Linears on the meta device, so no weight is read, converted or changed. ``memo`` keeps the proofs by the
+    module's structure (a model's identical layers are proven once)."""
+    projs = _projections(module)
+    if not projs or "forward" in module.__dict__:
+        return None
+    names = {id(c): name for name, c in module.named_children()}
+    bad = [(f"{names[id(c)]}.{k}", why) for c in projs for k, t in c.named_parameters(recurse=False)
+           if k in ("weight", "bias") and (why := _unreadable(t)) is not None]
+    if not bad:
+        return None
+    key = (type(module), module.training, tuple((names[id(c)], type(c), tuple(c.weight.shape)) for c in projs))
+    if key not in memo:
+        twin = copy.copy(module)
+        twin._modules = {k: _stand_in(c) if any(c is p for p in projs) else c for k, c in module._modules.items()}
+        twin._parameters = dict(module._parameters)
+        sites: list = []
+        try:
+            _prove(twin, _projections(twin), options, sites)
+        except Exception:  # a structure the twin cannot stand in for: not reported as an MLP
+            sites = []
+        memo[key] = sites[0].pattern if sites else None
+    if memo[key] is None:
+        return None
+    name, why = bad[0]
+    return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{'.'.join(p for p in (path, name) if p)} is {why}")
 
 
 def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Proof | None:

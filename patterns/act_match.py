@@ -21,7 +21,7 @@ from torch.fx.node import map_arg
 
 from mlp_fuser.activations import ACTIVATIONS
 
-from .common import is_identity, same_shape, val
+from .common import input_name, is_identity, same_shape, val
 
 ELEMENTWISE_FNS = {
     operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
@@ -196,13 +196,7 @@ def _with_parameters(out: Node, is_leaf) -> ActMatch | None:
     if shape is None or any(depends[n] and not _elementwise_of_input(n, shape) for n in nodes):
         return None
 
-    def short(n: Node) -> str:  # Dynamo's placeholder for model.layers[0].mlp.act_fn.alpha_p ends "..._alpha_p_"
-        name = n.name.rstrip("_")
-        for part in ("_parameters_", "_buffers_"):
-            name = name.rsplit(part, 1)[-1]
-        return name
-
-    return ActMatch(out, leaves[0], nodes=nodes, name=None, reads=[short(n) for n in reads])
+    return ActMatch(out, leaves[0], nodes=nodes, name=None, reads=[input_name(n) for n in reads])
 
 
 def _elementwise_of_input(n: Node, shape) -> bool:

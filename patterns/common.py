@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,16 @@ def val(n):
         return None
     v = n.meta.get("example_value", n.meta.get("val"))
     return v if isinstance(v, torch.Tensor) else None
+
+
+def input_name(n: Node) -> str:
+    """A graph input as its user knows it, read back from Dynamo's name for it: a parameter or buffer by its path
+    (``l_self_modules_model_modules_layers_modules_0_..._parameters_weight_`` -> ``model.layers.0....weight``),
+    an argument by its name (``l_hidden_states_`` -> ``hidden_states``)."""
+    parts = re.split(r"_(?:modules|parameters|buffers)_", n.name.rstrip("_"))
+    if len(parts) > 1:  # the first part is the root module's argument (l_self, l_fn_self)
+        return ".".join(parts[1:])
+    return re.sub(r"^l_", "", n.name).rstrip("_")
 
 
 def same(a, b) -> bool:

@@ -471,7 +471,7 @@ def test_options_allowed_and_filter():
     assert report.checks_failed() == {"allowed"}
     m = nn.Sequential(Plain(F.gelu), nn.Linear(O, K), Plain(F.relu))
     seen = []
-    mlp_fuser.patch(m, filter_fn=lambda path, module: seen.append((path, type(module))) or path == "0")
+    mlp_fuser.patch(m, filter_fn=lambda module, fqn: seen.append((fqn, type(module))) or fqn == "0")
     assert count_ops(lambda: m(x)) == 1
     assert sorted(seen) == [("0", Plain), ("2", Plain)]
     compiled = torch.compile(Gated(), backend=mlp_fuser.make_backend(enabled=False, inductor=False))
