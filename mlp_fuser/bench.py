@@ -15,7 +15,7 @@ row taking turns (``ShapeSetup.time``):
                in turns with max-autotune (it replaces the row timed without it)
 It checks every timed variant against an fp32 reference in the same run (the fused row must be within 1.25x the
 unfused module's error), measures the ceilings (a large bf16 matmul and a device copy) and reports the floor,
-% of floor and the speed-up over the best peer, then a table of which rows meet each target of issue 10.
+% of floor and the speed-up over the best peer, then a table of which rows meet each target.
 Work runs in priority order (bf16, then fp16, then the max-autotune column) under a time budget: what would not
 fit is skipped and listed, and results.json / results.md in --out are rewritten after every row.
 Weights that fit in L2 are rotated among several copies so that no variant times the cache. ``--merged``: each gated
@@ -50,7 +50,7 @@ SHAPES = [
     ("SwiGLU 8192x3584", True, "silu", False, 8192, 3584),  # LLaMA-3-70B, one shard of 8-way tensor parallelism
     ("SwiGLU 576x1536", True, "silu", False, 576, 1536),  # SmolLM2-135M: not in the default run (--shapes 5)
 ]
-DEFAULT_SHAPES = 5  # the first five: the shapes of issue 10
+DEFAULT_SHAPES = 5  # the first five: the shapes the targets are set on
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_MS = (1, 16, 64, 128, 256, 2048)  # fp16 is timed at these M only (device time)
 MAX_AUTOTUNE_MS = (2048, 512, 8192)  # bf16 rows that get the max-autotune peer, in this order, as time allows
@@ -347,7 +347,7 @@ def update_row(row, errs, times):
     return row
 
 
-# ---- the targets of issue 10 ------------------------------------------------------------------------------
+# ---- the targets ------------------------------------------------------------------------------------------
 
 TARGETS = [  # (label, applies(row), met(row) -> bool or None when it cannot be judged from the row)
     ("M <= 16: >= 93% of floor", lambda r: r["M"] <= 16, lambda r: r["pct_floor"] >= 93),
@@ -408,7 +408,7 @@ def write_results(out, meta, rows):
           "", HEADER]
     md += [format_row(r) for r in rows]
     if rows:
-        md += ["", "Targets (issue 10):", ""] + target_table(rows)
+        md += ["", "Targets:", ""] + target_table(rows)
     sections = meta.get("sections", [])
     if sections:
         md += ["", "Time: " + "; ".join(f"{s['what']} {s['seconds']:.0f} s" for s in sections)]
@@ -456,7 +456,7 @@ def run_parallel(args, argv, units, sections, tuned, n) -> int:
     GPU measured."""
     rows_of = {f"{s}:{dt}": len(row_ms) for s, dt, row_ms in sections}
     cost = lambda u: 60.0 * sum(s == int(u.split(":")[0]) for s, _ in tuned) if u.endswith(":mat") \
-        else 6.0 * rows_of[u]  # noqa: E731 (seconds per row: run 8)
+        else 6.0 * rows_of[u]  # noqa: E731 (measured seconds per row)
     workers = spread(units, cost, n, [sys.executable, "-m", "mlp_fuser", "bench"], argv, args.out, "results.json",
                      args.deadline_s)
     subs, codes = [w[1] for w in workers], [w[2] for w in workers]

@@ -8,9 +8,8 @@
   timing the eligible ones once per shape bucket.
 - ``MLP_FUSER_TRITON_BACKWARD=1``: let the dispatcher also time the Triton backward GEMM (``triton_backward_gemm``:
   dh = dy @ w_down with the activation's derivative in its epilogue) against cuBLAS dh + one Triton elementwise
-  pass (``cublas_backward_act``, the default). Off by default: on the H200 it lost (320 against 195 µs at
-  LLaMA 2048/5632, 4096 tokens) and its autotuning costs about 40 s per dtype on first use
-  (benchmarks/NOTES.md). ``MLP_FUSER_IMPL`` can still force it.
+  pass (``cublas_backward_act``, the default). Off by default: it lost, and its autotuning takes tens of seconds
+  per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``MLP_FUSER_IMPL`` can still force it.
 - ``MLP_FUSER_PLANS=0``: no launch plans (``mlp_fuser.plans``): every CUDA call takes the full path (validation,
   dispatch, launch keys). For benchmarks and for ruling plans out when debugging.
 - ``MLP_FUSER_INDUCTOR_DIRECT=0``: Inductor's generated code calls the registered op through the dispatcher, as

@@ -153,10 +153,10 @@ _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream c
 
 def _cublas_two_streams(x2, wg, bg, wu, bu, wd, bd, act):
     """``cublas_act_mul`` with the up GEMM on a second stream, beside the gate GEMM: at M = 32-256 each of the two
-    leaves SMs idle (4096x11008 at M = 128: 86 tiles of 128 x 128 for 132 SMs), and side by side they fill them
-    (run 47: the MLP 1.01-1.12x faster in CUDA graphs, slower in plain calls by the host's stream switches). The
-    fork and the join are stream waits, so a CUDA-graph capture records two branches; u is allocated on the
-    caller's stream, which waits for the side stream before anything reads u or frees x, u or the weights."""
+    leaves SMs idle, and side by side they fill them (faster in CUDA graphs, slower in plain calls by the host's stream
+    switches: benchmarks/NOTES.md, two streams). The fork and the join are stream waits, so a CUDA-graph capture records
+    two branches; u is allocated on the caller's stream, which waits for the side stream before anything reads u or
+    frees x, u or the weights."""
     if not x2.is_cuda or wu is None:  # the interpreter's CPU runs, or (forced) a plain MLP: one stream
         return _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act)
     wgu = gate_up_as_one(wg, bg, wu, bu)
@@ -183,8 +183,7 @@ IMPLS: list[Impl] = [
     Impl("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
                "split-K GEMM streaming w_down once: two launches"),
-    # max_m 32: at M = 33-64 it was slower than triton_gemm or cublas_act_mul on all four shapes of run 40, yet taken
-    # once within the dispatcher's 2% tie at 3584x18944 M = 64 (run 41: 118.6 µs against compile's 113.8)
+    # max_m 32: past it, slower than triton_gemm or cublas_act_mul yet taken within the tie (NOTES.md, swap-AB gate/up)
     Impl("triton_swapab", _triton_swapab, frozenset({"cuda"}), max_m=32, triton=True,
          notes="gate and up with the weight rows in the dot's M side (wgmma at a few tokens), act*mul in its epilogue "
                "(zeroing the next kernel's counters), then the split-K GEMM streaming w_down: two launches"),
@@ -193,7 +192,7 @@ IMPLS: list[Impl] = [
                "Triton kernel for act*mul"),
     Impl("cublas_two_streams", _cublas_two_streams, frozenset({"cuda"}), max_m=256, above_m=16, gated_only=True,
          triton=True, notes="cublas_act_mul with gate and up on two streams at once (two branches in a CUDA graph)"),
-    # M > 64: at M = 64 it lost to cuBLAS on all four shapes of run 70 (0.73-0.97x the whole MLP)
+    # M > 64: at M = 64 it lost to cuBLAS on every measured shape (benchmarks/NOTES.md, quack gated GEMM)
     *(Impl(f"quack_gated_{c}", _quack_gated(c), frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}),
            above_m=64, gated_only=True, one_weight=True, check=_quack_check,
            notes=f"quack's warp-specialised gated GEMM ({c} tiles) over gate and up stored as one, act*mul in its "
@@ -361,7 +360,9 @@ def describe(p: Problem) -> str:
 _CALLS = 3  # calls per timed sample
 _TIE = 0.02  # GPU times this close count as a tie, broken by GPU plus host time
 _GPU_BOUND_M = 512  # rows from which a layer's other work (attention, its projections) keeps the GPU busy too
-_SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clocks: longer than the CPU needs to queue _CALLS calls
+_LARGE_M_MARGIN = 0.05  # from _GPU_BOUND_M rows, how much faster than the baseline an eager call's pick must time
+_BASELINE = "cublas_act_mul"  # the unfused module's cuBLAS GEMMs with one act·mul kernel: never slower in situ
+_SLEEP_CYCLES = 2_000_000  # about 1 ms at sm90 clocks: longer than the CPU needs to queue _CALLS calls
 
 
 def _warm_up(fn: ImplFn, args: tuple) -> None:
@@ -371,19 +372,23 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
 
 
 def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "") -> tuple[str, str]:
-    """(the choice for CUDA graphs, the choice for eager calls). For graphs: the fastest candidate by GPU time; among
-    those within ``_TIE`` of it (a tie: within the timing's noise), the least GPU plus host time, so the lighter host
-    wins where it saves more than its GPU time loses (run 38 at 8b M = 8 took the one 1.4% slower on the GPU for 0.3 µs
-    less host per call, under CUDA graphs, where the host's time is not replayed). For eager calls: the least GPU plus
-    host time per call, as a model run without graphs waits on the host at small M (decode: the rest of the layer costs
-    the host far more than the GPU). From ``_GPU_BOUND_M`` rows (a prefill), where the fastest GPU time also exceeds
-    every candidate's host time, the rest of the layer is GPU work as well and the call's host time hides behind the
-    GPU's whatever is chosen: the choice for graphs stands (run 26: the sum took a 17% slower GPU path at M = 2048 to
-    save 55 µs of host, 8% of a 1b prefill). Each sample queues ``_CALLS`` calls behind a spin kernel, so the GPU runs
-    them back to back whatever the host costs (CUDA-graph replay would show the same, but a capture here would allocate
-    from whatever memory pool the caller has set up), and the host's time to queue them is measured too. The GPU is kept
-    busy for a moment first and the candidates are timed in interleaved rounds: right after an idle stretch (a model's
-    compilation) the clocks are still ramping up, and timing one candidate after another would favour the last ones."""
+    """(the choice for CUDA graphs, the choice for eager calls), from each candidate's GPU and host time per call
+    (``_measure``) as ``_decide`` weighs them."""
+    gpu, cpu = _measure(candidates, args, p)
+    if not gpu:  # every fast path failed here (each said why): the aten path always runs
+        return "reference", "reference"
+    best, best_eager = _decide(gpu, cpu, p)
+    log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
+             describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
+    return best, best_eager
+
+
+def _measure(candidates: list[Impl], args: tuple, p: Problem) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU and host ms of ``_CALLS`` calls of each candidate that runs (none: empty dicts). Each sample queues the
+    calls behind a spin kernel, so the GPU runs them back to back whatever the host costs (a CUDA-graph capture here
+    would allocate from whatever memory pool the caller has set up), and the host's time to queue them is measured
+    too. The GPU is kept busy for a moment first and the candidates are timed in interleaved rounds: right after an
+    idle stretch the clocks are still ramping up, and timing one candidate after another would favour the last."""
     runnable: dict[str, ImplFn] = {}
     for impl in candidates:
         if impl.name == "reference":
@@ -394,8 +399,8 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
             log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, describe(p), type(e).__name__, e)
             continue
         runnable[impl.name] = _planned(impl, args) or impl.fn
-    if not runnable:  # every fast path failed here (each said why above): the aten path always runs
-        return "reference", "reference"
+    if not runnable:
+        return {}, {}
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 0.02:  # 20 ms of back-to-back work: clocks up before timing
@@ -418,18 +423,28 @@ def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str 
         torch.cuda.synchronize()
     gpu = {name: _median([s.elapsed_time(e) for s, e in pairs]) for name, pairs in events.items()}
     cpu = {name: _median(times) for name, times in host.items()}
-    # The fastest on the GPU; among those within _TIE of it, the least GPU plus host time (a call made without CUDA
-    # graphs waits on the host; one replayed in a graph does not, so a host saving must outweigh the GPU's loss).
+    return gpu, cpu
+
+
+def _decide(gpu: dict[str, float], cpu: dict[str, float], p: Problem) -> tuple[str, str]:
+    """(the choice for CUDA graphs, the choice for eager calls) from GPU and host times. For graphs: the fastest by GPU
+    time; among those within ``_TIE`` of it (the timing's noise), the least GPU plus host time, so a lighter host wins
+    where it saves more than its GPU time loses. For eager calls: the least GPU plus host time, as a model run without
+    graphs waits on the host at small M (decode). From ``_GPU_BOUND_M`` rows (a prefill), where the fastest GPU time
+    also exceeds every candidate's host time, the host's time hides behind the GPU's whatever is chosen, so the
+    choice for graphs stands for eager calls too; and there an eager call takes the baseline (``cublas_act_mul``,
+    the unfused module's GEMMs) unless the other beats it by more than ``_LARGE_M_MARGIN``: a few percent in isolation
+    did not survive in situ (benchmarks/NOTES.md, eager choice at prefill)."""
     def total(n):
         return gpu[n] + cpu[n]
 
     best_gpu = min(gpu.values())
     best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=total)
-    gpu_bound = p.M >= _GPU_BOUND_M and best_gpu > max(cpu.values())
-    best_eager = best if gpu_bound else min(gpu, key=total)
-    log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
-             describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
-    return best, best_eager
+    large = p.M >= _GPU_BOUND_M
+    eager = best if large and best_gpu > max(cpu.values()) else min(gpu, key=total)
+    if large and _BASELINE in gpu and gpu[_BASELINE] <= gpu[eager] * (1 + _LARGE_M_MARGIN):
+        eager = _BASELINE
+    return best, eager
 
 
 def _planned(impl: Impl, args: tuple) -> ImplFn | None:

@@ -2,18 +2,17 @@
 
 Inductor has no lowering for a custom op, so it runs it as a fallback kernel: the graph's generated Python calls
 ``torch.ops.mlp_fuser.gated_mlp.default(...)``, which goes down the dispatcher (C++, the arguments boxed) and back up
-into the op's Python kernels. That round trip is host time on every call (on a 2-core CPU, a compiled graph with one
-op call ran 8–10 µs faster per call without it: benchmarks/NOTES.md, "Inductor's code calls the op's Python
-entry"), and the decode step of a model compiled without CUDA graphs (the dynamic cache) waits on the host.
-``install()`` registers the same fallback Inductor would create (its layout constraint included) and renames the
+into the op's Python kernels. That round trip is host time on every call (benchmarks/NOTES.md, "Inductor's code calls
+the op's Python entry"), and the decode step of a model compiled without CUDA graphs (the dynamic cache) waits on the
+host. ``install()`` registers the same fallback Inductor would create (its layout constraint included) and renames the
 call the Python wrapper emits to ``torch.ops.mlp_fuser._inductor_gated_mlp`` (``ops.inductor_gated_mlp``;
 ``_inductor_mlp`` for the plain MLP): it computes the op right there when nothing needs the dispatcher's layers (no
-gradient, autocast, dispatch or function mode, profiler), else calls the registered op. The C++ wrapper
-(AOTInductor) and the FX wrapper keep the registered op, and so does every graph compiled while
-``config.inductor_direct`` is off. Where Inductor's internals differ from what this expects, nothing is installed
-or renamed: the graph calls the registered op as before. The backend installs it before Inductor compiles; the ops'
-fake kernels install it too when Inductor is already imported, so a graph that reaches Inductor another way
-(``torch.compile`` of a patched model with the default backend) gets the same call.
+gradient, autocast, dispatch or function mode, profiler), else calls the registered op. The C++ wrapper (AOTInductor)
+and the FX wrapper keep the registered op, and so does every graph compiled while ``config.inductor_direct`` is off.
+Where Inductor's internals differ from what this expects, nothing is installed or renamed: the graph calls the
+registered op as before. The backend installs it before Inductor compiles; the ops' fake kernels install it too when
+Inductor is already imported, so a graph that reaches Inductor another way (``torch.compile`` of a patched model with
+the default backend) gets the same call.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.activations import ACTIVATIONS
 from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
-from mlp_fuser.kernels import act_mul, backward, common, fused_mlp_small_m, gate_up_act, gemm, splitk, swapab
+from mlp_fuser.kernels import act_mul, backward, common, fused_mlp_small_m, gate_up_act, gemm, swapab
 from mlp_fuser.reference import reference_gate_up, reference_mlp, rel_err
 
 ACTS = sorted(ACTIVATIONS)
@@ -201,20 +201,6 @@ def test_gate_up_act(s, dtype, monkeypatch):
         h = gate_up_act(x, wg, bg, wu, bu, s.act)
     ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
     check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize("s", SHAPES, ids=str)
-def test_gate_up_act_splitk(s, dtype):
-    """The split-K gate/up kernel: its default blocks for the shape, then K forced into 3 ranges of 32 (the last
-    program of each tile sums the partials and runs the epilogue), twice: the sum order is fixed."""
-    x, wg, bg, wu, bu, _, _ = make_inputs(s, dtype, seed=zlib.crc32(str(s).encode()) + 1)
-    ref = reference_gate_up(*_f64((x, wg, bg, wu, bu)), s.act)
-    for config in (None, (16, 32, 32, 3, 4, 1)):
-        with poisoned_empty():
-            h = splitk.gate_up_act_splitk(x, wg, bg, wu, bu, s.act, config)
-        check(h, ref, reference_gate_up(x, wg, bg, wu, bu, s.act), ref.to(dtype), dtype)
-        assert torch.equal(h, splitk.gate_up_act_splitk(x, wg, bg, wu, bu, s.act, config))
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

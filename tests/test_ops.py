@@ -386,14 +386,12 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     p = dispatch.Problem("cuda", torch.bfloat16, 1, 8, 8, 8, True)
     tie = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.01, 1e-5), impl("slow_gpu", 1.10, 1e-7)]
     assert dispatch._time_candidates(tie, (), p) == ("light_host", "light_host")
-    # a tie where the hosts cost about the same (run 38, 8b M = 8: 89.9 µs GPU / 21.4 host against 91.2 / 21.1): the
-    # faster GPU, not 0.3 µs of host
+    # a tie where the hosts cost about the same: the faster GPU, not a fraction of a µs of host
     near = [impl("fast_gpu", 0.899, 0.214e-3), impl("slightly_lighter_host", 0.912, 0.211e-3)]
     assert dispatch._time_candidates(near, (), p) == ("fast_gpu", "fast_gpu")
     clear = [impl("heavy_host", 1.00, 2e-3), impl("light_host", 1.05, 1e-5)]
     assert dispatch._time_candidates(clear, (), p) == ("heavy_host", "light_host")
-    # GPU time over every host time (run 26's 1b prefill, M = 2048: 204.8 µs GPU / 103.4 host against 247.2 / 48.8):
-    # the lighter host is no gain, the slower GPU is a loss
+    # GPU time over every host time (a prefill): the lighter host is no gain, the slower GPU is a loss
     host_hidden = [impl("heavy_host", 1.00, 0.4e-3), impl("light_host", 1.20, 0.1e-3)]
     prefill = p._replace(M=2048)
     assert dispatch._time_candidates(host_hidden, (), prefill) == ("heavy_host", "heavy_host")
@@ -402,6 +400,24 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     assert dispatch._time_candidates(host_bound, (), prefill) == ("heavy_host", "light_host")
     gpu_bound = [impl("heavy_host", 1.00, 1e-5), impl("light_host", 1.50, 1e-6)]
     assert dispatch._time_candidates(gpu_bound, (), p) == ("heavy_host", "heavy_host")
+
+
+def test_prefill_eager_choice_keeps_the_cublas_baseline_unless_clearly_beaten(monkeypatch):
+    """At prefill sizes (M >= _GPU_BOUND_M) an eager call (patch) takes cublas_act_mul, the unfused module's GEMMs,
+    unless another candidate times more than _LARGE_M_MARGIN faster on the GPU: a fused path a few percent ahead in
+    isolation was slower in situ. The choice for CUDA graphs still goes by GPU time; decode sizes are unchanged."""
+    gpu = {"triton_gemm": 1.00, "cublas_act_mul": 1.03, "quack_gated_128x128": 1.02}
+    cpu = {"triton_gemm": 0.10, "cublas_act_mul": 0.12, "quack_gated_128x128": 0.15}
+    p = dispatch.Problem("cuda", torch.bfloat16, 2048, 2048, 5632, 2048, True)
+    assert dispatch._decide(gpu, cpu, p) == ("triton_gemm", "cublas_act_mul")
+    assert dispatch._decide(gpu, cpu, p._replace(M=512)) == ("triton_gemm", "cublas_act_mul")
+    assert dispatch._decide(gpu, cpu, p._replace(M=8)) == ("triton_gemm", "triton_gemm")  # decode: as before
+    clearly = {**gpu, "triton_gemm": 0.90}  # more than the margin ahead: the fused path
+    assert dispatch._decide(clearly, cpu, p) == ("triton_gemm", "triton_gemm")
+    # through the timer: the choice it caches for eager calls is the baseline
+    monkeypatch.setattr(dispatch, "_measure", lambda candidates, args, p: (gpu, cpu))
+    assert dispatch._time_candidates([], (), p) == ("triton_gemm", "cublas_act_mul")
+    assert dispatch.IMPLS_BY_NAME[dispatch._BASELINE].candidate(p._replace(device="cuda"))
 
 
 def test_reference_runs_on_any_device_type():

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused MLP (design, byte counts and the history of each: benchmarks/NOTES.md).
+"""Triton kernels of the fused MLP (design and byte counts of each: benchmarks/NOTES.md).
 
 - ``act_mul`` (act_mul.py): ``act_mul(g, u, activation)``, h = act(g) * u elementwise in one launch (the cuBLAS
   path's glue): a flat kernel for contiguous g and u, a tiled one for any strides.
@@ -10,15 +10,9 @@
   the partial outputs, then a finish kernel (b_down, cast; none for fp32 without b_down); y (M, O).
 - ``splitk.linear_splitk(h, w, b)``: y = h @ wᵀ + b, a split-K GEMM streaming w once (the down projection at
   small M), reduced in a fixed order by the last program of each tile; ``splitk_config`` picks its blocks.
-  ``splitk.gate_up_act_splitk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract on the same
-  schedule (the last program of a tile runs the act·mul epilogue); not a dispatch candidate (NOTES: v1's outcome),
-  timed by ``benchmarks/bench_impls.py``.
 - ``swapab.gate_up_act_swapab(x2, w_gate, b_gate, w_up, b_up, activation, zero=None)``: gate_up_act's contract for
   a few tokens, the weight rows in the dot's M side (wgmma at M = 16), all of K per program; with linear_splitk it
   is the dispatcher's ``triton_swapab``.
-- ``streamk.gate_up_act_streamk(x2, w_gate, b_gate, w_up, b_up, activation)``: gate_up_act's contract with a
-  stream-K schedule (a persistent grid, equal K steps per program, pieces of tiles summed in K order by the last
-  program of each tile), so every SM streams weights at M = 16-256; ``streamk_config`` picks its blocks.
 - ``quack_gated.gated_act(x2, w_gate_up, activation, config)``: not Triton: quack's sm90 gated GEMM (CuTe DSL) over
   gate and up stored as one (2I, K) weight, act·mul in its epilogue, where ``quack-kernels`` is installed (an optional
   dependency); ``quack_gated.why_not`` says where it cannot run. The dispatcher's ``quack_gated_*`` candidates.
@@ -27,7 +21,7 @@
   ``num_sms``, ``smem_per_sm``, ``stand_ins`` (the absent operands' pointer arguments) and ``INTERPRET``.
 
 Weights are (out, in) tensors with any strides; ``w_up=None`` means a plain (ungated) MLP; biases are optional.
-The package exports the first three; ``splitk``, ``swapab``, ``streamk``, ``quack_gated`` and ``common`` are imported as
+The package exports the first three; ``splitk``, ``swapab``, ``quack_gated`` and ``common`` are imported as
 modules.
 """
 

@@ -46,9 +46,8 @@ def k_loop_bytes(stages: int, block_m: int, block_k: int, block_n: int, n_weight
 
 
 def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
-    """Whether ``k_loop_bytes`` fit in the shared memory budget (200 KiB of the H200's 227, the rest left to the
-    epilogue). The count is an upper bound of what Triton 3.6 allocates: every gate_up_act config compiled at or below
-    it (run 87; fp32 FMA dots one stage less), and an fp32 one with x read transposed exactly at it (run 86)."""
+    """Whether ``k_loop_bytes`` fit in the shared memory budget (200 KiB of an sm90's 227, the rest left to the
+    epilogue); an upper bound of what Triton allocates (benchmarks/NOTES.md, shared memory rule)."""
     return k_loop_bytes(stages, block_m, block_k, block_n, n_weights, itemsize) <= 200 * 1024
 
 
@@ -61,7 +60,7 @@ def num_sms(device: torch.device) -> int:
 
 @cache
 def smem_per_sm(device: torch.device) -> int:
-    """Shared memory of one SM in bytes (the H200's 228 KiB where torch does not report it)."""
+    """Shared memory of one SM in bytes (an sm90's 228 KiB where torch does not report it)."""
     if device.type != "cuda":
         return 228 * 1024
     props = torch.cuda.get_device_properties(device)

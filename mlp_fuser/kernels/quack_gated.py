@@ -3,9 +3,8 @@ installed: an optional dispatch candidate, not a dependency.
 
     h = act(x @ w_gateᵀ) * (x @ w_upᵀ)      one kernel over [w_gate; w_up], the weights stored as one (2I, K) buffer
 
-Why (benchmarks/NOTES.md, runs 57-58 and 70): at M = 128-2048 on the 7-8B shapes quack's gated GEMM took the gate/up
-half 1.09-1.24x faster than cuBLAS's two GEMMs plus our act·mul kernel, and the whole MLP (with cuBLAS's down GEMM)
-1.03-1.11x; at M <= 64 it lost on every shape. The best of its tile configs changes from shape to shape, so each of
+Why: at prefill sizes on the 7-8B shapes quack's gated GEMM beat cuBLAS's two GEMMs plus our act·mul kernel, and lost
+at M <= 64 (benchmarks/NOTES.md, quack gated GEMM). The best of its tile configs changes from shape to shape, so each of
 ``CONFIGS`` is its own dispatch candidate and the dispatcher's timing picks per shape bucket.
 
 What it needs, each declared as the candidate's constraint (``dispatch``): ``quack-kernels`` and the CuTe DSL
@@ -27,7 +26,7 @@ from ..activations import ALIASES
 # our activation -> quack's gated activation with the same function: silu(g) * u, relu(g) * u, gelu_tanh(g) * u
 ACTIVATIONS = {"silu": "swiglu", "relu": "reglu", "gelu_tanh": "geglu"}
 
-# Tile M x N, cluster M x N, schedule: the configs that were the best of a row in runs 57, 58 and 70 (H200)
+# Tile M x N, cluster M x N, schedule: each the best of some swept row (benchmarks/NOTES.md, quack gated GEMM)
 CONFIGS = {
     "128x128": (128, 128, 1, 2, True),   # M = 2048 on both 7-8B shapes, M = 512 at 4096x14336, 8192x3584 M = 256
     "128x96": (128, 96, 1, 2, True),     # 3584x18944 and 8192x3584 at M = 128, 4096x11008 at M = 512

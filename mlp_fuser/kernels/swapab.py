@@ -11,11 +11,9 @@ so a handful of tokens (BLOCK_M = 16) still fills Hopper's wgmma, and the weight
 (rows past I repeat the last one and are never stored). The epilogue transposes the tile back and runs
 ``gate_up_finish`` (biases, act(gate) * up in fp32), so h is stored row-major with I contiguous.
 
-Whole K per program, no split: in the probe (run 36, H200, bf16 and fp16, ``benchmarks/probe_gate_up_swapab.py``)
-every config that won had SPLIT_K = 1; I = 11008 at BLOCK_N = 64 is 172 programs, 1.3 per SM. Where the weight rows
-are too few to fill the SMs (I = 3584: 56 programs) the probe's configs lost to ``gate_up_act`` (0.91-0.98×); the
-deeper pipeline ``swapab_config`` picks there narrowed that (run 40), and the dispatcher, which times both, keeps the
-faster. In dispatch (``triton_swapab``) it runs up to M = 32: from there on ``triton_gemm`` or cuBLAS won (run 40).
+Whole K per program, no split: every config that won the sweep had SPLIT_K = 1. Where the weight rows are too few
+to fill the SMs the dispatcher, which times it against ``gate_up_act``, keeps the faster; it is a candidate up to
+M = 32, past which ``triton_gemm`` or cuBLAS won (benchmarks/NOTES.md, swap-AB gate/up).
 Like ``gate_up_act``, program 0 can zero a small int32 workspace of the next kernel (``linear_splitk``'s counters).
 """
 
@@ -92,15 +90,8 @@ def swapab_config(M: int, N: int, itemsize: int, device: torch.device,
     BLOCK_K 128 or 64 (halved for fp32) with 3 or 4 stages, the one that keeps the most weight bytes in flight per
     SM: its pipeline's footprint (stages × one x tile and ``n_weights`` weight tiles: 2 gated, 1 plain) times the
     programs an SM runs at once (as many as fit in its shared memory, at most the programs per SM there are); the
-    smaller footprint on a tie.
-
-    Fitted on run 40 (H200, bf16 and fp16, four gate/up shapes, M = 1-64, 32 rows, each config timed): it picks the
-    fastest config on 26 rows and is within 4.1% on the others (3584x18944 at M <= 16 and 4096x14336 at M = 32-64),
-    where the fixed rule it replaced was up to 25% off (the 70B shard, whose 56 programs leave SMs idle and want
-    the deepest pipeline). A model of those measurements, not of every GPU: other shapes are predicted. Its first
-    prediction off the fitted rows: a plain MLP's program streams one weight, so it affords twice the stages' bytes;
-    counting one weight picks BLOCK_K 128 with 4 stages for GELU+bias 4096x11008 at M = 1-32, the fastest of the
-    twelve configs run 47 timed there (47.5 / 49.6 / 52.4 µs against 48.6 / 50.2 / 56.4 counting two)."""
+    smaller footprint on a tie. A model fitted on timed configs of four gate/up shapes, not of every GPU
+    (benchmarks/NOTES.md, swapab_config)."""
     if INTERPRET:
         return 16, 32, 32, 4, 1
     block_m, block_n = max(16, next_power_of_2(min(M, 64))), 64
