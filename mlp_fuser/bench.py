@@ -474,6 +474,9 @@ def run_parallel(args, argv, units, sections, tuned, n) -> int:
 
 
 def main(argv=None) -> int:
+    if "--moe" in (sys.argv[1:] if argv is None else argv):  # the routed-experts benchmark: mlp_fuser.bench_moe
+        from . import bench_moe
+        return bench_moe.main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--moe"])
     t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m mlp_fuser bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rows only (M=1, 16, 128, 2048, first shape, bf16)")
