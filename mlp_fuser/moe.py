@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import config
 from .activations import get_activation
@@ -156,7 +157,7 @@ def _problem(x, ids, wts, wgu, bgu, wd, bd, activation):
 
 def _check_ids(ids: Tensor) -> None:
     """Ids below zero are no expert and no sentinel: an error, where reading them costs no host sync."""
-    if ids.numel() and (not ids.is_cuda or CHECK_ROUTING) and not torch.compiler.is_compiling():
+    if ids.numel() and (not ids.is_cuda or CHECK_ROUTING) and not torch.compiler.is_compiling() and not is_fake(ids):
         low = int(ids.min())
         if low < 0:
             raise ValueError(f"mlp_fuser::moe_mlp: topk_ids holds {low}; expert ids are 0..E-1, and ids >= E "
@@ -196,8 +197,9 @@ def reference(x, ids, wts, wgu, bgu, wd, bd, gate: Gate) -> Tensor:
     flat = ids.reshape(-1).long()
     valid = flat < E
     order = torch.argsort(torch.where(valid, flat, E), stable=True)
-    offs = torch.cumsum(torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E], 0, dtype=torch.int32)
-    counts = None if x.is_cuda else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    per_expert = flat.new_zeros(E + 1).scatter_add_(0, flat.clamp(max=E), torch.ones_like(flat))  # a static shape
+    offs = torch.cumsum(per_expert[:E], 0, dtype=torch.int32)
+    counts = None if x.is_cuda or is_fake(x) else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     keep = valid[order].unsqueeze(-1)
     experts = flat[order].clamp(max=E - 1)
     xs = x[order // k].masked_fill(~keep, 0.0)  # its backward zeroes the sentinel rows' gradient
@@ -208,7 +210,8 @@ def reference(x, ids, wts, wgu, bgu, wd, bd, gate: Gate) -> Tensor:
     o = _grouped_linear(h, wd, offs, experts, counts)
     if bd is not None:
         o = o + bd[experts]
-    weighted = torch.where(keep, o.float() * wts.reshape(-1)[order].float().unsqueeze(-1), 0.0)
+    acc = torch.promote_types(o.dtype, torch.float32)  # fp64 inputs are summed in fp64
+    weighted = torch.where(keep, o.to(acc) * wts.reshape(-1)[order].to(acc).unsqueeze(-1), 0.0)
     out = weighted.new_zeros((T * k, H)).index_copy(0, order, weighted)
     return out.view(T, k, H).sum(1).to(x.dtype)
 
