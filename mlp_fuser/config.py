@@ -15,6 +15,10 @@
 - ``MLP_FUSER_INDUCTOR_DIRECT=0``: Inductor's generated code calls the registered op through the dispatcher, as
   for any custom op, instead of the op's Python entry (``mlp_fuser.inductor``). Applies to graphs compiled after
   it is set (graphs already compiled, or loaded from Inductor's cache, keep the call they were generated with).
+- ``MLP_FUSER_PRIVATE=0``: never use torch's or Triton's private APIs (``mlp_fuser.compat``): Triton's own launch,
+  no launch plans, no Inductor renaming, every call through the registered op. They are also off where the installed
+  torch or Triton is outside the tested versions. Call ``mlp_fuser.compat.refresh()`` after changing
+  ``private_apis`` from Python.
 """
 
 from __future__ import annotations
@@ -27,3 +31,4 @@ autotune: bool = os.environ.get("MLP_FUSER_AUTOTUNE", "1") != "0"
 triton_backward: bool = os.environ.get("MLP_FUSER_TRITON_BACKWARD", "0") == "1"
 plans: bool = os.environ.get("MLP_FUSER_PLANS", "1") != "0"
 inductor_direct: bool = os.environ.get("MLP_FUSER_INDUCTOR_DIRECT", "1") != "0"
+private_apis: bool = os.environ.get("MLP_FUSER_PRIVATE", "1") != "0"

@@ -22,10 +22,11 @@ import sys
 
 import torch
 
-from . import config, ops
+from . import compat, config
 
 log = logging.getLogger("mlp_fuser")
 _installed: dict[str, object] = {}  # op name -> the lowering ours wraps (Inductor's fallback)
+INDUCTOR_NAMES = {"mlp": "_inductor_mlp", "gated_mlp": "_inductor_gated_mlp"}  # op -> its torch.ops.mlp_fuser entry
 
 
 def _fallback_kernel(out):
@@ -40,15 +41,17 @@ def _fallback_kernel(out):
 
 
 def install() -> bool:
-    """Register the renaming fallback lowering for both ops (once per process); False where it cannot be."""
-    if len(_installed) == len(ops.INDUCTOR_NAMES):
+    """Register the renaming fallback lowering for both ops (once per process); False where it cannot be (on
+    ``compat``'s public path, or where Inductor's internals differ)."""
+    if len(_installed) == len(INDUCTOR_NAMES):
         return True
     try:
-        from torch._inductor import lowering
-        from torch._inductor.virtualized import V
-        from torch._library.utils import get_layout_constraint_tag
+        hooks = compat.inductor_lowering()
+        if hooks is None:
+            return False
+        lowering, V, get_layout_constraint_tag = hooks
 
-        for op_name, direct in ops.INDUCTOR_NAMES.items():
+        for op_name, direct in INDUCTOR_NAMES.items():
             op = getattr(torch.ops.mlp_fuser, op_name).default
             if op_name in _installed:
                 continue
@@ -57,11 +60,12 @@ def install() -> bool:
                 lowering.make_fallback(op, layout_constraint=constraint, warn=False)
             inner = lowering.lowerings[op]
 
-            def lower(*args, _inner=inner, _op=op, _name=f"torch.ops.mlp_fuser.{direct}", **kwargs):
+            def lower(*args, _inner=inner, _op=op, _direct=direct, _name=f"torch.ops.mlp_fuser.{direct}", **kwargs):
                 out = _inner(*args, **kwargs)
                 kernel = _fallback_kernel(out)
-                if (config.inductor_direct and kernel is not None and kernel.op_overload is _op
-                        and not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False)):
+                if (config.inductor_direct and compat.PRIVATE and _direct in vars(torch.ops.mlp_fuser)
+                        and kernel is not None and kernel.op_overload is _op and not V.graph.cpp_wrapper
+                        and not getattr(V.graph, "fx_wrapper", False)):
                     kernel.python_kernel_name = _name
                 return out
 
@@ -78,7 +82,7 @@ def install_if_inductor() -> None:
     """``install()`` if Inductor is already imported (it will lower the graph being traced), else nothing: called
     while a graph with the op is traced, so that ``torch.compile``'s default backend (a patched model compiled with
     Inductor, say) gets the direct call too, and nothing imports Inductor for it."""
-    if len(_installed) < len(ops.INDUCTOR_NAMES) and "torch._inductor.lowering" in sys.modules:
+    if len(_installed) < len(INDUCTOR_NAMES) and "torch._inductor.lowering" in sys.modules:
         install()
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config, dispatch, plans
+from . import compat, config, dispatch, inductor, plans
 from .activations import ACTIVATIONS, ALIASES, get_activation
 from .kernels import act_mul as act_mul_kernel
 from .kernels.common import is_gate_up_as_one
@@ -124,7 +124,7 @@ def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False
     """Validate, then run what ``dispatch`` chose for the call's shape (``eager``: its choice for calls made
     without CUDA graphs, where the host's time per call counts too). On CUDA, a signature seen before runs its
     launch plan (``plans``): the same kernels with the same arguments, without the path that found them."""
-    planned = x.is_cuda and config.plans
+    planned = x.is_cuda and config.plans and compat.PRIVATE  # plans launch through Triton's private API
     if planned:
         key = plans.signature(x, wg, bg, wu, bu, wd, bd, activation, eager)
         plan = plans.get(key)
@@ -173,23 +173,17 @@ _lib.impl("mlp", _mlp, "CompositeExplicitAutograd")
 _lib.impl("gated_mlp", _gated_mlp, "CompositeExplicitAutograd")
 
 
-def _install_if_inductor():
-    from .inductor import install_if_inductor  # here: mlp_fuser.inductor imports this module
-
-    install_if_inductor()
-
-
 @torch.library.register_fake("mlp_fuser::mlp")
 def _mlp_fake(x, w1, b1, w2, b2, activation, save_preact=False):
     check_args("mlp", x, w1, b1, None, None, w2, b2, activation)
-    _install_if_inductor()  # the graph being traced may go to Inductor: its code then calls inductor_mlp
+    inductor.install_if_inductor()  # the graph being traced may go to Inductor: its code then calls inductor_mlp
     return x.new_empty((*x.shape[:-1], w2.shape[0]))
 
 
 @torch.library.register_fake("mlp_fuser::gated_mlp")
 def _gated_mlp_fake(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     check_args("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
-    _install_if_inductor()
+    inductor.install_if_inductor()
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
@@ -217,12 +211,12 @@ _PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
 def _plain_call(x, wg, bg, wu, bu, wd, bd) -> bool:
     """Whether computing the op right here is exactly what the dispatcher would do: plain CPU/CUDA tensors, no
     gradient, no autocast (on any device), no torch function or dispatch mode (fake tensors, functionalization), no
-    tracing; and no profiler, which then sees the op's own event."""
+    tracing; and no profiler, which then sees the op's own event. Never on ``compat``'s public path."""
     # cheapest first; x.is_cuda / x.is_cpu, not x.device.type (which builds a device object, then a string)
-    return (type(x) is Tensor and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
-            and not torch._C._autograd._profiler_enabled()
-            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(x, wg, bg, wu, bu, wd, bd))
-            and not torch._C._is_any_autocast_enabled()  # any device: asking for x's builds its device's name
+    return (type(x) is Tensor and compat.PRIVATE and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
+            and not compat.profiler_enabled()
+            and not (torch.is_grad_enabled() and compat.any_requires_grad(x, wg, bg, wu, bu, wd, bd))
+            and not compat.any_autocast_enabled()  # any device: asking for x's builds its device's name
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
             and type(wg) in _PLAIN and type(bg) in _PLAIN and type(wu) in _PLAIN and type(bu) in _PLAIN
             and type(wd) in _PLAIN and type(bd) in _PLAIN)
@@ -270,9 +264,9 @@ def inductor_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation
 
 # Generated code reaches what it calls from ``torch``; set here, where the ops are defined, so that code compiled in
 # another process and loaded from Inductor's cache finds them in any process that has the ops.
-INDUCTOR_NAMES = {"mlp": "_inductor_mlp", "gated_mlp": "_inductor_gated_mlp"}
-torch.ops.mlp_fuser._inductor_mlp = inductor_mlp
-torch.ops.mlp_fuser._inductor_gated_mlp = inductor_gated_mlp
+INDUCTOR_NAMES = inductor.INDUCTOR_NAMES
+compat.set_op_attribute(INDUCTOR_NAMES["mlp"], inductor_mlp)
+compat.set_op_attribute(INDUCTOR_NAMES["gated_mlp"], inductor_gated_mlp)
 
 
 # ---- the training path's helper ops: act_mul and mlp_backward ------------------------------------
@@ -398,14 +392,14 @@ def _register_autograd(op_name: str, forward, n_args: int) -> None:
 
     def kernel(keyset, *args):
         # The dispatcher hands Python kernels the arguments as given: save_preact is there only when passed.
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if torch.is_grad_enabled() and compat.any_requires_grad(*args):
             save = len(args) > n_args and args[n_args]
             return _MLPFunction.apply(keyset, op, save, *args[:n_args])
         raw = keyset.raw_repr()  # an int: the answer below is kept per key set (a few per process)
         direct = _direct_by_keyset.get(raw)
         if direct is None:
             direct = _direct_by_keyset[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DIRECT
-        if direct:  # plain CPU/CUDA tensors: compute here, no second hop
+        if direct and compat.PRIVATE:  # plain CPU/CUDA tensors: compute here, no second hop
             return forward(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)

@@ -6,7 +6,7 @@ records those launches. ``build`` turns the record into a plan: one generated fu
 and one workspace for every intermediate, then hands each compiled kernel its arguments as plain integers, the
 data pointers included (Triton's launcher takes an integer as a device pointer, skipping the ``data_ptr()`` call
 and the driver's pointer query it makes for a tensor), through Triton's C launch function itself where
-``kernels.common.launch_source`` knows its form; cuBLAS is handed 2-D tensors. Later calls with that signature
+``compat.launch_source`` knows its form; cuBLAS is handed 2-D tensors. Later calls with that signature
 run the plan: no validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs.
 
 A signature holds everything the call's validity, the dispatcher's choice and the kernels' specialisation depend
@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config
-from .kernels.common import Launcher, _launch_hooks, launch_source, stored_as_one
+from . import compat, config
+from .compat import launch_source
+from .kernels.common import Launcher, stored_as_one
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
@@ -44,10 +45,6 @@ _PLANS: dict[tuple, Callable[..., Tensor]] = {}
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
 _INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")
-
-
-# the current CUDA stream of a device, as an integer (absent from CPU-only builds of torch)
-_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -> tuple:
@@ -72,7 +69,7 @@ def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -
 def get(key: tuple) -> Callable[..., Tensor] | None:
     """The plan for a signature, or None (none yet, or a launch hook is set: calls then take the full path)."""
     plan = _PLANS.get(key)
-    return plan if plan is None or not _launch_hooks() else None
+    return plan if plan is None or not compat.launch_hooks() else None
 
 
 def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tuple[Tensor, Callable[..., Tensor] | None]:
@@ -109,7 +106,7 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
     """The plan for implementation ``name`` from one call: ``args`` its 2-D arguments, ``y`` (M, O) what it returned,
     ``launches`` its launches as ``Launcher`` recorded them. None where a plan could not reproduce the call exactly
     (not a planned implementation, a launch that was not compiled, a tensor it cannot account for)."""
-    if name not in PLANNED or not launches or _launch_hooks():
+    if name not in PLANNED or not launches or compat.launch_hooks():
         return None
     start, cublas = PLANNED[name]
     x2, wg, bg, wu, bu, wd, bd, activation = args
@@ -185,7 +182,7 @@ def _launch_line(i: int, launcher: Launcher, hit: tuple, exprs: list[str], const
 def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[..., Tensor]:
     """The plan function from its source lines; ``consts`` the compiled kernels' launchers and handles it calls."""
     text = "\n".join(lines) + "\n"
-    namespace = dict(consts, _stream=_stream, _empty=torch.empty, _zeros=torch.zeros, _linear=F.linear,
+    namespace = dict(consts, _stream=compat.current_stream, _empty=torch.empty, _zeros=torch.zeros, _linear=F.linear,
                      _dtype=x.dtype, _device=x.device, _u8=torch.uint8)
     exec(compile(text, f"<mlp_fuser plan: {name}>", "exec"), namespace)  # noqa: S102 (source built above)
     plan = namespace["plan"]

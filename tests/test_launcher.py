@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mlp_fuser import compat
 from mlp_fuser.kernels import common
 
 
@@ -51,7 +52,7 @@ class FakeAutotuner(FakeKernel):
 @pytest.fixture
 def gpu_free(monkeypatch):
     monkeypatch.setattr(common, "INTERPRET", False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    monkeypatch.setattr(compat, "current_stream", lambda device: 1000 + device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
 
 

@@ -1,20 +1,21 @@
-"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule,
-``Launcher``, which launches a compiled kernel directly once its specialization is known, and ``launch_source``,
-the source of a call to a compiled kernel's C launch function itself (what ``mlp_fuser.plans`` writes).
+"""What the kernels share: the M bucket, the interpreter switch, tl.dot's precision, the shared-memory rule and
+``Launcher``, which launches a compiled kernel directly once its specialization is known (where ``mlp_fuser.compat``
+allows Triton's private launch).
 
-Nothing here imports the rest of mlp_fuser: the kernels depend only downward.
+Nothing here imports the rest of mlp_fuser but ``compat``: the kernels depend only downward.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
-import triton
+
+from .. import compat
+from ..compat import launch_source  # noqa: F401 (its old home: plans and tests import it here)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs kernels on CPU tensors
 
@@ -106,10 +107,7 @@ def aligned(*tensors: torch.Tensor) -> int:
     return bits
 
 
-def _launch_hooks() -> bool:
-    """Whether something (a profiler such as proton) asked Triton to call it around every launch."""
-    hook = triton.knobs.runtime.launch_enter_hook  # a HookChain in triton 3.6 and 3.7
-    return hook is not None and bool(getattr(hook, "calls", True))
+_launch_hooks = compat.launch_hooks  # the old name
 
 
 class Launcher:
@@ -145,14 +143,14 @@ class Launcher:
         if launches is not None:  # mlp_fuser.plans records a call's launches
             launches.append((self, key, args))
         hit = self.cache.get(key)
-        if hit is not None and not _launch_hooks():
-            compiled, (gx, gy, gz), device = hit
-            compiled.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+        if hit is not None and not compat.launch_hooks():
+            compiled, (gx, gy, gz), device = hit  # CompiledKernel.run as the tested Triton versions take it
+            compiled.run(gx, gy, gz, compat.current_stream(device), compiled.function,
                          compiled.packed_metadata, None, None, None, *args, *self.pad)
             return
         Launcher.slow_calls += 1
         compiled = self.kernel[grid](*args, **constexprs)
-        if INTERPRET or not hasattr(compiled, "packed_metadata"):
+        if INTERPRET or not compat.can_launch_directly(compiled):  # the public path: Triton launches every call
             return
         if callable(grid):
             best = getattr(self.kernel, "best_config", None)
@@ -161,41 +159,3 @@ class Launcher:
         if len(self.cache) >= self.MAX_KEYS:
             self.cache.clear()
         self.cache[key] = (compiled, grid, torch.cuda.current_device())
-
-
-# How CudaLauncher.__call__ (triton.backends.nvidia.driver) calls its C launch function, keyed by the parameters the
-# __call__ takes after (self, gridX, gridY, gridZ, stream, function): the arguments of that call, where the kernel has
-# no scratch memory (no allocator is called) and no launch hooks are set (they are None). {args} the kernel's.
-_LAUNCH_FORMS = {
-    ("args",):  # triton 3.6: (grid, stream, function, coop, pdl, scratch x2, metadata, launch metadata, hooks, *args)
-        "{gx}, {gy}, {gz}, {s}, {fn}, {coop}, {pdl}, None, None, {meta}, None, None, None, {args}",
-    ("kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args"):  # triton 3.7
-        "{gx}, {gy}, {gz}, {s}, {fn}, {coop}, {pdl}, {meta}, None, None, None, None, None, {ann}, {ksig}, ({args},)",
-}
-
-
-def launch_source(compiled, grid: tuple[int, int, int], stream: str, args: list[str], prefix: str,
-                  consts: dict) -> str:
-    """Source that launches ``compiled`` (a Triton CompiledKernel) on ``grid`` with the stream and arguments the
-    given expressions evaluate to (``args``: its non-constexpr ones, then None for each constexpr slot). Where its
-    launcher is Triton's CudaLauncher in a form ``_LAUNCH_FORMS`` knows and the kernel needs no scratch memory, the
-    source calls the launcher's C function itself, with the very arguments ``CudaLauncher.__call__`` would pass
-    (that Python layer cost 1.2–2.5 µs per launch on the H200's host, run 54); otherwise it calls the launcher.
-    The names it uses, ``{prefix}...``, go into ``consts``."""
-    run = compiled.run
-    form = None
-    if type(run).__name__ == "CudaLauncher" and not run.global_scratch_size and not run.profile_scratch_size:
-        params = tuple(inspect.signature(type(run).__call__).parameters)
-        if params[:6] == ("self", "gridX", "gridY", "gridZ", "stream", "function"):
-            form = _LAUNCH_FORMS.get(params[6:])
-    gx, gy, gz = grid
-    names = {k: f"{prefix}{k}" for k in ("fn", "meta", "coop", "pdl", "ann", "ksig", "launch")}
-    consts.update({names["fn"]: compiled.function, names["meta"]: compiled.packed_metadata})
-    if form is None:
-        consts[names["launch"]] = run
-        return f"{names['launch']}({gx}, {gy}, {gz}, {stream}, {names['fn']}, {names['meta']}, None, None, None, " \
-               f"{', '.join(args)})"
-    consts.update({names["launch"]: run.launch, names["coop"]: run.launch_cooperative_grid,
-                   names["pdl"]: run.launch_pdl, names["ann"]: getattr(run, "arg_annotations", None),
-                   names["ksig"]: getattr(run, "kernel_signature", None)})
-    return f"{names['launch']}(" + form.format(gx=gx, gy=gy, gz=gz, s=stream, args=", ".join(args), **names) + ")"

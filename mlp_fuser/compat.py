@@ -1,0 +1,159 @@
+"""Every private torch and Triton API mlp_fuser uses, in one place, with the public path beside it.
+
+The host-time shortcuts rely on internals: Triton's ``CompiledKernel.run`` launch forms (``Launcher`` and the launch
+plans call a compiled kernel's launcher directly), Inductor's lowering table (``mlp_fuser.inductor`` renames the op's
+call in generated code), attributes set on ``torch.ops.mlp_fuser`` (what that code calls), and ``torch._C`` functions
+on the op's hot path. They are used only where the installed versions are within the tested ranges (``TORCH``,
+``TRITON``) and ``MLP_FUSER_PRIVATE`` (``config.private_apis``) is not ``0``. Otherwise every call takes the public
+path: Triton's ``kernel[grid](...)`` launch, no launch plans, no Inductor renaming, the registered op through the
+dispatcher; correct, and slower on the host.
+
+``PRIVATE`` says which path is taken; ``refresh()`` recomputes it (after a change of ``config.private_apis``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+import triton
+
+from . import config
+
+TORCH = ((2, 11), (2, 13))  # tested torch versions, first and last (major, minor)
+TRITON = ((3, 6), (3, 7))  # tested Triton versions
+
+
+def _version(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def in_range() -> bool:
+    """Whether the installed torch and Triton are versions the private paths were tested on."""
+    lo, hi = TORCH
+    tlo, thi = TRITON
+    return lo <= _version(torch.__version__) <= hi and tlo <= _version(triton.__version__) <= thi
+
+
+# ---- the op's hot path: torch._C where allowed, the public equivalents elsewhere ---------------------------
+
+
+def _any_requires_grad_public(*tensors) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _current_stream_public(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def launch_hooks() -> bool:
+    """Whether something (a profiler such as proton) asked Triton to call it around every launch."""
+    hook = triton.knobs.runtime.launch_enter_hook  # a HookChain in the tested versions
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# Bound by refresh(). Direct references on the private path: no Python frame between the op and these checks.
+# any_autocast_enabled and profiler_enabled are read only on the private path (``direct_calls``).
+PRIVATE = False
+any_requires_grad = _any_requires_grad_public
+current_stream = _current_stream_public
+any_autocast_enabled = profiler_enabled = None
+
+
+def refresh() -> bool:
+    """Choose the private or the public path from the versions and ``config.private_apis``; returns ``PRIVATE``."""
+    global PRIVATE, any_requires_grad, any_autocast_enabled, profiler_enabled, current_stream
+    PRIVATE = config.private_apis and in_range()
+    c = torch._C
+    if PRIVATE:
+        any_requires_grad = c._any_requires_grad
+        any_autocast_enabled = c._is_any_autocast_enabled
+        profiler_enabled = c._autograd._profiler_enabled
+        current_stream = getattr(c, "_cuda_getCurrentRawStream", _current_stream_public)
+    else:
+        any_requires_grad, current_stream = _any_requires_grad_public, _current_stream_public
+        any_autocast_enabled = profiler_enabled = None
+    return PRIVATE
+
+
+def direct_calls() -> bool:
+    """Whether the op may be computed right in its Python entries (``ops.eager_*``, ``ops.inductor_*``), skipping
+    torch's dispatcher: only on the private path, whose checks say exactly when nothing needs the dispatcher."""
+    return PRIVATE
+
+
+# ---- torch.ops attributes: what Inductor's renamed call reaches -----------------------------------------------
+
+
+def set_op_attribute(name: str, fn) -> bool:
+    """``torch.ops.mlp_fuser.<name> = fn`` on the private path (generated code reaches it from ``torch``); else
+    nothing. Returns whether it was set."""
+    if not PRIVATE:
+        return False
+    setattr(torch.ops.mlp_fuser, name, fn)
+    return True
+
+
+# ---- Triton's compiled-kernel launch ---------------------------------------------------------------------------
+
+# How CudaLauncher.__call__ (triton.backends.nvidia.driver) calls its C launch function, keyed by the parameters the
+# __call__ takes after (self, gridX, gridY, gridZ, stream, function): the arguments of that call, where the kernel has
+# no scratch memory (no allocator is called) and no launch hooks are set (they are None). {args} the kernel's.
+LAUNCH_FORMS = {
+    ("args",):  # triton 3.6: (grid, stream, function, coop, pdl, scratch x2, metadata, launch metadata, hooks, *args)
+        "{gx}, {gy}, {gz}, {s}, {fn}, {coop}, {pdl}, None, None, {meta}, None, None, None, {args}",
+    ("kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args"):  # triton 3.7
+        "{gx}, {gy}, {gz}, {s}, {fn}, {coop}, {pdl}, {meta}, None, None, None, None, None, {ann}, {ksig}, ({args},)",
+}
+
+
+def can_launch_directly(compiled) -> bool:
+    """Whether ``Launcher`` may keep ``compiled`` (a Triton CompiledKernel) and call its ``run`` itself later."""
+    return PRIVATE and hasattr(compiled, "packed_metadata") and hasattr(compiled, "run")
+
+
+def launch_source(compiled, grid: tuple[int, int, int], stream: str, args: list[str], prefix: str,
+                  consts: dict) -> str:
+    """Source that launches ``compiled`` on ``grid`` with the stream and arguments the given expressions evaluate to
+    (``args``: its non-constexpr ones, then None for each constexpr slot). Where its launcher is Triton's CudaLauncher
+    in a form ``LAUNCH_FORMS`` knows and the kernel needs no scratch memory, the source calls the launcher's C
+    function itself, with the arguments ``CudaLauncher.__call__`` would pass (skipping that Python layer's host time:
+    benchmarks/NOTES.md, launch plans); otherwise it calls the launcher. The names it uses, ``{prefix}...``, go into
+    ``consts``."""
+    run = compiled.run
+    form = None
+    if type(run).__name__ == "CudaLauncher" and not run.global_scratch_size and not run.profile_scratch_size:
+        params = tuple(inspect.signature(type(run).__call__).parameters)
+        if params[:6] == ("self", "gridX", "gridY", "gridZ", "stream", "function"):
+            form = LAUNCH_FORMS.get(params[6:])
+    gx, gy, gz = grid
+    names = {k: f"{prefix}{k}" for k in ("fn", "meta", "coop", "pdl", "ann", "ksig", "launch")}
+    consts.update({names["fn"]: compiled.function, names["meta"]: compiled.packed_metadata})
+    if form is None:
+        consts[names["launch"]] = run
+        return f"{names['launch']}({gx}, {gy}, {gz}, {stream}, {names['fn']}, {names['meta']}, None, None, None, " \
+               f"{', '.join(args)})"
+    consts.update({names["launch"]: run.launch, names["coop"]: run.launch_cooperative_grid,
+                   names["pdl"]: run.launch_pdl, names["ann"]: getattr(run, "arg_annotations", None),
+                   names["ksig"]: getattr(run, "kernel_signature", None)})
+    return f"{names['launch']}(" + form.format(gx=gx, gy=gy, gz=gz, s=stream, args=", ".join(args), **names) + ")"
+
+
+# ---- Inductor's lowering table ---------------------------------------------------------------------------------
+
+
+def inductor_lowering():
+    """(lowering module, V, get_layout_constraint_tag) for renaming the op's fallback call, or None on the public
+    path (Inductor then calls the registered op, as for any custom op)."""
+    if not PRIVATE:
+        return None
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import V
+    from torch._library.utils import get_layout_constraint_tag
+
+    return lowering, V, get_layout_constraint_tag
+
+
+refresh()
