@@ -463,9 +463,10 @@ CONFIGS: dict[str, dict[int, list[dict]]] = {
     },
     "down_tokens": {
         1: [_cfg(1, 32, 256, 4, 3), _cfg(1, 16, 256, 4, 3), _cfg(1, 64, 128, 4, 3), _cfg(1, 16, 512, 4, 3),
-            _cfg(1, 32, 512, 8, 3)],
+            _cfg(1, 8, 512, 4, 3), _cfg(1, 32, 512, 8, 3)],
     },
 }
+_SMS = 132  # the H200's SMs: default_config's rule of thumb for the GEMVs (the dispatcher times CONFIGS)
 _INTERPRET_CONFIG = {  # the CPU interpreter: small tiles, so that masking at the edges is exercised
     "gate_up": _cfg(16, 32, 32, 4, 1), "down": _cfg(16, 32, 32, 4, 1),
     "gate_up_pairs": _cfg(1, 16, 32, 4, 1), "down_tokens": _cfg(1, 16, 32, 4, 1),
@@ -487,7 +488,13 @@ def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: tor
     if INTERPRET:
         return dict(_INTERPRET_CONFIG[kind])
     buckets = CONFIGS[kind]
-    cfg = dict((buckets[rows_bucket(T, k, E)] if kind in ("gate_up", "down") else buckets[1])[0])
+    if kind in ("gate_up", "down"):
+        cfg = dict(buckets[rows_bucket(T, k, E)][0])
+    else:  # a GEMV per row: the first candidate with two programs per SM, else the one with the most programs
+        rows, width = (T * k, I) if kind == "gate_up_pairs" else (T, H)
+        programs = [rows * cdiv(width, c["BLOCK_N"]) for c in buckets[1]]
+        enough = [c for c, n in zip(buckets[1], programs) if n >= 2 * _SMS]
+        cfg = dict(enough[0] if enough else buckets[1][programs.index(max(programs))])
     n_weights = 2 if kind == "gate_up" else 1
     itemsize = torch.empty((), dtype=dtype).element_size()
     while cfg["num_stages"] > 2 and not k_loop_fits(cfg["num_stages"], cfg["BLOCK_M"], cfg["BLOCK_K"],
