@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE, poisoned_empty
+from conftest import KERNEL_DEVICE, poisoned_empty, requires_cuda
 
 from mlp_fuser.kernels import moe
 from mlp_fuser.kernels.moe import ExpertAct
@@ -207,3 +207,31 @@ def test_default_config_gemv_programs(monkeypatch):
     assert moe.default_config("gate_up_pairs", 1, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 16
     assert moe.default_config("gate_up", 2048, 2, 8, 4096, 14336, torch.bfloat16)["BLOCK_M"] == 128
     assert moe.default_config("gate_up", 1, 8, 128, 2048, 768, torch.float32)["num_stages"] == 2  # fp32: 4 too big
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [9, 600])  # 600 · 8 pairs: the torch routing (beyond one Triton program)
+@pytest.mark.parametrize("path", moe.PATHS)
+def test_paths_replay_in_cuda_graph(path, T):
+    """Each path captured once in bf16, then replayed on other routing in the same buffers: nothing syncs the host
+    or depends on the ids' values at capture."""
+    k, E = 8, 16
+    ref_args, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(T, k, E, 64, 48, torch.bfloat16, bias=True, seed=5)
+
+    def fn():
+        return moe.moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act=GPT_OSS, interleaved=True, path=path)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fn()
+    new_ids = random_ids(torch.Generator().manual_seed(7), T, k, E)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference64(ref_args[0], new_ids, *ref_args[2:], GPT_OSS, True)
+    assert rel_err(y.cpu(), expected, math.inf) < 2e-2
