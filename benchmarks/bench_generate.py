@@ -3,9 +3,21 @@
     python benchmarks/bench_generate.py --model 1b|8b [--paths ...] [--batches 1,8] [--out DIR]
     python benchmarks/bench_generate.py --model 1b --tiny --device cpu      # checks the script itself
     python benchmarks/bench_generate.py --model 1b --paths eager,patch --batches 1 --time-modules   # in-situ host cost
+    python benchmarks/bench_generate.py --model qwen3moe --layers 8 --batches 1,8,32 --budget-s 540   # routed experts
+    python benchmarks/bench_generate.py --model qwen3moe --tiny --device cpu                            # checks it
 
 Models: "1b" (hidden 2048, intermediate 5632, 16 layers, 32 query / 4 KV heads, vocabulary 32000) and "8b"
 (LLaMA-3-8B dimensions: 4096, 14336, 32 layers, 32 / 8 heads, vocabulary 128256).
+"qwen3moe": Qwen3-30B-A3B dimensions (48 layers, hidden 2048, 32 query / 4 KV heads, head_dim 128, 128 experts of
+intermediate 768, top 8, vocabulary 151936), built on the meta device and filled in place on the GPU (seconds, not
+minutes); ``--layers N`` keeps the first N layers (the model column says so), as compiling 48 layers takes long. Its
+paths (``MOE_GROUPS``): ``eager`` (transformers' default experts, grouped_mm), ``patch``, ``experts``
+(``set_experts_implementation("mlp_fuser")``); static cache + CUDA graphs with transformers' default (``static``:
+generate swaps grouped_mm for batched_mm while decoding), ``static_kept`` (grouped_mm registered under another name,
+so generate keeps it), ``static_fuser`` (the "mlp_fuser" experts implementation) and ``static_backend``; the
+prefill's eager / patch / experts and compile / backend. Its paths share one copy of the weights (``twin``), and
+static_fuser and static_backend are compared with the faster of static and static_kept. The warm-up column is the
+two warm-up generates' seconds (the compile, for compiled paths).
 
 Paths (``--paths``), run group by group in this order (each group for every batch size), each with and without
 mlp_fuser where it applies:
@@ -59,8 +71,15 @@ MODELS = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256),
 }
+MOE_MODELS = {
+    "qwen3moe": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, vocab_size=151936),
+}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256)
+TINY_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256)
 DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
 # On request: patch with mlp_fuser.config.plans off (the op's full path every call); the dynamic-cache backend with
 # Inductor's code calling the registered op through the dispatcher (mlp_fuser.config.inductor_direct off).
@@ -75,13 +94,36 @@ PREFILL_GROUPS = [["eager", "patch", "patch_merged"], ["compile", "backend", "ba
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
             "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile", "patch_merged": "eager",
             "backend_merged": "compile"}
+# The routed-experts model's groups (same positions as GROUPS': eager's, the static cache's, the dynamic cache's) and
+# baselines: a tuple compares with the faster of its paths in the same run (transformers' best).
+MOE_GROUPS = [["eager", "patch", "experts"], ["static", "static_kept", "static_fuser", "static_backend"],
+              ["compile", "backend"]]
+MOE_PREFILL_GROUPS = [["eager", "patch", "experts"], ["compile", "backend"]]
+MOE_PATHS = "eager,patch,experts,static,static_kept,static_fuser,static_backend,prefill"
+MOE_BASELINE = dict(BASELINE, experts="eager", static_kept="static", static_fuser=("static", "static_kept"),
+                    static_backend=("static", "static_kept"))
+KEPT = "grouped_mm_kept"  # transformers' grouped_mm under a name generate does not swap for batched_mm
+
+
+def is_moe(args) -> bool:
+    return args.model in MOE_MODELS
+
+
+def groups(args):
+    return MOE_GROUPS if is_moe(args) else GROUPS
+
+
+def prefill_groups(args):
+    return MOE_PREFILL_GROUPS if is_moe(args) else PREFILL_GROUPS
 
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def build(name, device, dtype, tiny):
+def build(name, device, dtype, tiny, layers=None):
+    if name in MOE_MODELS:
+        return build_moe(name, device, dtype, tiny, layers)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(max_position_embeddings=4096, **(TINY if tiny else MODELS[name]))
@@ -91,6 +133,62 @@ def build(name, device, dtype, tiny):
     model.generation_config.eos_token_id = None  # random weights: never stop early
     model.generation_config.pad_token_id = 0
     return model
+
+
+def build_moe(name, device, dtype, tiny, layers=None):
+    """The routed-experts model with random weights: built on the meta device, then ``to_empty`` on ``device`` and
+    filled in place (normal 0.02; norms 1), so that 30B parameters take seconds; ``layers`` keeps the first N."""
+    from transformers import Qwen3MoeConfig
+
+    dims = dict(TINY_MOE if tiny else MOE_MODELS[name])
+    if layers:
+        dims["num_hidden_layers"] = layers
+    cfg = Qwen3MoeConfig(max_position_embeddings=4096, **dims)
+    t0 = time.perf_counter()
+    model = _materialize(cfg, device, dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # the RMSNorms' scales
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 0
+    model._bench_shared = True  # its paths share these weights (twin)
+    sync(device)
+    log(f"built {name} ({dims['num_hidden_layers']} layers, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters) in {time.perf_counter() - t0:.1f} s")
+    return model
+
+
+def _materialize(cfg, device, dtype):
+    """A model of ``cfg`` in ``dtype`` on ``device`` with uninitialised weights, its rotary buffers computed."""
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device).eval()
+    rotary = model.model.rotary_emb  # non-persistent buffers: to_empty left them uninitialised
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(cfg)
+    return model
+
+
+def twin(model):
+    """A copy of ``model`` for another path: a deep copy, or for a routed-experts model one sharing its weights (its
+    own config, so its own experts implementation; its own modules, so patch and compile stay apart)."""
+    if not getattr(model, "_bench_shared", False):
+        return copy.deepcopy(model)
+    cfg = copy.deepcopy(model.config)
+    with torch.device("meta"):
+        m = type(model)(cfg).to(model.dtype)
+    m.load_state_dict(model.state_dict(), assign=True)  # the same tensors: no second copy of the weights
+    with torch.device(model.device):
+        m.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    m.generation_config = copy.deepcopy(model.generation_config)
+    m._bench_shared = True
+    return m.eval()
 
 
 def sync(device):
@@ -139,9 +237,19 @@ def generate_fn(model, path, ids):
         backend = {"compile": "inductor", "backend": mlp_fuser.backend}.get(path) or mlp_fuser.make_backend()
         model.forward = torch.compile(model.forward, backend=backend)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
-    elif path in ("static", "static_backend"):
+    elif path == "experts":
+        model.set_experts_implementation(mlp_fuser.experts.NAME)
+        cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
+    elif path in ("static", "static_backend", "static_kept", "static_fuser"):
         from transformers import CompileConfig
 
+        if path in ("static_kept", "static_fuser"):
+            if path == "static_kept":
+                from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+                ExpertsInterface.register(KEPT, grouped_mm_experts_forward)
+            model.set_experts_implementation(KEPT if path == "static_kept" else mlp_fuser.experts.NAME)
+            cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
         cc = CompileConfig(fullgraph=True, backend=mlp_fuser.backend if path == "static_backend" else "inductor")
         cc._compile_all_devices = True  # transformers compiles on CUDA only unless told (for --tiny on the CPU)
         kwargs.update(cache_implementation="static", compile_config=cc)
@@ -240,10 +348,10 @@ def units(args) -> list[str]:
     """The units of work the arguments ask for, in the order a single process runs them: "d<group>:<batch>" (a
     decode group at one batch size), then "p<group>" (a prefill pair); ``--units`` keeps a subset."""
     paths, wanted = args.paths.split(","), args.prefill_paths.split(",")
-    out = [f"d{gi}:{b}" for gi, group in enumerate(GROUPS) if any(p in paths for p in group)
+    out = [f"d{gi}:{b}" for gi, group in enumerate(groups(args)) if any(p in paths for p in group)
            for b in args.batches.split(",")]
     if "prefill" in paths:
-        out += [f"p{gi}" for gi, group in enumerate(PREFILL_GROUPS) if any(p in wanted for p in group)]
+        out += [f"p{gi}" for gi, group in enumerate(prefill_groups(args)) if any(p in wanted for p in group)]
     if args.units:
         keep = set(args.units.split(","))
         out = [u for u in out if u in keep]
@@ -254,19 +362,19 @@ def unit_rows(args, unit: str) -> list[tuple[str, str]]:
     """(phase, path) of each row a unit produces."""
     if unit.startswith("d"):
         gi, batch = unit[1:].split(":")
-        return [(f"decode b={batch}", p) for p in GROUPS[int(gi)] if p in args.paths.split(",")]
-    return [("prefill", p) for p in PREFILL_GROUPS[int(unit[1:])] if p in args.prefill_paths.split(",")]
+        return [(f"decode b={batch}", p) for p in groups(args)[int(gi)] if p in args.paths.split(",")]
+    return [("prefill", p) for p in prefill_groups(args)[int(unit[1:])] if p in args.prefill_paths.split(",")]
 
 
 def run(args, results):
     import mlp_fuser
 
     device, dtype = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
-    model = build(args.model, device, dtype, args.tiny)
+    model = build(args.model, device, dtype, args.tiny, args.layers)
     vocab = model.config.vocab_size
-    label = f"{args.model}{' (tiny)' if args.tiny else ''}"
+    label = model_label(args)
     g = torch.Generator(device=device).manual_seed(0)
-    prompt, new_tokens = (32, 64) if not args.tiny else (8, 6)
+    prompt, new_tokens = (32, args.new_tokens) if not args.tiny else (8, 6)
     paths = args.paths.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     inputs = {b: torch.randint(3, vocab, (b, prompt), device=device, generator=g) for b in batches}
@@ -286,7 +394,7 @@ def run(args, results):
         return True
 
     with torch.no_grad():
-        for gi, group in enumerate(GROUPS):  # group by group, so a budget cuts the least important paths (the last)
+        for gi, group in enumerate(groups(args)):  # group by group: a budget cuts the least important (the last)
             members = [p for p in group if p in paths]
             for batch in batches if members else []:
                 ids, unit = inputs[batch], f"d{gi}:{batch}"
@@ -301,7 +409,7 @@ def run(args, results):
                 live = {}  # path -> (gen, cleanup, its model, tokens of a warm-up, warm-up seconds)
                 try:
                     for i, path in enumerate(members):  # the group's first path runs on the model, the others on copies
-                        m = model if i == 0 else copy.deepcopy(model)
+                        m = model if i == 0 else twin(model)
                         gen, done = generate_fn(m, path, ids)
                         try:
                             t0 = time.perf_counter()
@@ -349,7 +457,7 @@ def run(args, results):
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
             ref_logits = model(ids, use_cache=False).logits.float()
             wanted = args.prefill_paths.split(",")
-            for gi, group in enumerate(PREFILL_GROUPS):  # timed in turns, each on its own model copy
+            for gi, group in enumerate(prefill_groups(args)):  # timed in turns, each on its own model copy
                 members, fwds, unit = [p for p in group if p in wanted], {}, f"p{gi}"
                 if unit not in todo:
                     continue
@@ -361,9 +469,11 @@ def run(args, results):
                 models = {}
                 try:
                     for i, path in enumerate(members):
-                        m = models[path] = model if i == 0 else copy.deepcopy(model)
+                        m = models[path] = model if i == 0 else twin(model)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
-                        if path in ("patch", "patch_merged"):
+                        if path == "experts":
+                            m.set_experts_implementation(mlp_fuser.experts.NAME)
+                        elif path in ("patch", "patch_merged"):
                             mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
                         elif path in ("compile", "backend", "backend_merged"):
                             if path == "backend_merged":
@@ -385,7 +495,7 @@ def run(args, results):
                         times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
                     for path, (fwd, err, first_s) in fwds.items():
                         results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
-                                            call_ms=calls[path], logits_rel_err=err))
+                                            call_ms=calls[path], logits_rel_err=err, warmup_s=first_s))
                         log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
                             f"err {err:.1e}")
                         if args.profile_cpu and device == "cuda":
@@ -704,16 +814,32 @@ def profile_decode(label, gen, device, python=False, tokens=16):
         log("  Python by own time (cProfile, one generate):\n" + "\n".join(s.getvalue().splitlines()[6:]))
 
 
+def model_label(args) -> str:
+    label = f"{args.model}{' (tiny)' if args.tiny else ''}"
+    full = (MOE_MODELS.get(args.model) or MODELS.get(args.model))["num_hidden_layers"]
+    return label + (f" ({args.layers} of {full} layers)" if args.layers else "")
+
+
+def baseline(results, r):
+    """The row ``r`` is compared with: its path's baseline at the same model and phase (of a tuple of paths, the
+    fastest), or None."""
+    table = MOE_BASELINE if r["model"].split()[0] in MOE_MODELS else BASELINE
+    wanted = table.get(r["path"])
+    wanted = (wanted,) if isinstance(wanted, str) else wanted or ()
+    rows = [b for b in results if b["model"] == r["model"] and b["phase"] == r["phase"] and b["path"] in wanted
+            and "ms" in b]
+    return min(rows, key=lambda b: b["ms"]) if rows else None
+
+
 def write(results, out):
     """The table so far, to out/generate.md and out/generate.json (rewritten after every measurement)."""
-    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager |", "|---|---|---|---|---|---|"]
+    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager | warm-up s |", "|---" * 7 + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | |")
+            lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | | |")
             continue
-        base_path = BASELINE.get(r["path"])  # decode and prefill rows alike
-        base = next((b for b in results if b["model"] == r["model"] and b["phase"] == r["phase"]
-                     and b["path"] == base_path and "ms" in b), None)
+        base = baseline(results, r)  # decode and prefill rows alike
+        base_path = base["path"] if base else None
         vs = f"{base['ms'] / r['ms']:.3f}x {base_path}" if base else ""
         if base and len(r.get("round_ms", ())) == len(base.get("round_ms", ())) > 1:  # paired, round by round
             paired = [b / a for a, b in zip(r["round_ms"], base["round_ms"])]
@@ -726,7 +852,8 @@ def write(results, out):
             tok = "no eager row"
         else:
             tok = "same" if r["diverges_at"] is None else f"diverge at {r['diverges_at']}"
-        lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['ms']:.3f} | {vs} | {tok} |")
+        warm = f"{r['warmup_s']:.0f}" if "warmup_s" in r else ""
+        lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['ms']:.3f} | {vs} | {tok} | {warm} |")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "generate.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -750,7 +877,7 @@ def run_parallel(args, argv: list[str], n: int) -> list[dict]:
         file = os.path.join(sub, "generate.json")
         rows = json.load(open(file)) if os.path.exists(file) else []
         seen = {r["unit"] for r in rows}
-        results += rows + [dict(model=f"{args.model}{' (tiny)' if args.tiny else ''}", phase=phase, path=path, unit=u,
+        results += rows + [dict(model=model_label(args), phase=phase, path=path, unit=u,
                                 error=f"not reached (worker ended, {code})")
                            for u in part if u not in seen for phase, path in unit_rows(args, u)]
     results.sort(key=lambda r: todo.index(r["unit"]))  # stable: a unit's rows keep their order
@@ -760,17 +887,21 @@ def run_parallel(args, argv: list[str], n: int) -> list[dict]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(MODELS), default="1b")
+    ap.add_argument("--model", choices=sorted(MODELS) + sorted(MOE_MODELS), default="1b")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (compiles take less)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode ms/token = (t(N tokens) - t(1)) / (N - 1)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
-    ap.add_argument("--paths", default=",".join(DECODE_PATHS + ["prefill"]))
+    ap.add_argument("--paths", default=None, help=f"default: {','.join(DECODE_PATHS + ['prefill'])}; for "
+                    f"qwen3moe {MOE_PATHS}")
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds, the paths taking turns in each (default 3: "
                     "best of 3); more give the paired median more to go on, at ~1 s per path and round")
     ap.add_argument("--budget-s", type=float, default=None, help="start no path group past this many seconds (nor "
                     "one that took longer at the previous batch than what is left); its rows say 'not reached'")
-    ap.add_argument("--prefill-paths", default="eager,patch,compile,backend", help="the prefill's paths")
+    ap.add_argument("--prefill-paths", default=None, help="the prefill's paths (default: eager,patch,compile,backend; "
+                    "for qwen3moe also experts)")
     ap.add_argument("--gpus", default="1", help="spread the units of work (a decode group at one batch size, a prefill "
                     "pair) over this many GPUs, one worker process each ('all': every visible GPU)")
     ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: stop the workers this many seconds "
@@ -789,6 +920,10 @@ def main(argv=None) -> int:
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model "
                          "(decode: one generate; prefill: one forward), and the host's time for the whole call")
     args = ap.parse_args(argv)
+    if args.paths is None:
+        args.paths = MOE_PATHS if is_moe(args) else ",".join(DECODE_PATHS + ["prefill"])
+    if args.prefill_paths is None:
+        args.prefill_paths = "eager,patch,experts,compile,backend" if is_moe(args) else "eager,patch,compile,backend"
     args.profiled = ({(int(b), p) for b, p in (a.split(":") for a in args.profile_at.split(","))} if args.profile_at
                      else PROFILED if args.profile else set())
     import logging
@@ -819,6 +954,9 @@ def main(argv=None) -> int:
     run(args, results)
     log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3], *k[8:10])): v
                                   for k, v in dispatch._choice_cache.items()})
+    if mlp_fuser.moe._chosen:
+        log("routed experts' choices:", {f"T<={k[2]} k={k[3]} E={k[4]} H={k[5]} I={k[6]}": v.name
+                                         for k, v in mlp_fuser.moe._chosen.items()})
     print("\n".join(write(results, args.out)))
     return 0
 

@@ -2,6 +2,8 @@
 
     python3 benchmarks/bench_train.py --out DIR [--shapes 4x1024,1x4096] [--variants ...] [--steps 10]
     python3 benchmarks/bench_train.py --tiny --device cpu         # checks the script itself
+    python3 benchmarks/bench_train.py --model qwen3moe-small --out DIR [--shapes 1x1024,4x1024] [--adamw]
+    python3 benchmarks/bench_train.py --model qwen3moe-small --tiny --device cpu
 
 Model: LLaMA (hidden 2048, intermediate 5632, 8 layers, 32 query / 4 KV heads, vocabulary 32000),
 ``LlamaForCausalLM`` from its config with random weights, bf16, SDPA attention, train mode. One step = forward
@@ -12,11 +14,18 @@ and ``backend-save`` (``torch.compile(model, backend=mlp_fuser.make_backend(back
 and ``patch-save`` (``mlp_fuser.patch(model, backward=...)``, undone after); on request, ``patch-whole``
 (``patch(model, per_module=False)``: the whole forward through Dynamo, the path of the first 2× slowdown).
 
+``--model qwen3moe-small``: Qwen3-MoE with Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads, head_dim 128,
+128 experts of intermediate 768, top 8, vocabulary 151936), 8 layers (``--layers``), built on the meta device and
+filled in place. Its default variants (``MOE_VARIANTS``): ``eager`` (transformers' default experts, grouped_mm),
+``experts`` (``set_experts_implementation("mlp_fuser")``), ``patch-recompute``, ``compile``, ``compile-experts``
+(torch.compile with the mlp_fuser experts) and ``backend-recompute``.
+
 Step time: the median of ``--steps`` steps after ``--warmup`` warm-up steps (compilation and the op's kernel choice
 happen there), each step timed between torch.cuda.synchronize() calls. Peak: torch.cuda.max_memory_allocated()
 during a step minus torch.cuda.memory_allocated() before it (peak stats reset before the step), the largest over
-the timed steps. Each variant's first loss is compared with eager's. The table is printed last and written, with
-the raw numbers, to OUT/train.md and OUT/train.json after every measurement.
+the timed steps. ``--adamw``: each step also runs a fused AdamW step (the weights are restored after each
+variant, so that every variant starts from the same ones). Each variant's first loss is compared with eager's. The
+table is printed last and written, with the raw numbers, to OUT/train.md and OUT/train.json after every measurement.
 """
 
 from __future__ import annotations
@@ -35,7 +44,13 @@ MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_
              num_key_value_heads=4, vocab_size=32000)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256)
+MOE_MODEL = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                 vocab_size=151936)
+MOE_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256)
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
+MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
 EXTRA = ["patch-whole"]  # on request only: patch(per_module=False), the whole forward through Dynamo (recompute)
 
 
@@ -58,6 +73,25 @@ class FusedCount(logging.Handler):
             self.fused += int(msg.split(": fused ", 1)[1].split()[0])
 
 
+def build_moe(device, dtype, tiny, layers=None):
+    """Qwen3-MoE with random weights: built on the meta device, then filled in place (normal 0.02; norms 1)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dims = dict(MOE_TINY if tiny else MOE_MODEL, **({"num_hidden_layers": layers} if layers else {}))
+    cfg = Qwen3MoeConfig(max_position_embeddings=4096, **dims)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device).train()
+    with torch.device(device):  # its buffers were left empty
+        model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02, generator=g)
+    return model, cfg
+
+
 def build(device, dtype, tiny):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,12 +108,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(model, forward, ids, device, warmup, steps, profile=None):
-    """(median ms, peak bytes above the memory allocated before the step, first loss)"""
+def measure(model, forward, ids, device, warmup, steps, profile=None, opt=None):
+    """(median ms, peak bytes above the memory allocated before the step, first loss); ``opt``: an optimizer
+    stepped in each step."""
     def step():
         model.zero_grad(set_to_none=True)
         loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
+        if opt is not None:
+            opt.step()
         return loss
 
     first = step().item()
@@ -123,9 +160,11 @@ def run_variant(name, model, ids, args, counter):
 
     torch._dynamo.reset()
     counter.fused = 0
-    if name == "eager":
+    if name in ("experts", "compile-experts"):
+        model.set_experts_implementation(mlp_fuser.experts.NAME)
+    if name in ("eager", "experts"):
         forward = model
-    elif name == "compile":
+    elif name in ("compile", "compile-experts"):
         forward = torch.compile(model)
     elif name.startswith("backend-"):
         forward = torch.compile(model, backend=mlp_fuser.make_backend(backward=name.split("-")[1]))
@@ -133,9 +172,13 @@ def run_variant(name, model, ids, args, counter):
         forward = mlp_fuser.patch(model, per_module=False)
     else:
         forward = mlp_fuser.patch(model, backward=name.split("-")[1])
+    saved = opt = None
+    if args.adamw:  # the variants start from the same weights
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     try:
         ms, peak, loss = measure(model, forward, ids, args.device, args.warmup, args.steps,
-                                 f"{tuple(ids.shape)} {name}" if args.profile else None)
+                                 f"{tuple(ids.shape)} {name}" if args.profile else None, opt)
         if name.startswith("patch-") and name != "patch-whole":
             fused = len(model.__dict__.get("_mlp_fuser_fused_modules", ()))
         else:
@@ -143,6 +186,12 @@ def run_variant(name, model, ids, args, counter):
     finally:
         if name.startswith("patch-"):
             mlp_fuser.unpatch(model)
+        if name in ("experts", "compile-experts"):
+            model.set_experts_implementation("grouped_mm")
+        if saved is not None:
+            with torch.no_grad():
+                model.load_state_dict(saved)
+            del saved, opt
         torch._dynamo.reset()
     return dict(ms=ms, peak_gib=peak / 2**30, loss=loss, fused=fused)
 
@@ -165,11 +214,16 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--shapes", default="4x1024,1x4096", help="B×T pairs, comma-separated")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--model", choices=["llama", "qwen3moe-small"], default="llama")
+    ap.add_argument("--layers", type=int, default=None, help="qwen3moe-small: this many layers (default 8)")
+    ap.add_argument("--shapes", default=None, help="B×T pairs, comma-separated (default 4x1024,1x4096; "
+                    "qwen3moe-small 1x1024,4x1024)")
+    ap.add_argument("--variants", default=None, help=f"default {','.join(VARIANTS)}; qwen3moe-small "
+                    f"{','.join(MOE_VARIANTS)}")
+    ap.add_argument("--adamw", action="store_true", help="each step also runs a fused AdamW step")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
@@ -177,11 +231,13 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (checks the script, on any device)")
     ap.add_argument("--triton-backward", action="store_true",
                     help="let the dispatcher also time the Triton dh GEMM (mlp_fuser.config.triton_backward, opt-in)")
-    args = ap.parse_args()
-    variants = args.variants.split(",")
-    if set(variants) - set(VARIANTS + EXTRA):
-        ap.error(f"unknown variant(s) {sorted(set(variants) - set(VARIANTS + EXTRA))}; "
-                 f"known: {', '.join(VARIANTS + EXTRA)}")
+    args = ap.parse_args(argv)
+    moe = args.model == "qwen3moe-small"
+    args.shapes = args.shapes or ("1x1024,4x1024" if moe else "4x1024,1x4096")
+    variants = (args.variants or ",".join(MOE_VARIANTS if moe else VARIANTS)).split(",")
+    known = VARIANTS + EXTRA + (["experts", "compile-experts"] if moe else [])
+    if set(variants) - set(known):
+        ap.error(f"unknown variant(s) {sorted(set(variants) - set(known))}; known: {', '.join(known)}")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 512
@@ -196,10 +252,12 @@ def main():
 
     t_start = time.perf_counter()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model, cfg = build(args.device, dtype, args.tiny)
+    model, cfg = build_moe(args.device, dtype, args.tiny, args.layers) if moe else build(args.device, dtype, args.tiny)
+    dims = (MOE_TINY if args.tiny else MOE_MODEL) if moe else (TINY if args.tiny else MODEL)
     env = dict(torch=torch.__version__, transformers=transformers.__version__,
                gpu=torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-               model=TINY if args.tiny else MODEL, dtype=str(dtype), steps=args.steps, warmup=args.warmup)
+               model=dict(dims, num_hidden_layers=cfg.num_hidden_layers), dtype=str(dtype), steps=args.steps,
+               warmup=args.warmup, adamw=args.adamw)
     try:
         import triton
 
@@ -225,7 +283,8 @@ def main():
                 f.write(f"# Training step (bench_train.py)\n\n{env}\n\n{table(rows)}\n")
     log(f"total {time.perf_counter() - t_start:.0f} s")
     print(table(rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
