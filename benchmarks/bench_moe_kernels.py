@@ -1,6 +1,6 @@
 """Routed-experts kernels on the GPU: every path and config checked against float64, then timed.
 
-    python benchmarks/bench_moe_kernels.py [--tiny] [--T 1,8,32]
+    python benchmarks/bench_moe_kernels.py [--tiny] [--T 1,8,32] [--sizes qwen3-30b-a3b]
 
 For Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8) and Mixtral-8x7B's (4096, 14336, 8, 2), bf16, at each T:
 every candidate of mlp_fuser.kernels.moe.CONFIGS for the kernels of that M bucket, alone; then each path end to end
@@ -183,12 +183,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--T", default="1,3" if TINY else "1,8,32,128,512,2048")
+    ap.add_argument("--sizes", default=None, help="comma-separated names of the sizes to run (default: all)")
     args = ap.parse_args()
     Ts = [int(t) for t in args.T.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     rows: list[dict] = []
     t0 = time.time()
-    for name, (H, I, E, k) in (TINY_SIZES if TINY else SIZES).items():
+    sizes = TINY_SIZES if TINY else SIZES
+    for name in args.sizes.split(",") if args.sizes else sizes:
+        H, I, E, k = sizes[name]
         run_size(name, H, I, E, k, Ts, rows)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_moe_kernels.json"), "w") as f:
