@@ -127,7 +127,7 @@ def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, se
 
 
 CASES = {  # T, k, E, H, I, dtype, extra
-    "silu-fp32": (3, 2, 8, 40, 36, torch.float32, {}),
+    "silu-E64-fp32": (3, 2, 64, 40, 36, torch.float32, {}),
     "gpt-oss-transposed-fp16": (9, 4, 16, 48, 40, torch.float16,
                                 dict(act=GPT_OSS, interleaved=True, bias=True, transposed=True)),
     "clamped-silu-E256-k8-fp16": (1, 8, 256, 32, 48, torch.float16, dict(act=CLAMPED_SILU)),
