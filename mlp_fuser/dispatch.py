@@ -23,16 +23,33 @@ from torch import Tensor
 from . import config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act, quack_gated
 from .kernels.backward import act_mul_backward, mlp_backward
-from .kernels.common import gate_up_as_one, m_bucket
+from .kernels.common import gate_up_as_one, is_gate_up_as_one, m_bucket
 from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
 from .kernels.swapab import gate_up_act_swapab
 from .reference import reference_mlp, reference_mlp_backward
 
 log = logging.getLogger("mlp_fuser")
-ImplFn = Callable[..., Tensor]  # (x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation) -> y2 (M, O)
+ImplFn = Callable[..., Tensor]  # called as fn(*MLPArgs) -> y2 (M, O)
 
-__all__ = ["BACKWARD_IMPLS", "IMPLS", "IMPLS_BY_NAME", "Impl", "Problem", "chosen", "describe", "eligible", "m_bucket",
-           "resolve", "resolve_backward"]
+
+class MLPArgs(NamedTuple):
+    """One call's operands, x flattened to 2-D: what every implementation takes (``fn(*args)``) and what the
+    dispatcher times and plans record. w_up None: a plain MLP (w_gate is then w1, w_down w2)."""
+
+    x: Tensor
+    wg: Tensor
+    bg: Tensor | None
+    wu: Tensor | None
+    bu: Tensor | None
+    wd: Tensor
+    bd: Tensor | None
+    activation: str
+
+
+new_args = tuple.__new__  # new_args(MLPArgs, (x2, ...)): a NamedTuple without its Python __new__ on the hot path
+
+__all__ = ["BACKWARD", "BACKWARD_IMPLS", "FORWARD", "IMPLS", "IMPLS_BY_NAME", "Impl", "MLPArgs", "Problem", "Registry",
+           "callable_for", "chosen", "describe", "eligible", "m_bucket", "resolve", "resolve_backward"]
 
 
 class Problem(NamedTuple):
@@ -230,8 +247,36 @@ BACKWARD_IMPLS: list[Impl] = [
 BACKWARD_BY_NAME = {i.name: i for i in BACKWARD_IMPLS}
 
 
-def _by_name(impls: list[Impl]) -> dict[str, Impl]:
-    return IMPLS_BY_NAME if impls is IMPLS else BACKWARD_BY_NAME
+@dataclass(eq=False)
+class Registry:
+    """One kind of op's implementations, chosen by the code below: one registry per kind (a new op family makes
+    its own and passes it to ``resolve``; its Impls' ``why_not``/``candidate`` read its own Problem)."""
+
+    kind: str  # part of every cache key
+    impls: list
+    baseline: str | None = None  # the unfused path an eager prefill call keeps unless clearly beaten (``_decide``)
+    fallback: str = "reference"  # runs anywhere: taken when nothing can be timed, or nothing else runs
+    what: str = ""  # how the logs name it: "" for the forward, "the backward of " for the backward
+
+    def __post_init__(self):
+        self.by_name = {i.name: i for i in self.impls}
+        _REGISTRIES.append(self)
+
+
+_REGISTRIES: list[Registry] = []
+FORWARD = Registry("mlp", IMPLS, baseline="cublas_act_mul")
+BACKWARD = Registry("mlp_backward", BACKWARD_IMPLS, what="the backward of ")
+
+
+def _registry(impls) -> Registry:
+    """``impls`` as a Registry (the old calls pass the forward's or the backward's list)."""
+    if isinstance(impls, Registry):
+        return impls
+    return FORWARD if impls is IMPLS else BACKWARD
+
+
+def _by_name(impls) -> dict[str, Impl]:
+    return _registry(impls).by_name
 
 
 # The save-mode forward's act·mul (ops.act_mul): the Triton kernel wherever the Triton implementations run, unless
@@ -255,21 +300,22 @@ _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup
 
 
 def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
-            args: tuple, eager: bool = False, impls: list[Impl] = IMPLS, activation: str | None = None,
+            args: tuple, eager: bool = False, impls: list[Impl] | Registry = FORWARD, activation: str | None = None,
             one_weight: bool = False) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
     ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``eager``: the
     caller runs without CUDA graphs (``patch``, and the backend's graphs where the mode has none), so the choice
     weighs the host's time per call beside the GPU's.
-    ``impls``: the forward's (``IMPLS``) or the backward's (``BACKWARD_IMPLS``). ``activation`` and ``one_weight``:
-    as in ``Problem``, for the implementations whose constraints read them."""
-    key = (impls is IMPLS, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
-           config.triton_backward, eager, activation, one_weight)
+    ``impls``: the registry (``FORWARD``, ``BACKWARD``, or the old lists ``IMPLS`` / ``BACKWARD_IMPLS``).
+    ``activation`` and ``one_weight``: as in ``Problem``, for the implementations whose constraints read them."""
+    reg = _registry(impls)
+    key = (reg, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
+           config.triton_backward, eager, activation, one_weight)  # callable_for builds the same key
     impl = _resolved.get(key)
     if impl is None:
         p = Problem(device.type, dtype, M, K, I, O, gated, activation, one_weight)
-        impl, final = _select(p, args, device.index, eager, impls)
+        impl, final = _select(p, args, device.index, eager, reg)
         if final:
             if len(_resolved) >= _MAX_RESOLVED:
                 _resolved.clear()
@@ -280,27 +326,44 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
 def resolve_backward(device: torch.device, dtype: torch.dtype, M: int, I: int, O: int, gated: bool,
                      args: tuple) -> Impl:
     """The implementation of ops.mlp_backward for one call (``args``: its arguments)."""
-    return resolve(device, dtype, M, O, I, O, gated, args, False, BACKWARD_IMPLS)
+    return resolve(device, dtype, M, O, I, O, gated, args, False, BACKWARD)
+
+
+def callable_for(x: Tensor, args: MLPArgs, M: int, eager: bool, plan_key: tuple | None) -> ImplFn:
+    """What runs one forward call of the op (``fn(*args)``): the chosen implementation, which on this call also
+    records its launch plan for ``plan_key`` where it has one (``plans``: later calls with that signature run the
+    plan and come nowhere near here). ``x``: the call's input as given (the plan passes its pointer)."""
+    _, wg, bg, wu, bu, wd, _, activation = args
+    one = is_gate_up_as_one(wg, bg, wu, bu)
+    device, dtype, K, I, O, gated = x.device, x.dtype, x.shape[-1], wg.shape[0], wd.shape[0], wu is not None
+    impl = _resolved.get((FORWARD, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu,
+                          config.autotune, config.triton_backward, eager, activation, one))  # resolve's key
+    if impl is None:  # a new shape: resolve chooses (and keeps the choice under that key)
+        impl = resolve(device, dtype, M, K, I, O, gated, args, eager, FORWARD, activation, one)
+    if plan_key is None or impl.name not in plans.PLANNED:
+        return impl.fn
+    return lambda *a: plans.run_and_plan(plan_key, impl.name, impl.fn, x, a)
 
 
 def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False,
-            impls: list[Impl] = IMPLS) -> tuple[Impl, bool]:
+            impls: list[Impl] | Registry = FORWARD) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
-    ekey = (impls is IMPLS, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
+    reg = _registry(impls)
+    ekey = (reg.kind, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
             config.triton_on_cpu, config.triton_backward, p.activation, p.one_weight)
     candidates = _eligible_cache.get(ekey)
     if candidates is None:
-        candidates = _eligible_cache[ekey] = _candidates(p, impls)
+        candidates = _eligible_cache[ekey] = _candidates(p, reg)
     if len(candidates) == 1 or p.device != "cuda" or not config.autotune or args is None:
         return candidates[0], True
-    key = _choice_key(p, index) + (() if impls is IMPLS else ("backward",))
+    key = _choice_key(p, index) + (() if reg is FORWARD else (reg.kind,))
     names = _choice_cache.get(key)
     if names is None:
         if torch.cuda.is_current_stream_capturing():  # nothing can be timed (or autotuned) now: the aten path
             _warn_capture(p)
-            return _by_name(impls)["reference"], False
-        names = _choice_cache[key] = _time_candidates(candidates, args, p, "" if impls is IMPLS else "the backward of ")
-    return _by_name(impls)[names[eager]], True
+            return reg.by_name[reg.fallback], False
+        names = _choice_cache[key] = _time_candidates(candidates, args, p, reg.what, reg.baseline, reg.fallback)
+    return reg.by_name[names[eager]], True
 
 
 def _choice_key(p: Problem, index: int | None) -> tuple:
@@ -317,22 +380,23 @@ def chosen(p: Problem, eager: bool = False) -> str:
     return _select(p, None, None)[0].name
 
 
-def _candidates(p: Problem, impls: list[Impl] = IMPLS) -> list[Impl]:
-    """The eligible implementations, or the forced one; forcing the other direction's (a backward implementation
-    for the forward, a forward one for the backward) leaves this direction's choice free ("reference" forces
-    both)."""
+def _candidates(p: Problem, impls: list[Impl] | Registry = FORWARD) -> list[Impl]:
+    """The eligible implementations, or the forced one; forcing another registry's (a backward implementation
+    for the forward, a forward one for the backward) leaves this one's choice free ("reference" forces all)."""
+    reg = _registry(impls)
+    impls = reg.impls
     if config.force_impl:
-        impl = _by_name(impls).get(config.force_impl)
+        impl = reg.by_name.get(config.force_impl)
         if impl is None:
-            if config.force_impl in IMPLS_BY_NAME or config.force_impl in BACKWARD_BY_NAME:
+            if any(config.force_impl in r.by_name for r in _REGISTRIES):
                 return [i for i in impls if i.candidate(p)]
-            known = list(IMPLS_BY_NAME) + [n for n in BACKWARD_BY_NAME if n not in IMPLS_BY_NAME]
+            known = list(dict.fromkeys(n for r in _REGISTRIES for n in r.by_name))
             raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
         reason = impl.why_not(p)
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
         return [impl]
-    if impls is BACKWARD_IMPLS and not config.triton_backward:  # the Triton dh GEMM is opt-in (see config)
+    if reg is BACKWARD and not config.triton_backward:  # the Triton dh GEMM is opt-in (see config)
         return [i for i in impls if i.name != "triton_backward_gemm" and i.why_not(p) is None]
     return [i for i in impls if i.candidate(p)]
 
@@ -371,19 +435,20 @@ def _warm_up(fn: ImplFn, args: tuple) -> None:
         fn(*args)
 
 
-def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "") -> tuple[str, str]:
+def _time_candidates(candidates: list[Impl], args: tuple, p: Problem, what: str = "", baseline: str | None = _BASELINE,
+                     fallback: str = "reference") -> tuple[str, str]:
     """(the choice for CUDA graphs, the choice for eager calls), from each candidate's GPU and host time per call
-    (``_measure``) as ``_decide`` weighs them."""
-    gpu, cpu = _measure(candidates, args, p)
+    (``_measure``) as ``_decide`` weighs them; ``fallback`` where none runs."""
+    gpu, cpu = _measure(candidates, args, p, fallback)
     if not gpu:  # every fast path failed here (each said why): the aten path always runs
-        return "reference", "reference"
-    best, best_eager = _decide(gpu, cpu, p)
+        return fallback, fallback
+    best, best_eager = _decide(gpu, cpu, p, baseline)
     log.info("mlp_fuser: chose %s (eager calls: %s) for %s%s (GPU / host µs per call: %s)", best, best_eager, what,
              describe(p), ", ".join(f"{n} {gpu[n] / _CALLS * 1e3:.1f} / {cpu[n] / _CALLS * 1e3:.1f}" for n in gpu))
     return best, best_eager
 
 
-def _measure(candidates: list[Impl], args: tuple, p: Problem) -> tuple[dict[str, float], dict[str, float]]:
+def _measure(candidates: list[Impl], args: tuple, p, fallback: str = "reference") -> tuple[dict, dict]:
     """GPU and host ms of ``_CALLS`` calls of each candidate that runs (none: empty dicts). Each sample queues the
     calls behind a spin kernel, so the GPU runs them back to back whatever the host costs (a CUDA-graph capture here
     would allocate from whatever memory pool the caller has set up), and the host's time to queue them is measured
@@ -391,7 +456,7 @@ def _measure(candidates: list[Impl], args: tuple, p: Problem) -> tuple[dict[str,
     idle stretch the clocks are still ramping up, and timing one candidate after another would favour the last."""
     runnable: dict[str, ImplFn] = {}
     for impl in candidates:
-        if impl.name == "reference":
+        if impl.name == fallback:
             continue  # the cuBLAS path computes the same thing faster, in fp32 where it matters
         try:
             _warm_up(impl.fn, args)
@@ -426,7 +491,7 @@ def _measure(candidates: list[Impl], args: tuple, p: Problem) -> tuple[dict[str,
     return gpu, cpu
 
 
-def _decide(gpu: dict[str, float], cpu: dict[str, float], p: Problem) -> tuple[str, str]:
+def _decide(gpu: dict[str, float], cpu: dict[str, float], p, baseline: str | None = _BASELINE) -> tuple[str, str]:
     """(the choice for CUDA graphs, the choice for eager calls) from GPU and host times. For graphs: the fastest by GPU
     time; among those within ``_TIE`` of it (the timing's noise), the least GPU plus host time, so a lighter host wins
     where it saves more than its GPU time loses. For eager calls: the least GPU plus host time, as a model run without
@@ -442,8 +507,8 @@ def _decide(gpu: dict[str, float], cpu: dict[str, float], p: Problem) -> tuple[s
     best = min((n for n in gpu if gpu[n] <= best_gpu * (1 + _TIE)), key=total)
     large = p.M >= _GPU_BOUND_M
     eager = best if large and best_gpu > max(cpu.values()) else min(gpu, key=total)
-    if large and _BASELINE in gpu and gpu[_BASELINE] <= gpu[eager] * (1 + _LARGE_M_MARGIN):
-        eager = _BASELINE
+    if large and baseline in gpu and gpu[baseline] <= gpu[eager] * (1 + _LARGE_M_MARGIN):
+        eager = baseline
     return best, eager
 
 

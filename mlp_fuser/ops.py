@@ -47,8 +47,9 @@ from torch import Tensor
 
 from . import compat, config, dispatch, inductor, plans
 from .activations import ACTIVATIONS, ALIASES, get_activation
+from .dispatch import MLPArgs
+from .dispatch import new_args as _new_args
 from .kernels import act_mul as act_mul_kernel
-from .kernels.common import is_gate_up_as_one
 from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
@@ -121,9 +122,10 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
 
 
 def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False):
-    """Validate, then run what ``dispatch`` chose for the call's shape (``eager``: its choice for calls made
-    without CUDA graphs, where the host's time per call counts too). On CUDA, a signature seen before runs its
-    launch plan (``plans``): the same kernels with the same arguments, without the path that found them."""
+    """Validate, then run what ``dispatch`` gives for the call (``eager``: its choice for calls made without CUDA
+    graphs, where the host's time per call counts too). On CUDA, a signature seen before runs its launch plan
+    (``plans``, kept by the dispatcher's callable on the first call): the same kernels with the same arguments,
+    without the path that found them."""
     planned = x.is_cuda and config.plans and compat.PRIVATE  # plans launch through Triton's private API
     if planned:
         key = plans.signature(x, wg, bg, wu, bu, wd, bd, activation, eager)
@@ -141,13 +143,8 @@ def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False
         x2 = x.reshape(M, K)
     if M == 0:
         return x.new_empty((*shape[:-1], O))
-    args = (x2, wg, bg, wu, bu, wd, bd, activation)
-    impl = dispatch.resolve(x.device, x.dtype, M, K, wg.shape[0], O, wu is not None, args, eager,
-                            activation=activation, one_weight=is_gate_up_as_one(wg, bg, wu, bu))
-    if planned and impl.name in plans.PLANNED:
-        y = plans.run_and_plan(key, impl.name, impl.fn, x, args)
-    else:
-        y = impl.fn(*args)
+    args = _new_args(MLPArgs, (x2, wg, bg, wu, bu, wd, bd, activation))
+    y = dispatch.callable_for(x, args, M, eager, key if planned else None)(*args)
     return y if len(shape) == 2 else y.view(*shape[:-1], O)
 
 

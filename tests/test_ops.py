@@ -415,9 +415,35 @@ def test_prefill_eager_choice_keeps_the_cublas_baseline_unless_clearly_beaten(mo
     clearly = {**gpu, "triton_gemm": 0.90}  # more than the margin ahead: the fused path
     assert dispatch._decide(clearly, cpu, p) == ("triton_gemm", "triton_gemm")
     # through the timer: the choice it caches for eager calls is the baseline
-    monkeypatch.setattr(dispatch, "_measure", lambda candidates, args, p: (gpu, cpu))
+    monkeypatch.setattr(dispatch, "_measure", lambda *a: (gpu, cpu))
     assert dispatch._time_candidates([], (), p) == ("triton_gemm", "cublas_act_mul")
     assert dispatch.IMPLS_BY_NAME[dispatch._BASELINE].candidate(p._replace(device="cuda"))
+
+
+def test_a_second_registry_reuses_the_choosing_and_timing(monkeypatch):
+    """An op family's own Impl table (a Registry of its kind) is chosen and timed by the same code, with its own
+    baseline and fallback, and its choices cached apart from the MLP's."""
+    calls = []
+
+    def impl(name):
+        return dispatch.Impl(name, lambda *a: calls.append(name), frozenset({"cuda"}))
+
+    reg = dispatch.Registry("toy", [impl("fast"), impl("base"), impl("anywhere")], baseline="base", fallback="anywhere")
+    monkeypatch.setattr(dispatch, "_measure", lambda candidates, args, p, fallback: (
+        {"fast": 1.0, "base": 1.04}, {"fast": 0.1, "base": 0.1}))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    try:
+        cuda = torch.device("cuda", 0)
+        graphs = dispatch.resolve(cuda, torch.float16, 2048, 64, 64, 64, True, (), False, reg)
+        eager = dispatch.resolve(cuda, torch.float16, 2048, 64, 64, 64, True, (), True, reg)
+        assert (graphs.name, eager.name) == ("fast", "base")
+        assert any(k[0] is reg for k in dispatch._resolved) and any(k[-1] == "toy" for k in dispatch._choice_cache)
+        assert not any(k[0] is dispatch.FORWARD and k[3] == 2048 and k[4] == 64 for k in dispatch._resolved)
+    finally:
+        dispatch._REGISTRIES.remove(reg)
+        for cache in (dispatch._resolved, dispatch._choice_cache, dispatch._eligible_cache):
+            for k in [k for k in cache if "toy" in k or reg in k]:
+                del cache[k]
 
 
 def test_reference_runs_on_any_device_type():
