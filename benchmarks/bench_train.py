@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_train.py --out DIR [--shapes 4x1024,1x4096] [--variants ...] [--steps 10]
     python3 benchmarks/bench_train.py --tiny --device cpu         # checks the script itself
-    python3 benchmarks/bench_train.py --model qwen3moe-small --out DIR [--shapes 1x1024,4x1024] [--adamw]
+    python3 benchmarks/bench_train.py --model qwen3moe-small --out DIR [--shapes 1x1024,4x1024] [--adamw] [--budget-s S]
     python3 benchmarks/bench_train.py --model qwen3moe-small --tiny --device cpu
 
 Model: LLaMA (hidden 2048, intermediate 5632, 8 layers, 32 query / 4 KV heads, vocabulary 32000),
@@ -224,6 +224,8 @@ def main(argv=None):
     ap.add_argument("--variants", default=None, help=f"default {','.join(VARIANTS)}; qwen3moe-small "
                     f"{','.join(MOE_VARIANTS)}")
     ap.add_argument("--adamw", action="store_true", help="each step also runs a fused AdamW step")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no variant that would end past this many "
+                    "seconds (the last variant's seconds as the estimate); skipped ones are listed")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
@@ -266,15 +268,20 @@ def main(argv=None):
         pass
     log("bench_train:", env)
     os.makedirs(args.out, exist_ok=True)
-    rows = []
+    rows, skipped, last_s = [], [], 0.0
     for B, T in shapes:
         g = torch.Generator().manual_seed(B * 10007 + T)
         ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(args.device)
         for name in variants:
+            if args.budget_s is not None and time.perf_counter() - t_start + last_s > args.budget_s:
+                skipped.append(f"{B}×{T} {name}")
+                log(f"{B}×{T} {name}: not started (--budget-s {args.budget_s:.0f})")
+                continue
             t0 = time.perf_counter()
             r = run_variant(name, model, ids, args, counter)
             r.update(shape=f"{B}×{T}", variant=name, wall_s=time.perf_counter() - t0)
             rows.append(r)
+            last_s = r["wall_s"]
             log(f"{B}×{T} {name:<18} {r['ms']:7.1f} ms  peak {r['peak_gib']:.2f} GiB  fused {r['fused']}  "
                 f"loss {r['loss']:.4f}  ({r['wall_s']:.0f} s with compilation)")
             with open(os.path.join(args.out, "train.json"), "w") as f:
@@ -282,7 +289,10 @@ def main(argv=None):
             with open(os.path.join(args.out, "train.md"), "w") as f:
                 f.write(f"# Training step (bench_train.py)\n\n{env}\n\n{table(rows)}\n")
     log(f"total {time.perf_counter() - t_start:.0f} s")
-    print(table(rows))
+    note = f"\n\nNot run (--budget-s {args.budget_s:.0f}): {'; '.join(skipped)}" if skipped else ""
+    with open(os.path.join(args.out, "train.md"), "w") as f:
+        f.write(f"# Training step (bench_train.py)\n\n{env}\n\n{table(rows)}{note}\n")
+    print(table(rows) + note)
     return 0
 
 

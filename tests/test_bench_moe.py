@@ -1,7 +1,9 @@
 """CPU smoke tests of the MoE benchmarks: each runs its tiny configuration and writes its table."""
 
+import importlib
 import json
 import os
+import sys
 
 import pytest
 
@@ -59,3 +61,80 @@ def test_moe_reference64_matches_transformers_eager():
     mod.config._experts_implementation = "eager"
     with torch.no_grad():
         assert rel_err(mod(x, ids, wts), reference64(x, ids, wts, mod.gate_up_proj, mod.down_proj)) < 1e-6
+
+
+def _benchmark(name):
+    """benchmarks/<name>.py, imported as a module."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_generate_qwen3moe_tiny_eager_and_experts_switch(tmp_path):
+    bench_generate = _benchmark("bench_generate")
+    assert bench_generate.main(["--model", "qwen3moe", "--tiny", "--device", "cpu", "--paths", "eager,experts,prefill",
+                                "--prefill-paths", "eager,experts", "--batches", "1", "--rounds", "1",
+                                "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [(r["phase"], r["path"]) for r in rows] == [("decode b=1", "eager"), ("decode b=1", "experts"),
+                                                       ("prefill", "eager"), ("prefill", "experts")]
+    assert rows[1]["diverges_at"] is None  # fp32 on the CPU: the mlp_fuser experts give eager's tokens
+    assert rows[3]["logits_rel_err"] < 1e-5 and all(r["warmup_s"] >= 0 for r in rows)
+    md = (tmp_path / "generate.md").read_text()
+    assert md.count("| qwen3moe (tiny) |") == 4 and "x eager" in md and "warm-up s" in md
+
+
+def test_generate_qwen3moe_twin_shares_weights_not_config():
+    import torch
+
+    bench_generate = _benchmark("bench_generate")
+    model = bench_generate.build("qwen3moe", "cpu", torch.float32, tiny=True, layers=1)
+    assert model.config.num_hidden_layers == 1
+    twin = bench_generate.twin(model)
+    assert twin.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    experts = twin.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
+    assert experts[0].gate_up_proj.data_ptr() == experts[1].gate_up_proj.data_ptr()
+    twin.set_experts_implementation("mlp_fuser")
+    assert model.config._experts_implementation != "mlp_fuser"
+    ids = torch.randint(3, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.allclose(twin(ids).logits, model(ids).logits, atol=1e-5)
+    rot = model.model.rotary_emb.inv_freq
+    assert torch.isfinite(rot).all() and rot.max() == 1.0  # computed, not left empty by to_empty
+
+
+def test_generate_moe_paths_compare_with_transformers_best():
+    bench_generate = _benchmark("bench_generate")
+    m = "qwen3moe (2 of 48 layers)"
+    rows = [dict(model=m, phase="decode b=8", path=p, ms=ms) for p, ms in
+            (("static", 30.0), ("static_kept", 18.0), ("static_fuser", 9.0), ("static_backend", 10.0))]
+    assert bench_generate.baseline(rows, rows[2])["path"] == "static_kept"
+    rows[0]["ms"] = 15.0
+    assert bench_generate.baseline(rows, rows[3])["path"] == "static"
+    assert bench_generate.baseline(rows, rows[1])["path"] == "static"
+    dense = [dict(model="1b", phase="decode b=1", path=p, ms=1.0) for p in ("static", "static_backend")]
+    assert bench_generate.baseline(dense, dense[1]) is dense[0] and bench_generate.baseline(dense, dense[0]) is None
+    assert "| 2.000x static_kept" in "\n".join(bench_generate.write(rows[1:], "/tmp/_bench_moe_unused"))
+
+
+def test_train_qwen3moe_small_tiny(tmp_path):
+    bench_train = _benchmark("bench_train")
+    assert bench_train.main(["--model", "qwen3moe-small", "--tiny", "--device", "cpu", "--variants", "eager,experts",
+                             "--shapes", "1x16", "--steps", "1", "--warmup", "1", "--adamw",
+                             "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "train.json").read_text())
+    eager, experts = data["rows"]
+    assert (eager["variant"], experts["variant"]) == ("eager", "experts") and data["env"]["adamw"]
+    assert abs(eager["loss"] - experts["loss"]) < 1e-5  # the same weights at each variant's start
+    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 2
+
+
+def test_moe_row_where_ours_failed_says_so():
+    from mlp_fuser.bench_moe import finish, format_row
+
+    row = finish(_row(errors={"grouped_mm": 1e-3}, graph_us={"grouped_mm": 600.0},
+                      skipped={"ours": "failed: OutOfMemoryError"}, impl="?"))
+    assert not row["check_ok"] and row["target"] == "NO (ours failed: OutOfMemoryError)"
+    assert "| failed: OutOfMemoryError |" in format_row(row)
