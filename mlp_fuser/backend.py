@@ -94,9 +94,9 @@ def pass_options(activations: Iterable[str] | None = None, patterns: Iterable[st
     backward (``backward``: "recompute" or "save"). Unknown names raise ValueError."""
     acts = None if activations is None else {get_activation(a).name for a in activations}
     pats = None if patterns is None else set(patterns)
-    if pats is not None and pats - set(registry.PATTERNS):
-        raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.PATTERNS))}; "
-                         f"known: {', '.join(registry.PATTERNS)}")
+    if pats is not None and pats - set(registry.NAMES):
+        raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.NAMES))}; "
+                         f"known: {', '.join(registry.NAMES)}")
     if backward not in BACKWARD:
         raise ValueError(f"mlp_fuser: backward={backward!r}; expected 'recompute' (keep nothing of the "
                          "intermediate's size for the backward, recompute gate and up: least memory) or 'save' (keep "

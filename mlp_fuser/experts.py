@@ -220,6 +220,22 @@ def _plain_forward(module):
     return type(module).forward.__get__(module)
 
 
+def unfused_reason(module: nn.Module) -> str | None:
+    """Why an experts module (or one that looks like one) was not fused in the graphs explain saw; None for other
+    modules."""
+    if is_experts(module):
+        s = spec(module)
+        if not s.ok:
+            return s.reason
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        return (f"not captured as one graph region (experts implementation {impl!r}; 'eager' loops over experts in "
+                "Python and breaks the graph): set experts_implementation='mlp_fuser', or use mlp_fuser.patch")
+    if is_routed_like(module):
+        return (f"{type(module).__name__} runs every expert on every token (router-scaled inputs, no top-k ids): "
+                "a batched matmul over all experts, not routed experts")
+    return None
+
+
 def fuse_experts(module: nn.Module) -> FusedExpertsForward | None:
     """The fused forward for a transformers experts module ``spec`` accepts, else None."""
     if not is_experts(module) or "forward" in module.__dict__ or not spec(module).ok:

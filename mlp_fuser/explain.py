@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
+from . import experts
 from ._dynamo_utils import fresh_code
 from .activations import get_activation
-from .fx_pass import CHECKS, PassReport, fuse_mlps
+from .fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
 from .patch import original_forward
 from .patch_modules import weight_near_miss
 
@@ -203,6 +204,8 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
             if path not in seen and (m := weight_near_miss(module, path, dict(activations=acts, patterns=pats),
                                                            memo)) is not None:
                 report.near_misses.append(m)
+            elif path not in seen and (why := experts.unfused_reason(module)) is not None:
+                report.near_misses.append(NearMiss(path, "routed_experts", "experts", why))
     return report
 
 

@@ -32,12 +32,13 @@ from torch.fx import GraphModule, Node
 from mlp_fuser import patterns as P
 from mlp_fuser import sharding
 from mlp_fuser.ops import _PLAIN
+from mlp_fuser.patterns import experts as routed
 from mlp_fuser.patterns.common import dropout_active, input_name, is_dropout, same, same_shape, val
 
 log = logging.getLogger("mlp_fuser")
 
 CHECKS = ("activation", "allowed", "filter", "single_use", "same_input", "plain_tensors", "dtype_device",
-          "dropout_inactive", "shapes")
+          "dropout_inactive", "shapes", "experts")
 
 
 @dataclass
@@ -85,9 +86,11 @@ class PassReport:
 def module_path(n: Node) -> str:
     """The dotted path of the innermost module that produced ``n`` (``model.layers.0.mlp.gate_proj``)."""
     stack = n.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
+    return clean_path(list(stack.values())[-1][0]) if stack else ""
+
+
+def clean_path(path: str) -> str:
+    """A module stack's path (``L['self']._modules['model'].layers[0]``) as users write it (``model.layers.0``)."""
     path = re.sub(r"^L\['[^']*'\](\[\d+\])?(\.__self__)?\.?|^self\.?", "", path)  # the root: L['self'], L['args'][0]
     path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
@@ -307,6 +310,30 @@ def _fill_get_attr_values(gm: GraphModule) -> None:
                     pass
 
 
+def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_run: bool) -> PassReport:
+    """Routed experts (``patterns/experts.py``): each experts module's region checked, then rewritten to one
+    ``moe_mlp`` call."""
+    report = PassReport()
+    for c in routed.find(gm.graph):
+        path = clean_path(c.path)
+        failed = None
+        if c.reason is not None:
+            failed = ("experts", c.reason)
+        elif patterns is not None and routed.PATTERN not in patterns:
+            failed = ("allowed", f"pattern {routed.PATTERN!r} is not enabled")
+        elif activations is not None and c.gate.activation not in activations:
+            failed = ("allowed", f"activation {c.gate.activation!r} is not enabled")
+        elif filter_fn is not None and not filter_fn(_module_at(root, path), path):
+            failed = ("filter", "rejected by filter_fn")
+        if failed:
+            report.near_misses.append(NearMiss(path, routed.PATTERN, *failed))
+            continue
+        report.fused.append(Site(path, routed.PATTERN, c.gate.describe(), c.H, c.I, c.H))
+        if not dry_run:
+            routed.rewrite(gm.graph, c)
+    return report
+
+
 def fuse_mlps(
     gm: GraphModule,
     *,
@@ -324,6 +351,7 @@ def fuse_mlps(
     report = PassReport()
     gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
     report.near_misses += [NearMiss(*m) for m in lowered]
+    experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[Node] = set()
     for n in reversed(list(order)):
@@ -349,6 +377,8 @@ def fuse_mlps(
             rewrite(gm, c, order, save_preact)
     report.fused.reverse()
     report.near_misses.reverse()
+    report.fused += experts.fused
+    report.near_misses += experts.near_misses
     if report.fused and not dry_run:
         gm.graph.lint()
         gm.recompile()

@@ -27,6 +27,7 @@ from torch import nn
 
 from ._dynamo_utils import fresh_code
 from .backend import FilterFn, check_filter, make_backend, pass_options
+from .experts import FusedExpertsForward, fuse_experts, spec
 from .kernels.common import stored_as_one
 from .ops import _PLAIN
 from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
@@ -39,6 +40,16 @@ _SETTINGS = "_mlp_fuser_settings"  # what patch was called with
 _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weight paths it stored as one
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
+_FORWARDS = (FusedModuleForward, FusedExpertsForward)  # what patch installs on a module
+
+
+def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | None:
+    """The fused forward of a routed-experts module, where the pass's options allow it."""
+    pats, acts = allowed.get("patterns"), allowed.get("activations")
+    forward = fuse_experts(module)
+    if forward is None or (pats is not None and "routed_experts" not in pats):
+        return None
+    return forward if acts is None or spec(module).gate.activation in acts else None
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -47,7 +58,7 @@ def is_patched(model: nn.Module) -> bool:
     function, not state, and pickle restores the plain bound method in its place."""
     paths = model.__dict__.get(_MODULES)
     if paths is not None:
-        return all(isinstance(model.get_submodule(p).__dict__.get("forward"), FusedModuleForward) for p in paths)
+        return all(isinstance(model.get_submodule(p).__dict__.get("forward"), _FORWARDS) for p in paths)
     forward = model.__dict__.get("forward")
     return _ORIG in model.__dict__ and getattr(getattr(forward, "__func__", forward), _FUSED, False)
 
@@ -83,7 +94,7 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
     if per_module:
         fused, allowed, misses, memo = {}, pass_options(**options), [], {}
         for path, module in model.named_modules():
-            forward = fuse_module(module, **allowed)
+            forward = fuse_module(module, **allowed) or _experts_forward(module, allowed)
             if forward is None and (miss := weight_near_miss(module, path, allowed, memo)) is not None:
                 misses.append(miss)
             if forward is not None and (filter_fn is None or filter_fn(module, path)):
@@ -255,7 +266,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for path in model.__dict__.pop(_MODULES, ()):  # patched per module, or unpickled from such a model
         module = model.get_submodule(path)
         forward = module.__dict__.get("forward")
-        if isinstance(forward, FusedModuleForward) or getattr(forward, "__func__", None) is type(module).forward:
+        if isinstance(forward, _FORWARDS) or getattr(forward, "__func__", None) is type(module).forward:
             del module.__dict__["forward"]
     if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model
         _restore(model)

@@ -15,6 +15,8 @@ PATTERNS = {
     "gated": gated.match,
     "plain": plain.match,
 }
+# Routed experts are found per experts module, not per projection (``experts.py``): a name the options accept too.
+NAMES = (*PATTERNS, "routed_experts")
 
 
 def find(down: Proj) -> Candidate | None:
@@ -27,4 +29,4 @@ def find(down: Proj) -> Candidate | None:
     return None
 
 
-__all__ = ["PATTERNS", "Candidate", "Proj", "find", "match_projection"]
+__all__ = ["NAMES", "PATTERNS", "Candidate", "Proj", "find", "match_projection"]

@@ -25,6 +25,7 @@ from mlp_fuser.moe import Gate
 
 from .common import val
 
+PATTERN = "routed_experts"  # the pattern's name in reports and in the pass's ``patterns=`` option
 _GEMMS = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "bmm"}
 _PASS = {"squeeze", "unsqueeze", "masked_fill", "to", "contiguous", "float", "type_as"}
 _INPLACE_FNS = {operator.setitem}
@@ -49,6 +50,7 @@ class ExpertsCandidate:
     H: int = 0
     I: int = 0
     reason: str | None = None  # why it cannot be fused: a near miss
+    op: Node | None = None  # the region already is a moe_mlp call (experts_implementation="mlp_fuser", patch)
 
 
 def _name(n: Node) -> str:
@@ -102,6 +104,12 @@ def _param_of(n: Node, params: dict[Node, str]) -> Node | None:
 
 def analyze(c: ExpertsCandidate) -> ExpertsCandidate:
     """Fill in ``c``'s inputs, weights and activation, or its ``reason``."""
+    op = next((n for n in c.nodes if n.target is torch.ops.mlp_fuser.moe_mlp.default), None)
+    if op is not None:  # fused already: what it computes is in its arguments
+        a = list(op.args) + [None] * (12 - len(op.args))
+        c.op, c.E, c.H, c.I = op, val(a[3]).shape[0], val(a[0]).shape[-1], val(a[5]).shape[2]
+        c.gate = Gate(a[7], val(a[3]).shape[1] == 2 * c.I, bool(a[8]), a[9], bool(a[10]), float(a[11] or 0.0))
+        return c
     inside = set(c.nodes)
     outside_inputs = list(dict.fromkeys(m for n in c.nodes for m in _inputs(n) if m not in inside))
     outputs = [n for n in c.nodes if any(u not in inside for u in n.users)]
@@ -284,6 +292,8 @@ def find(graph: Graph) -> list[ExpertsCandidate]:
 
 def rewrite(graph: Graph, c: ExpertsCandidate) -> Node:
     """Replace the region by one ``moe_mlp`` call; return it."""
+    if c.op is not None:
+        return c.op
     g = c.gate
     out = c.out
     with graph.inserting_before(out):
