@@ -192,10 +192,10 @@ def _host_times(module, patched, w, x):
         variants += [(f"op, forced {i.name}", "", forced(i.name)) for i in dispatch.IMPLS if i.why_not(p) is None]
         variants += [("module, patched, plans calling Triton's Python launcher", "", lambda: patched(x)),
                      ("module, patched (again, after the row above)", "", lambda: patched(x))]
-        forms = common._LAUNCH_FORMS
+        forms = common.compat.LAUNCH_FORMS
         for label, choice, fn in variants:
             if label.startswith(("module, patched, plans calling", "module, patched (again")):
-                common._LAUNCH_FORMS = {} if "Python launcher" in label else forms
+                common.compat.LAUNCH_FORMS = {} if "Python launcher" in label else forms
                 plans.clear()  # rebuilt by the first call below, with or without the C launch function
             for _ in range(20):
                 fn()
@@ -209,7 +209,7 @@ def _host_times(module, patched, w, x):
                 samples.append((time.perf_counter() - t0) / 20 * 1e6)
             torch.cuda.synchronize()
             out.append((label, choice, sorted(samples)[3]))
-    common._LAUNCH_FORMS = forms
+    common.compat.LAUNCH_FORMS = forms
     return out
 
 
