@@ -253,6 +253,10 @@ def _hf_run(path: str, how: str, train: bool):
     model.train(train)
     ref.train(train)
     fused = fuse(model, how, inductor=False)
+    if how == "patch":  # each MLP module on its own (not Dynamo over the whole model)
+        from mlp_fuser.patch_modules import FusedModuleForward
+
+        assert all(isinstance(m.mlp.__dict__.get("forward"), FusedModuleForward) for m in model.model.layers)
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 7))
     with counting() as calls, torch.set_grad_enabled(train):
