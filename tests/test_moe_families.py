@@ -1,0 +1,279 @@
+"""Routed experts of transformers' MoE families, end to end on the CPU (fp32, tiny random models): the "mlp_fuser"
+experts implementation, ``patch`` / ``unpatch``, the backend, ``explain`` and routing edge cases, each against
+transformers' own output.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+from _hf_models import count_ops
+
+import mlp_fuser
+from mlp_fuser import _hf, experts, fx_pass
+from mlp_fuser.patch_modules import FusedModuleForward
+
+MOE_OP = frozenset({"mlp_fuser::moe_mlp"})
+CORE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
+EXTRA = ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4"]
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def toy(model_type, **overrides):
+    """A tiny model whose experts weigh in: expert weights re-drawn at 1/sqrt(fan-in) (the toys' 0.02 would leave
+    the experts' share of the logits below any tolerance), biases at 0.5."""
+    model = _hf.tiny_model(model_type, **overrides)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, m in experts_modules(model):
+            for name, p in m.named_parameters(recurse=False):
+                std = 0.5 if "bias" in name else (1.0 / min(p.shape[1:]) ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model, _hf.example_inputs(model, seq_len=6, batch=2)
+
+
+def experts_modules(model):
+    return [(n, m) for n, m in model.named_modules() if experts.is_experts(m)]
+
+
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(*inputs).logits
+
+
+def moe_calls(fn):
+    return count_ops(fn, MOE_OP)
+
+
+# ---- 6. the experts switch ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", CORE + EXTRA)
+def test_experts_switch(model_type):
+    model, inputs = toy(model_type)
+    mods = experts_modules(model)
+    assert mods
+    for name, m in mods:
+        assert experts.spec(m).ok, (name, experts.spec(m).reason)
+    ref = logits(model, inputs)
+    assert set(model.get_experts_implementation().values()) == {"grouped_mm"}
+    model.set_experts_implementation("mlp_fuser")
+    out = {}
+    assert moe_calls(lambda: out.setdefault("y", logits(model, inputs))) == len(mods)
+    torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
+
+
+def test_gpt_oss_spec():
+    model, _ = toy("gpt_oss")
+    s = experts.spec(experts_modules(model)[0][1])
+    assert s.ok and s.transposed and s.biases
+    g = s.gate
+    assert (g.activation, g.gated, g.interleaved, g.limit, g.clamp_after, g.up_offset) == (
+        "quick_gelu", True, True, 7.0, False, 1.0)
+
+
+def test_deepseek_v3_grouped_routing_dense_first_layer():
+    """n_group/topk_group routing over 8 experts in 4 groups, a dense first layer and shared experts."""
+    model, inputs = toy("deepseek_v3", n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    assert not experts.is_experts(getattr(model.model.layers[0].mlp, "experts", None) or torch.nn.Module())
+    assert hasattr(model.model.layers[1].mlp, "shared_experts")
+    ref = logits(model, inputs)
+    model.set_experts_implementation("mlp_fuser")
+    assert moe_calls(lambda: logits(model, inputs)) == 1
+    torch.testing.assert_close(logits(model, inputs), ref, atol=ATOL, rtol=RTOL)
+
+
+def test_experts_matter():
+    """The comparison can fail: different expert weights move the logits far beyond the tolerance."""
+    model, inputs = toy("qwen3_moe")
+    ref = logits(model, inputs)
+    with torch.no_grad():
+        experts_modules(model)[0][1].down_proj.mul_(1.01)
+    assert (logits(model, inputs) - ref).abs().max() > 100 * ATOL
+
+
+def test_generate_keeps_mlp_fuser():
+    model, inputs = toy("qwen3_moe")
+    model.set_experts_implementation("mlp_fuser")
+    n = moe_calls(lambda: model.generate(inputs[0], max_new_tokens=3, do_sample=False))
+    assert n == 3 * len(experts_modules(model))  # prefill and two decode steps, each layer through the op
+    assert set(model.get_experts_implementation().values()) == {"mlp_fuser"}
+    # off the CPU, generate swaps grouped_mm for batched_mm while decoding, and leaves "mlp_fuser" alone
+    with mock.patch.object(type(model), "device", property(lambda self: torch.device("cuda"))):
+        with model._optimize_model_for_decode():
+            assert set(model.get_experts_implementation().values()) == {"mlp_fuser"}
+        model.set_experts_implementation("grouped_mm")
+        with model._optimize_model_for_decode():
+            assert set(model.get_experts_implementation().values()) == {"batched_mm"}
+
+
+def test_spec_rejects_with_reason():
+    """An experts module the op cannot run: named, and the switch falls back to transformers' grouped_mm."""
+    model, inputs = toy("qwen3_moe")
+    ref = logits(model, inputs)
+    mods = experts_modules(model)
+    odd = mods[0][1]
+    odd.act_fn = torch.nn.Tanh()  # tanh is no registry activation
+    s = experts.spec(odd)
+    assert not s.ok and "_apply_gate computes none of the op's gated activations" in s.reason
+    with torch.no_grad():
+        q = experts_modules(toy("qwen3_moe")[0])[0][1]
+        q.down_proj = torch.nn.Parameter(q.down_proj.to(torch.int8), requires_grad=False)
+    assert "dtype torch.int8 (quantized experts)" in experts.spec(q).reason
+    model.set_experts_implementation("mlp_fuser")
+    out = {}
+    assert moe_calls(lambda: out.setdefault("y", logits(model, inputs))) == len(mods) - 1
+    assert not torch.allclose(out["y"], ref, atol=1e-3)  # tanh is what the module computes now
+    model.set_experts_implementation("grouped_mm")
+    torch.testing.assert_close(out["y"], logits(model, inputs), atol=ATOL, rtol=RTOL)
+
+
+# ---- 7. patch ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_patch_unpatch(model_type):
+    model, inputs = toy(model_type)
+    ref = logits(model, inputs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    mods = experts_modules(model)
+    mlp_fuser.patch(model)
+    for name, m in mods:
+        assert isinstance(m.__dict__.get("forward"), experts.FusedExpertsForward), name
+    out = {}
+    assert moe_calls(lambda: out.setdefault("y", logits(model, inputs))) == len(mods)
+    torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
+    dense = {"qwen2_moe": ["model.layers.0.mlp.shared_expert", "model.layers.1.mlp.shared_expert"],
+             "deepseek_v3": ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"]}.get(model_type, [])
+    for path in dense:  # the dense and shared-expert MLPs are still fused
+        assert isinstance(model.get_submodule(path).__dict__.get("forward"), FusedModuleForward), path
+    if dense:
+        assert count_ops(lambda: logits(model, inputs)) == len(dense)
+    mlp_fuser.unpatch(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    after = model.state_dict()
+    assert list(after) == list(state)
+    for k, v in state.items():
+        assert torch.equal(after[k], v), k
+    assert moe_calls(lambda: logits(model, inputs)) == 0
+
+
+# ---- 8. the backend ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_backend(model_type, impl):
+    model, inputs = toy(model_type)
+    model.set_experts_implementation(impl)
+    ref = logits(model, inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=mlp_fuser.make_backend(inductor=False))
+    out = {}
+    assert moe_calls(lambda: out.setdefault("y", logits(compiled, inputs))) == len(experts_modules(model))
+    torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_pass_report(impl):
+    model, inputs = toy("qwen3_moe")
+    model.set_experts_implementation(impl)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=record)(*inputs)
+    fused = [s for gm in graphs for s in fx_pass.fuse_mlps(gm, dry_run=True).fused]
+    routed = [s for s in fused if s.pattern == "routed_experts"]
+    assert [s.path for s in routed] == [n for n, _ in experts_modules(model)]
+
+
+def test_backend_inductor():
+    model, inputs = toy("qwen3_moe")
+    ref = logits(model, inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=mlp_fuser.backend)
+    torch.testing.assert_close(logits(compiled, inputs), ref, atol=ATOL, rtol=RTOL)
+    assert moe_calls(lambda: logits(compiled, inputs)) == len(experts_modules(model))
+
+
+# ---- 9. explain ----------------------------------------------------------------------------------------------------
+
+
+def test_explain_lists_experts():
+    model, inputs = toy("qwen3_moe")
+    report = mlp_fuser.explain(model, *inputs)
+    routed = [s.path for s in report.fused if s.pattern == "routed_experts"]
+    assert routed == [n for n, _ in experts_modules(model)]
+
+
+def test_explain_llama4_experts_named():
+    model = _hf.tiny_model("llama4_text")
+    inputs = _hf.example_inputs(model, seq_len=6)
+    paths = [n for n, m in model.named_modules() if experts.is_routed_like(m)]
+    assert paths
+    report = mlp_fuser.explain(model, *inputs)
+    misses = {m.path: m for m in report.near_misses if m.pattern == "routed_experts"}
+    fused = {s.path for s in report.fused if s.pattern == "routed_experts"}
+    for p in paths:
+        assert p in fused or (p in misses and misses[p].reason), p
+
+
+# ---- 10. routing edge cases end to end ----------------------------------------------------------------------------
+
+
+def _switch_equal(model, inputs, n_calls=None):
+    ref = logits(model, inputs)
+    model.set_experts_implementation("mlp_fuser")
+    out = {}
+    n = moe_calls(lambda: out.setdefault("y", logits(model, inputs)))
+    assert n == (len(experts_modules(model)) if n_calls is None else n_calls)
+    model.set_experts_implementation("grouped_mm")
+    torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
+
+
+def test_one_token():
+    model, _ = toy("qwen3_moe")
+    _switch_equal(model, (torch.tensor([[7]]),))
+
+
+def test_every_token_one_expert():
+    model, inputs = toy("qwen3_moe")
+    for layer in model.model.layers:
+        router = layer.mlp.gate
+        plain = router.forward
+
+        def forced(h, plain=plain):
+            logits_, w, ids = plain(h)
+            return logits_, w, torch.stack([torch.full_like(ids[:, 0], 3), torch.full_like(ids[:, 1], 1)], -1)
+
+        router.forward = forced
+    _switch_equal(model, inputs)
+
+
+def test_256_experts_top8():
+    model, inputs = toy("qwen3_moe", num_experts=256, num_experts_per_tok=8, moe_intermediate_size=16)
+    assert experts_modules(model)[0][1].gate_up_proj.shape[0] == 256
+    _switch_equal(model, inputs)
+
+
+def test_sentinels_through_the_module():
+    """Expert-parallel sentinel ids (>= E) into an experts module: the same as transformers' grouped_mm."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    model, _ = toy("qwen3_moe")
+    m = experts_modules(model)[0][1]
+    E, H = m.gate_up_proj.shape[0], m.gate_up_proj.shape[2]
+    x = torch.randn(9, H)
+    ids = torch.randint(0, E + 3, (9, 2))
+    ids[0] = E
+    w = torch.rand(9, 2)
+    with torch.no_grad():
+        y = experts.experts_forward(m, x, ids, w)
+        ref = grouped_mm_experts_forward(m, x, ids, w)
+    torch.testing.assert_close(y, ref, atol=ATOL, rtol=RTOL)
+    assert torch.equal(y[0], torch.zeros(H))
