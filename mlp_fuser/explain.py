@@ -7,7 +7,6 @@ block.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -64,8 +63,6 @@ class Report(PassReport):
         return lines
 
     def __str__(self) -> str:
-        if self.verbose:
-            return self.details()
         lines = self._head()
         if self.fused:
             groups = _groups(self.fused, lambda s: (s.pattern, s.activation, f"{s.K} → {s.I} → {s.O}"))
@@ -157,9 +154,6 @@ def _error_text(error: BaseException) -> str:
         if inner is None:
             break
         error = inner
-    got = re.search(r": got (\w+\(.*\))$", str(error), re.M)  # what a function Dynamo ran raised
-    if got:
-        return got.group(1)[:300]
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
 

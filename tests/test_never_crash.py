@@ -119,7 +119,8 @@ def test_fp8linear_mlp_is_a_named_near_miss_and_patch_leaves_it(fp8_kernel):
     _assert_user_names(report)
     text = str(report)  # one line for both blocks, the reason relative to the block
     line = next(ln for ln in text.splitlines() if "model.layers." in ln)
-    assert "model.layers.{0,1}.mlp" in line and "gate_proj.weight is a Float8 tensor" in line and "×2" in line, text
+    assert "model.layers.{0,1}.mlp" in line and "  gate_proj.weight is a Float8 tensor" in line and "×2" in line, text
+    assert "model.layers.0" not in text, text
     assert mlp_fuser.patch(model) is model
     _assert_unchanged(model, before, ref)
 
@@ -340,3 +341,20 @@ def test_cli_explain_details_flag(capsys):
     details = capsys.readouterr().out
     assert "model.layers.{0,1}.mlp" in short and "×2" in short and "model.layers.0.mlp" not in short, short
     assert "model.layers.0.mlp" in details and "model.layers.1.mlp" in details and "×2" not in details, details
+
+
+@torch._dynamo.allow_in_graph
+def _load_kernel():
+    raise ImportError("kernel unavailable")
+
+
+def test_explain_names_the_error_dynamo_ran_into():
+    """A function Dynamo runs on fake tensors (as transformers' kernel loaders) raises: the report names that error,
+    not Dynamo's wrapping of it."""
+
+    def forward(x):
+        _load_kernel()
+        return x + 1
+
+    report = mlp_fuser.explain(forward, _x())
+    assert report.error == "ImportError: kernel unavailable", report.error
