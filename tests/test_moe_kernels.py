@@ -8,7 +8,7 @@ from conftest import KERNEL_DEVICE, poisoned_empty, requires_cuda
 
 from mlp_fuser.kernels import moe
 from mlp_fuser.kernels.moe import ExpertAct
-from mlp_fuser.kernels.moe_routing import moe_align_torch, moe_align_triton
+from mlp_fuser.kernels.moe_routing import moe_align_atomic, moe_align_torch, moe_align_triton
 from mlp_fuser.reference import rel_err
 
 GPT_OSS = ExpertAct(alpha=1.702, limit=7.0, up_offset=1.0)
@@ -57,6 +57,17 @@ def test_align_triton_equals_torch(T, k, E, block_m):
     for a, b in zip(ref[:3], out[:3]):
         assert torch.equal(a.cpu(), b.cpu())
     check_routing(ref, ids.cpu(), E, block_m)
+
+
+@pytest.mark.parametrize("T,k,E,block_m", [(300, 4, 8, 16), (129, 8, 64, 64), (700, 2, 256, 16), (2100, 1, 3, 128)])
+def test_align_atomic(T, k, E, block_m):
+    """The many-pairs routing: the invariants, with the order inside a block left to the atomics."""
+    gen = torch.Generator().manual_seed(T + k + E)
+    ids = random_ids(gen, T, k, E).to(KERNEL_DEVICE)
+    ids[: T // 2, 0] = 1
+    r = moe_align_atomic(ids, E, block_m)
+    pairs = r.sorted_pairs.cpu().view(-1, block_m).sort(dim=1).values.reshape(-1)  # padding S sorts last
+    check_routing(r._replace(sorted_pairs=pairs), ids.cpu(), E, block_m)
 
 
 def test_align_every_token_one_expert_and_all_dropped():

@@ -121,9 +121,80 @@ def moe_align_triton(ids: Tensor, E: int, block_m: int) -> Routing:
     return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
 
 
+# ---- many pairs: counts and ranks by atomics over many programs, then starts, then placement -------------------
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, S, E, BLOCK: tl.constexpr):
+    # -- each pair takes the next free rank in its expert's run (the order within a run changes no result) ---
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=E)
+    valid = (ids >= 0) & (ids < E)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, ids, 0), 1, mask=valid)
+    tl.store(rank_ptr + offs, rank, mask=offs < S)
+
+
+@triton.jit
+def _starts_kernel(counts_ptr, start_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr, S, E, n_sorted, n_blocks,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    # -- block starts per expert, the padding, each block's expert ------------------------------------
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    tl.store(start_ptr + offs_e, block_end - blocks, mask=offs_e < E)
+    tl.store(num_blocks_ptr, tl.sum(blocks, 0))
+    for start in range(0, n_sorted, FILL):
+        offs_f = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs_f, S, mask=offs_f < n_sorted)
+    ends = tl.where(offs_e < E, block_end, 1 << 30)
+    for start in range(0, n_blocks, FILL):  # block b belongs to the first expert whose run ends after it
+        offs_b = start + tl.arange(0, FILL)
+        e = tl.sum((ends[None, :] <= offs_b[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + offs_b, e, mask=offs_b < n_blocks)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, S, E, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=E)
+    valid = (ids >= 0) & (ids < E)
+    e = tl.where(valid, ids, 0)
+    dest = tl.load(start_ptr + e, mask=valid, other=0) * BLOCK_M + tl.load(rank_ptr + offs, mask=valid, other=0)
+    tl.store(sorted_ptr + dest, offs, mask=valid)
+
+
+def moe_align_atomic(ids: Tensor, E: int, block_m: int) -> Routing:
+    """Many pairs: ranks by atomics over many programs, then starts (one program), then placement: four launches,
+    each short, where one program sorting every pair would take long. Within an expert the order of the pairs is
+    the atomics' (any order gives the same results)."""
+    T, k = ids.shape
+    S, dev = T * k, ids.device
+    n_blocks = max_blocks(S, E, block_m)
+    sorted_pairs = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+    rank = torch.empty(S, dtype=torch.int32, device=dev)
+    start = torch.empty(E, dtype=torch.int32, device=dev)
+    flat = ids.reshape(-1)
+    BLOCK = 1024
+    _count_kernel[(cdiv(S, BLOCK),)](flat, counts, rank, S, E, BLOCK=BLOCK)
+    _starts_kernel[(1,)](counts, start, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m, n_blocks,
+                         BLOCK_M=block_m, BLOCK_E=max(16, next_power_of_2(E)), FILL=64, num_warps=8)
+    _place_kernel[(cdiv(S, BLOCK),)](flat, rank, start, sorted_pairs, S, E, BLOCK_M=block_m, BLOCK=BLOCK)
+    return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+
+
+SORT_MAX_PAIRS = 1024  # up to here one program sorting every pair is quickest; beyond, the atomics' four launches
+
+
 def moe_align(ids: Tensor, E: int, block_m: int) -> Routing:
-    """Pairs sorted by expert and padded to BLOCK_M: the Triton kernel where S fits one program, else torch ops."""
-    on_triton = ids.is_cuda or INTERPRET
-    if on_triton and ids.shape[0] * ids.shape[1] <= TRITON_MAX_PAIRS and ids.dtype in (torch.int32, torch.int64):
+    """Pairs sorted by expert and padded to BLOCK_M, on the device: one sorting program for few pairs, the atomic
+    version for many (and torch ops where Triton does not run)."""
+    on_triton = (ids.is_cuda or INTERPRET) and ids.dtype in (torch.int32, torch.int64)
+    if on_triton and ids.numel() <= SORT_MAX_PAIRS:
         return moe_align_triton(ids, E, block_m)
+    if on_triton and ids.numel() > 0:
+        return moe_align_atomic(ids, E, block_m)
     return moe_align_torch(ids, E, block_m)
