@@ -184,7 +184,7 @@ def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, 
 def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The ``"mlp_fuser"`` experts implementation: ``moe_mlp`` where ``spec`` allows, else transformers' grouped_mm."""
     s = _traced_spec(self) if torch.compiler.is_compiling() else spec(self)
-    if not s.ok:
+    if s.reason is not None:  # a field, not the property: Dynamo reads fields of a constant dataclass
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)

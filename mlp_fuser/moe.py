@@ -247,6 +247,7 @@ class Impl:
     dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32})
     triton: bool = False
     why: Callable[[Problem], str | None] | None = None  # any further constraint, as a reason
+    worth: Callable[[Problem], str | None] | None = None  # where it runs but is not worth timing (forcing runs it)
 
     def why_not(self, p: Problem) -> str | None:
         devices = None if self.devices is None else set(self.devices) | (
@@ -289,9 +290,9 @@ def _grouped_mm_ok(p: Problem) -> str | None:
 
 
 IMPLS: list[Impl] = [
-    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, why=_few_pairs),
+    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, worth=_few_pairs),
     Impl("triton_moe_sorted_tokdown", _triton("sorted_tokens"), frozenset({"cuda"}), triton=True,
-         why=_tokens_rarely_share),
+         worth=_tokens_rarely_share),
     Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
@@ -308,7 +309,7 @@ def eligible(p: Problem) -> list[Impl]:
         if reason is not None:
             raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
         return [impl]
-    return [i for i in IMPLS if i.why_not(p) is None]
+    return [i for i in IMPLS if i.why_not(p) is None and (i.worth is None or i.worth(p) is None)]
 
 
 def choose(p: Problem, args: tuple) -> Impl:

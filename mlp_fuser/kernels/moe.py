@@ -446,16 +446,16 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
 
 # Candidates per kind and M bucket (rows per touched expert, rounded up to 16, 64 or 128), which a GPU run times.
 # Two weight tiles per K step in gate_up; every one fits k_loop_fits in bf16.
-CONFIGS: dict[str, dict[int, list[dict]]] = {
+CONFIGS: dict[str, dict[int, list[dict]]] = {  # in order of preference (benchmarks/NOTES.md, "Mixtures of experts")
     "gate_up": {
-        16: [_cfg(16, 32, 256, 4, 4), _cfg(16, 64, 128, 4, 4), _cfg(16, 64, 64, 4, 6), _cfg(16, 32, 128, 4, 5)],
+        16: [_cfg(16, 64, 128, 4, 4), _cfg(16, 32, 128, 4, 5), _cfg(16, 64, 64, 4, 6), _cfg(16, 32, 256, 4, 4)],
         64: [_cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 3), _cfg(32, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 3)],
         128: [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 8, 4)],
     },
     "down": {
-        16: [_cfg(16, 64, 256, 4, 4), _cfg(16, 32, 256, 4, 4), _cfg(16, 128, 128, 4, 4), _cfg(16, 64, 128, 4, 5)],
-        64: [_cfg(64, 128, 64, 4, 4), _cfg(64, 64, 64, 4, 4), _cfg(32, 128, 128, 4, 4), _cfg(64, 128, 128, 8, 3)],
-        128: [_cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4)],
+        16: [_cfg(16, 128, 128, 4, 4), _cfg(16, 64, 128, 4, 5), _cfg(16, 32, 256, 4, 4), _cfg(16, 64, 256, 4, 4)],
+        64: [_cfg(64, 64, 64, 4, 4), _cfg(32, 128, 128, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 128, 8, 3)],
+        128: [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4)],
     },
     "gate_up_pairs": {
         1: [_cfg(1, 16, 256, 4, 3), _cfg(1, 32, 256, 4, 3), _cfg(1, 16, 512, 4, 3), _cfg(1, 8, 512, 4, 3),
@@ -480,6 +480,18 @@ def rows_bucket(T: int, k: int, E: int) -> int:
     return 16 if rows <= 24 else 64 if rows <= 96 else 128
 
 
+def _filling(candidates: list[dict], S: int, E: int, N: int) -> dict:
+    """The first candidate whose grid fills every SM once (blocks × column tiles >= the SM count), else the one with
+    the most programs: too few programs leave SMs idle while the weights stream."""
+    touched = max(1, min(E, S))
+
+    def programs(c):
+        bm = c["BLOCK_M"]
+        return (touched if bm <= 16 else cdiv(S, bm) + touched // 2) * cdiv(N, c["BLOCK_N"])
+
+    return next((c for c in candidates if programs(c) >= _SMS), max(candidates, key=programs))
+
+
 def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """The first candidate of CONFIGS[kind] for this size's M bucket, with fewer stages where fp32 tiles do not fit
     shared memory; under the interpreter one small config."""
@@ -489,7 +501,7 @@ def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: tor
         return dict(_INTERPRET_CONFIG[kind])
     buckets = CONFIGS[kind]
     if kind in ("gate_up", "down"):
-        cfg = dict(buckets[rows_bucket(T, k, E)][0])
+        cfg = dict(_filling(buckets[rows_bucket(T, k, E)], T * k, E, I if kind == "gate_up" else H))
     else:  # a GEMV per row: the first candidate with two programs per SM, else the one with the most programs
         rows, width = (T * k, I) if kind == "gate_up_pairs" else (T, H)
         programs = [rows * cdiv(width, c["BLOCK_N"]) for c in buckets[1]]
