@@ -432,8 +432,13 @@ def test_triton(triton_impl, dtype, case):
         args[0] = args[0] * 4.0
         kw, act = dict(interleaved=True, limit=7.0, up_offset=1.0), "quick_gelu"
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    from conftest import KERNEL_DEVICE  # the interpreter's CPU here, the GPU there
+
+    args = [a.to(KERNEL_DEVICE) if a is not None else None for a in args]
     with poisoned_empty():
-        check(args, act, **tol, **kw)
+        y = mlp_fuser.moe_mlp(*args, act, **kw)
+        cpu = [a.cpu() if a is not None else None for a in args]
+        torch.testing.assert_close(y.cpu().double(), naive(*cpu, act, **kw), **tol)
     assert mlp_fuser.moe.chosen(_problem(args, act, kw)) == triton_impl
 
 
@@ -442,7 +447,7 @@ def _problem(args, act, kw):
 
     x, ids, _, wgu, bgu, wd, bd = args
     gate = moe._gate(wgu, wd, act, kw.get("interleaved", False), kw.get("limit"), False, kw.get("up_offset", 0.0))
-    return moe.Problem("cpu", x.dtype, x.shape[0], ids.shape[1], wgu.shape[0], x.shape[1], wd.shape[2], gate,
+    return moe.Problem(x.device.type, x.dtype, x.shape[0], ids.shape[1], wgu.shape[0], x.shape[1], wd.shape[2], gate,
                        bgu is not None)
 
 
