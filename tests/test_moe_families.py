@@ -15,7 +15,8 @@ from mlp_fuser.patch_modules import FusedModuleForward
 
 MOE_OP = frozenset({"mlp_fuser::moe_mlp"})
 CORE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
-EXTRA = ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4"]
+EXTRA = ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "flex_olmo",
+         "glm4_moe", "glm4_moe_lite"]
 ATOL, RTOL = 2e-5, 1e-4
 
 
