@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from . import config
+from . import compat, config
 from .activations import get_activation
 from .kernels.common import next_power_of_2
 
@@ -414,7 +414,7 @@ def _fake(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=No
 
 def _autograd(keyset, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
               up_offset=0.0):
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(x, wts, wgu, bgu, wd, bd):
+    if torch.is_grad_enabled() and compat.any_requires_grad(x, wts, wgu, bgu, wd, bd):
         check_args(x, ids, wts, wgu, bgu, wd, bd, activation)
         _check_ids(ids)
         gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import fx_pass, sharding
 from ._dynamo_utils import fresh_code
 from .ops import EAGER
-from .patterns.common import dropout_active, is_dropout
+from .patterns.common import dependents, dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
 # A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, and
@@ -272,7 +272,7 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Pr
     while is_dropout(result) and not dropout_active(result):  # GPT-2's dropout after the MLP, inactive in eval
         passed.add(result)
         result = result.args[0]
-    if result is not ops[0] or any(n not in passed for n in _dependents(x_node)):
+    if result is not ops[0] or any(n not in passed for n in dependents(x_node)):
         return None  # the graph does more with the input than the MLP
     buffers = {name for name, _ in module.named_buffers(remove_duplicate=False)}
     a = ops[0].args
@@ -324,13 +324,3 @@ def _getter(name: str) -> Callable[[nn.Module], Tensor]:
         return t if t is not None else module._buffers[leaf]
 
     return get
-
-
-def _dependents(node) -> set:
-    seen, todo = set(), list(node.users)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
-    return seen

@@ -23,7 +23,7 @@ from copy import deepcopy
 import torch
 from torch.fx import GraphModule, Node
 
-from .patterns.common import arg, is_fn, is_method, val
+from .patterns.common import arg, dependents, is_fn, is_method, val
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -256,16 +256,6 @@ def proof(module, x, gm: GraphModule, example_inputs: list, report):
     if not (is_fn(src, *FROM_LOCAL) and src.args[0] is x_node):
         return None
     allowed = {src, x_local, ops[0], back, red, result, output}
-    if any(u not in allowed for u in _dependents(x_node)):
+    if any(u not in allowed for u in dependents(x_node)):
         return None  # the graph does more with the input than the MLP
     return gm.forward, getters, None, None
-
-
-def _dependents(node) -> set:
-    seen, todo = set(), list(node.users)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
-    return seen

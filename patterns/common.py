@@ -124,3 +124,14 @@ class Candidate:
         nodes += list(self.up.nodes) if self.up is not None else []
         nodes += list(self.down.x_nodes) + [n for n in self.down.nodes if n is not self.down.out]
         return list(dict.fromkeys(nodes))
+
+
+def dependents(node: Node) -> set[Node]:
+    """Every node that reads ``node``, directly or through others."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen
