@@ -42,11 +42,11 @@ seconds (nor one that took longer at the previous batch size than what is left) 
 
 ``--gpus N`` spreads the units of work (a decode group at one batch size, a prefill pair) over N GPUs, one worker
 process each (its own GPU and share of the CPU cores), heaviest units first (``UNIT_COST``). The 8b table takes about
-900 s on one GPU; its longest unit, the compile group at one batch size, took about 280 s alone on 16 cores (run 19),
-so four GPUs should fit it in one 600-s call (not yet run whole: in run 16 that unit missed its 330-s deadline while
+900 s on one GPU; its longest unit, the compile group at one batch size, took about 280 s alone on 16 cores,
+so four GPUs should fit it in one 600-s call (not yet run whole: once that unit missed its 330-s deadline while
 unpinned workers shared the cores). The paths compared with each other still share one GPU and take turns; only the
 tokens are compared across workers. The workers still share the host's memory, caches and clocks: a host-bound path
-(eager, patch, prefill) timed while another worker compiles can slow by half (run 32), so ``--quiet-timing`` makes
+(eager, patch, prefill) timed while another worker compiles can slow by half, so ``--quiet-timing`` makes
 each worker's timed rounds wait until no other worker is warming up or timing (``host_phase``), at some cost in wall
 time.
 """
@@ -316,7 +316,7 @@ def time_prefill(fwds, ids, device, iters=20):
     two warm-up calls each. The paths take turns call by call (see ``time_decode``), in an order reversed every other
     round (A B, B A, ...), so that neither path always runs first after the other's synchronisation; the lists give
     paired ratios, call against the baseline's call of the same round. A prefill without CUDA graphs is mostly bound
-    by the host here (run 31: the host's time to queue a 1b forward was 98% of its wall time), so single figures
+    by the host here (the host's time to queue a 1b forward was 98% of its wall time), so single figures
     move by several percent between identical models: the paired median is the figure to compare."""
     for fwd in fwds.values():
         for _ in range(2):
@@ -386,7 +386,7 @@ def run(args, results):
     def skip(what: str, estimate: float | None) -> bool:
         """Whether ``what`` would start past the budget (or, with the time its group took for the previous batch
         as the estimate, end past it). The estimate leaves out that group's waits for the timing lock: with
-        ``--quiet-timing`` they are the other workers' compile time (run 38: a 4-GPU 8b table ended at 347 s of its
+        ``--quiet-timing`` they are the other workers' compile time (a 4-GPU 8b table ended at 347 s of its
         550, the static B=8 unit never started)."""
         if args.budget_s is None or time.perf_counter() - start + (estimate or 0) <= args.budget_s:
             return False

@@ -8,7 +8,7 @@
 - graph_gap: at large M, the op inside a CUDA graph and with plain launches, beside its kernels without the op.
 - overhead: the op's CPU cost per call without CUDA graphs (plain eager), and where it goes (cProfile).
 - down: the down projection alone at M = 1-128 (y = h @ w_downᵀ, K = the MLP's I): cuBLAS (F.linear) against
-  ``linear_splitk`` (swap-AB since run 35) with its default config and a grid of (BLOCK_N, BLOCK_K, SPLIT_K,
+  ``linear_splitk`` (swap-AB) with its default config and a grid of (BLOCK_N, BLOCK_K, SPLIT_K,
   stages); µs and % of the
   floor (w_down once at the measured copy bandwidth). Which config, if any, beats cuBLAS where the MLP's rows are
   furthest from the floor.

@@ -171,7 +171,7 @@ def _pin_one_config(monkeypatch, s: Shape, dtype):
 
 def test_gate_up_configs_tuned_fit_in_shared_memory_and_suit_m(monkeypatch):
     """The GPU's config list, pruned per dtype and M bucket as the autotuner prunes it: every config tuned fits in
-    shared memory and suits M. fp32 at M <= 16 fits none at its stages (run 86: a 128 x 128 x 64 fp32 tile asked
+    shared memory and suits M. fp32 at M <= 16 fits none at its stages (a 128 x 128 x 64 fp32 tile asked
     288 KiB of 227), so those take fewer stages; fp16/bf16 keep the configs that fit as they are."""
     monkeypatch.setattr(gemm, "INTERPRET", False)
     configs = gemm._configs()
@@ -221,14 +221,14 @@ def test_gate_up_act_swapab(s, dtype):
 
 
 def test_swapab_config_picks_run_40s_fastest(monkeypatch):
-    """The swap-AB blocks rule on an H200 (132 SMs, 228 KiB each; run 40's sweep, bf16): the fastest config of each
+    """The swap-AB blocks rule on an H200 (132 SMs, 228 KiB each; the bf16 sweep in NOTES): the fastest config of each
     row where it was (BLOCK_M, 64, BLOCK_K, 4 warps, stages); fp32 halves BLOCK_K and stays within 200 KiB."""
     monkeypatch.setattr(swapab, "INTERPRET", False)
     monkeypatch.setattr(common, "num_sms", lambda device: 132)
     monkeypatch.setattr(common, "smem_per_sm", lambda device: 228 * 1024)
     rule = swapab.swapab_config.__wrapped__  # not the cache: the patched machine
     cpu = torch.device("cpu")
-    fastest = {  # N (= I), M -> (BLOCK_K, stages), measured fastest in run 40
+    fastest = {  # N (= I), M -> (BLOCK_K, stages), measured fastest on the H200
         (11008, 1): (128, 3), (11008, 16): (128, 3), (11008, 32): (64, 4), (11008, 64): (64, 4),
         (18944, 32): (64, 3), (18944, 64): (64, 3), (14336, 1): (128, 3), (14336, 16): (128, 3),
         (3584, 1): (128, 4), (3584, 16): (128, 4), (3584, 32): (128, 4), (3584, 64): (128, 4),
@@ -237,7 +237,7 @@ def test_swapab_config_picks_run_40s_fastest(monkeypatch):
         assert rule(M, N, 2, cpu) == (max(16, m_bucket(M)), 64, bk, 4, stages), (N, M)
     bm, _, bk, _, stages = rule(64, 3584, 4, cpu)
     assert bk == 64 and gemm.k_loop_fits(stages, bm, bk, 64, 2, 4)
-    # A plain MLP's program streams one weight (run 47, GELU+bias 4096x11008, bf16: BLOCK_K 128 with 4 stages was the
+    # A plain MLP's program streams one weight (GELU+bias 4096x11008, bf16: BLOCK_K 128 with 4 stages was the
     # fastest of twelve configs at M = 1, 16 and 32; counting two weights picked 3 stages, or BLOCK_K 64, instead)
     for M in (1, 16, 32):
         assert rule(M, 11008, 2, cpu, 1) == (max(16, M), 64, 128, 4, 4), M

@@ -97,7 +97,7 @@ def test_matches_float64(impl, dtype, force_impl):
         err = rel_err(out, ref)
         if dtype == torch.float32:
             assert err <= 1e-5, (impl, M, K, I, O, err)
-        else:  # 1.25x the unfused module's error, or that of rounding h and y once (a lottery on 3 outputs: run 86)
+        else:  # 1.25x the unfused module's error, or that of rounding h and y once (a lottery on 3 outputs: NOTES)
             bar = 1.25 * max(rel_err(case.unfused(), ref), rel_err(case.rounded_once(), ref)) + 1e-6
             assert err <= bar, (impl, M, K, I, O, err, bar)
     assert ran >= 4, f"{impl}: only {ran} of the shapes within its caps"
@@ -199,7 +199,7 @@ def test_dispatch_declared_constraints():
 
 
 def test_two_streams_is_timed_only_for_gated_mlps_above_16_rows_but_runs_when_forced(force_impl):
-    """cublas_two_streams runs anything (forced: a plain MLP, one row), but the dispatcher times it only where run 47
+    """cublas_two_streams runs anything (forced: a plain MLP, one row), but the dispatcher times it only where the H200
     measured a gain: gated MLPs at M = 17-256."""
     names = {(M, gated): [i.name for i in dispatch.eligible(dispatch.Problem("cuda", torch.bfloat16, M, 64, 96, 48,
                                                                                   gated))]

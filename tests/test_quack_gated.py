@@ -72,7 +72,7 @@ def test_one_candidate_per_config_and_the_constraints_each_declares(fake_quack, 
         assert "no quack epilogue" in impl.why_not(_problem(activation="gelu"))  # erf's GELU: quack has the tanh one
         assert "multiples of 8" in impl.why_not(_problem(K=60))
         assert "multiples of 8" in impl.why_not(_problem(I=100))
-        assert impl.not_worth(_problem(M=64)) and impl.not_worth(_problem(M=65)) is None  # lost at M <= 64 (run 70)
+        assert impl.not_worth(_problem(M=64)) and impl.not_worth(_problem(M=65)) is None  # lost at M <= 64 (NOTES)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert "sm90" in QUACK[0].why_not(_problem())
     monkeypatch.setattr(quack_gated, "enabled", False)
