@@ -328,7 +328,7 @@ def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_r
         if failed:
             report.near_misses.append(NearMiss(path, routed.PATTERN, *failed))
             continue
-        report.fused.append(Site(path, routed.PATTERN, c.gate.describe(), c.H, c.I, c.H))
+        report.fused.append(Site(path, routed.PATTERN, f"{c.gate.describe()}, {c.E} experts", c.H, c.I, c.H))
         if not dry_run:
             routed.rewrite(gm.graph, c)
     return report

@@ -212,6 +212,17 @@ def test_explain_lists_experts():
     assert routed == [n for n, _ in experts_modules(model)]
 
 
+def test_explain_patched_model_lists_experts_fused():
+    """A patched model's experts run the op whatever Dynamo makes of their forward: explain reports them fused."""
+    model, inputs = toy("qwen3_moe")
+    mlp_fuser.patch(model)
+    report = mlp_fuser.explain(model, *inputs)
+    routed = [s for s in report.fused if s.pattern == "routed_experts"]
+    assert [s.path for s in routed] == [n for n, _ in experts_modules(model)]
+    assert all("silu" in s.activation and "experts" in s.activation for s in routed)
+    assert not [m for m in report.near_misses if m.pattern == "routed_experts"]
+
+
 def test_explain_llama4_experts_named():
     model = _hf.tiny_model("llama4_text")
     inputs = _hf.example_inputs(model, seq_len=6)
