@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from . import experts
 from ._dynamo_utils import fresh_code
 from .activations import get_activation
-from .fx_pass import CHECKS, NearMiss, PassReport, Site, fuse_mlps
+from .fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
 from .patch import original_forward
 from .patch_modules import weight_near_miss
 
@@ -198,11 +198,6 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
             if path not in seen and (m := weight_near_miss(module, path, dict(activations=acts, patterns=pats),
                                                            memo)) is not None:
                 report.near_misses.append(m)
-            elif path not in seen and isinstance(module.__dict__.get("forward"), experts.FusedExpertsForward):
-                s = experts.spec(module)  # patched: the experts run the op whatever Dynamo made of the forward
-                _, _, wd, _ = experts.weights(module, s)
-                report.fused.append(Site(path, "routed_experts", f"{s.gate.describe()}, {wd.shape[0]} experts",
-                                         wd.shape[1], wd.shape[2], wd.shape[1]))
             elif path not in seen and (why := experts.unfused_reason(module)) is not None:
                 report.near_misses.append(NearMiss(path, "routed_experts", "experts", why))
     return report
