@@ -15,8 +15,11 @@ from mlp_fuser.patch_modules import FusedModuleForward
 
 MOE_OP = frozenset({"mlp_fuser::moe_mlp"})
 CORE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
-EXTRA = ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "flex_olmo",
-         "glm4_moe", "glm4_moe_lite"]
+EXTRA = ["afmoe", "axk1", "axk2", "cohere2_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe",
+         "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa",
+         "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "laguna",
+         "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text",
+         "qwen3_next", "solar_open"]
 ATOL, RTOL = 2e-5, 1e-4
 
 
