@@ -19,9 +19,11 @@ EXTRA = ["afmoe", "axk1", "axk2", "cohere2_moe", "deepseek_v2", "deepseek_v32", 
          "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa",
          "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "laguna",
          "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text",
-         "qwen3_next", "solar_open", "gemma4_text"]
-OVERRIDES = {"gemma4_text": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                              "moe_intermediate_size": 64}}  # its experts are opt-in
+         "qwen3_next", "solar_open", "gemma4_text", "lfm2_moe"]
+OVERRIDES = {  # Gemma 4's experts are opt-in; LFM2-MoE's config leaves layer_types unset and two dense layers first
+    "gemma4_text": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+}
 ATOL, RTOL = 2e-5, 1e-4
 
 
