@@ -79,6 +79,9 @@ def _target(red: Node):
 
 def _colwise_reason(lin: Node, src: Node, red: Node | None, mesh_node: Node) -> str | None:
     w, b = val(arg(lin, 1, "weight")), val(arg(lin, 2, "bias"))
+    if is_method(src, "redistribute") and src.args and is_fn(src.args[0], *FROM_LOCAL):
+        return (f"{lin.name} reads its input redistributed from {_placements(src.args[0])} to {_target(src)} "
+                f"(sequence parallel's all-gather), expected a (Replicate(),) input")
     if not is_fn(src, *FROM_LOCAL):
         return f"{lin.name} reads {src.name}, not a from_local of a local tensor"
     if w.device_mesh.ndim != 1 or arg(src, 1, "device_mesh") is not mesh_node:

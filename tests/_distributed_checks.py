@@ -238,6 +238,119 @@ def tp_module_explain():
     assert "2 MLP(s) fused, 0 near miss" in text and f" {I // dist.get_world_size()} " in text, text
 
 
+def sp_plan():
+    """Sequence parallel: gate/up read the input sharded over the sequence (all-gathered first), down's output is
+    reduce-scattered back to it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(2):
+        plan[f"layers.{i}.gate_proj"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"layers.{i}.up_proj"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"layers.{i}.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+@check
+def tp_sequence_parallel():
+    """Sequence parallel: a named near miss (its placements in the reason); the model runs as without mlp_fuser,
+    its gathered outputs and gradients those of the unsharded model."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mlp_fuser
+
+    torch.manual_seed(0)
+    ref = Blocks()
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh(), sp_plan())
+    ref.double()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(1)
+    x64 = torch.randn(2, 6, H, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().float().chunk(world, 1)[rank]  # each rank's slice of the sequence
+    text = str(mlp_fuser.explain(model, x))
+    assert "0 MLP(s) fused, 2 near miss" in text and "(Shard(dim=1),) to (Replicate(),)" in text, text
+    y64 = ref(x64)
+    (y64 * y64).sum().backward()
+    for how in ("patch", "backend"):
+        got, plain = copy.deepcopy(model), copy.deepcopy(model)
+        runs = []
+        with counting() as calls:
+            for m in (fuse(got, how, inductor=False), plain):
+                xi = x.clone().requires_grad_()
+                y = m(xi)
+                (y * y).sum().backward()  # each rank's part of the loss; the collectives' backward sums them
+                runs.append((y.detach(), xi.grad))
+        assert fused_count(calls, how) == 0, calls
+        tol = dict(rtol=0, atol=0)
+        (y, gx), (y0, gx0) = runs
+        close(y, y0, f"{how}: output against the model without mlp_fuser", **tol)
+        close(gx, gx0, f"{how}: input gradient against the model without mlp_fuser", **tol)
+        ys = [torch.empty_like(y) for _ in range(world)]
+        dist.all_gather(ys, y.contiguous())
+        close(torch.cat(ys, 1), y64.detach(), f"{how}: gathered output")
+        close(gx, x64.grad.chunk(world, 1)[rank], f"{how}: input gradient")
+        compare_grads(got, ref, f"{how}: sequence parallel")
+
+
+# ---- FSDP2 + tensor parallel on a 2-D mesh, as torchtitan composes them ------------------------------------
+
+
+def _two_d(order: str):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    world = dist.get_world_size()
+    m2 = _mesh_2d(world)
+    torch.manual_seed(0)
+    ref = Blocks()
+    model = copy.deepcopy(ref)
+    ref.double()
+    parallelize_module(model, m2["tp"], tp_plan())
+    if order == "patch_first":
+        fuse(model, "patch")
+    for layer in model.layers:
+        fully_shard(layer, mesh=m2["dp"])
+    fully_shard(model, mesh=m2["dp"])
+    if order == "patch_after":
+        fuse(model, "patch")
+    fused = fuse(model, "backend") if order == "backend" else model
+    x64 = x_input()  # one data-parallel group here (dp = 1): every rank reads the same batch
+    x = x64.detach().float().requires_grad_()
+    with counting() as calls:
+        y = fused(x)
+        (y * y).sum().backward()
+    n = fused_count(calls, "backend" if order == "backend" else "patch")
+    assert n == 2 or (order == "backend" and n == 1), f"{calls}: expected 2 (one per MLP)"
+    y64 = ref(x64)
+    (y64 * y64).sum().backward()
+    close(y.detach(), y64.detach(), "output")
+    close(x.grad, x64.grad, "input gradient")
+    compare_grads(model, ref, "2-D")
+
+
+def _mesh_2d(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+
+
+@check
+def fsdp_tp_2d_patch_after():
+    _two_d("patch_after")
+
+
+@check
+def fsdp_tp_2d_patch_first():
+    _two_d("patch_first")
+
+
+@check
+def fsdp_tp_2d_backend():
+    _two_d("backend")
+
+
 # ---- transformers tp_plan="auto" ---------------------------------------------------------------------------
 
 

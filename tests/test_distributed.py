@@ -3,9 +3,10 @@
 One launch runs every check of tests/_distributed_checks.py (a process group's start-up and the imports cost more
 than a check); each test below reads its check's result on both ranks. Covered: ``parallelize_module`` (colwise
 gate/up, rowwise down) with ``patch`` and the backend, eval and train, its near miss (gate/up all-gathered) and
-``explain``; transformers' ``tp_plan="auto"`` the same; FSDP2 ``fully_shard`` per layer with ``patch`` before and
-after, the backend, and bf16 mixed precision. Outputs and gradients (shards and input) against the unsharded model
-in float64.
+``explain``; sequence parallel (a named near miss, run as without mlp_fuser); transformers' ``tp_plan="auto"`` the
+same; FSDP2 ``fully_shard`` per layer with ``patch`` before and after, the backend, and bf16 mixed precision; FSDP2 +
+tensor parallel on a 2-D (dp, tp) mesh. Outputs and gradients (shards and input) against the unsharded model in
+float64; fused sites counted from the op nodes in the graph or the op's calls.
 """
 
 import json
