@@ -140,15 +140,17 @@ def test_tiny_config_keeps_every_kind_of_layer():
 
 def test_tiny_config_latent_attention_and_routed_experts():
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi) keeps a key per query head and its rotary part at the toy's
-    head_dim; DeepSeek's routing gets its expert count in one group, and a MoE second layer whose shared experts
-    explain finds (DeepSeek-V2's own default leaves the experts per token None)."""
+    head_dim; DeepSeek's routing gets its expert count in one group, and a MoE second layer whose shared and routed
+    experts explain finds (DeepSeek-V2's own default leaves the experts per token None)."""
     for t in ("deepseek_v2", "deepseek_v3"):
         cfg = _hf.tiny_config(t)
         assert cfg.num_key_value_heads == cfg.num_attention_heads and cfg.qk_rope_head_dim == cfg.head_dim == 16
         assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.first_k_dense_replace) == (4, 2, 1)
         model = _hf.tiny_model(t)
         report = mlp_fuser.explain(model, *_hf.example_inputs(model))
-        assert [f.path for f in report.fused] == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"], report
+        assert [(f.path, f.pattern) for f in report.fused] == [
+            ("model.layers.0.mlp", "gated"), ("model.layers.1.mlp.shared_experts", "gated"),
+            ("model.layers.1.mlp.experts", "routed_experts")], report
 
 
 def test_tiny_config_jamba_has_an_attention_layer():
@@ -158,7 +160,8 @@ def test_tiny_config_jamba_has_an_attention_layer():
     assert (cfg.attn_layer_period, cfg.attn_layer_offset) == (2, 1)
     model = _hf.tiny_model("jamba")
     report = mlp_fuser.explain(model, *_hf.example_inputs(model))
-    assert [f.path for f in report.fused] == ["model.layers.0.feed_forward"], report  # layer 1: routed experts
+    assert [(f.path, f.pattern) for f in report.fused] == [
+        ("model.layers.0.feed_forward", "gated"), ("model.layers.1.feed_forward.experts", "routed_experts")], report
 
 
 def test_tiny_config_overrides():
