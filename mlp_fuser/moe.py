@@ -289,11 +289,11 @@ def _grouped_mm_ok(p: Problem) -> str | None:
     return None
 
 
-IMPLS: list[Impl] = [
-    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, worth=_few_pairs),
+IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0) the first eligible runs
+    Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
     Impl("triton_moe_sorted_tokdown", _triton("sorted_tokens"), frozenset({"cuda"}), triton=True,
          worth=_tokens_rarely_share),
-    Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
+    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, worth=_few_pairs),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
 ]
