@@ -66,8 +66,8 @@ def _configs():
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
             L, "AutoModelForCausalLM",
         ),
-        # multi-head latent attention and a MoE layer whose shared experts are one gated MLP (fused) beside the
-        # routed experts (left alone): layer 0 dense, layer 1 MoE
+        # multi-head latent attention and a MoE layer whose shared experts are one gated MLP beside the routed
+        # experts (mlp_fuser::moe_mlp): layer 0 dense, layer 1 MoE
         "deepseek_v3": (
             T.DeepseekV3Config(**{**llama_like, "num_key_value_heads": HEADS}, q_lora_rank=16, kv_lora_rank=16,
                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,

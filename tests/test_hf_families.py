@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 ALL = FAMILIES + EXTRA_FAMILIES
 RTOL = 1e-4
+ROUTED = {"deepseek_v3": 1}  # routed-experts modules (mlp_fuser::moe_mlp) beside the dense MLPs
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,10 @@ def test_patch(family):
         mlp_fuser.patch(model)
         out = main_output(model(**inputs))
         ops = count_ops(lambda: model(**inputs))
-    assert len(report.fused) == n_mlp and not report.near_misses, str(report)
+        moe = count_ops(lambda: model(**inputs), frozenset({"mlp_fuser::moe_mlp"}))
+    routed = [s for s in report.fused if s.pattern == "routed_experts"]
+    assert len(report.fused) - len(routed) == n_mlp and not report.near_misses, str(report)
+    assert len(routed) == moe == ROUTED.get(family, 0)
     assert ops == n_mlp
     assert rel_err(out, ref, ord=math.inf) <= RTOL
     mlp_fuser.unpatch(model)
@@ -100,19 +104,24 @@ def test_apertus_xielu_is_a_named_near_miss_and_left_alone():
 
 def test_deepseek_v4_clamped_shared_experts_are_named_near_misses_and_left_alone():
     """DeepSeek-V4's shared experts clamp gate and up to its swiglu_limit before act·mul: explain names both sites
-    and the clamp, patch leaves the model as it was."""
+    and the clamp, and patch leaves them as they were; its routed experts, whose clamped SwiGLU the experts op
+    computes, are fused."""
     from mlp_fuser._hf import example_inputs, tiny_model
 
     model = tiny_model("deepseek_v4")
     inputs = example_inputs(model)
     report = mlp_fuser.explain(model, *inputs)
-    assert not report.fused and report.checks_failed() == {"activation"}, report
+    assert [(s.path, s.pattern) for s in report.fused] == [
+        (f"model.layers.{i}.mlp.experts", "routed_experts") for i in (0, 1)], report
+    assert all("clamped at" in s.activation for s in report.fused), report
+    assert report.checks_failed() == {"activation"}, report
     assert [m.path for m in report.near_misses] == [f"model.layers.{i}.mlp.shared_experts" for i in (0, 1)], report
     assert all("up's output is clamped" in m.reason for m in report.near_misses), report
     with torch.no_grad():
         ref = main_output(model(*inputs))
         mlp_fuser.patch(model)
         assert count_ops(lambda: model(*inputs)) == 0
+        assert count_ops(lambda: model(*inputs), frozenset({"mlp_fuser::moe_mlp"})) == 2
         torch.testing.assert_close(main_output(model(*inputs)), ref)
 
 
