@@ -63,6 +63,8 @@ class Report(PassReport):
         return lines
 
     def __str__(self) -> str:
+        if self.verbose:
+            return self.details()
         lines = self._head()
         if self.fused:
             groups = _groups(self.fused, lambda s: (s.pattern, s.activation, f"{s.K} → {s.I} → {s.O}"))

@@ -1,6 +1,8 @@
 """merge_gate_up / split_gate_up and patch(merge_gate_up=True): gate and up re-stored as the halves of one buffer
 (mlp_fuser/patch.py), so the op runs one GEMM for both, or quack's gated GEMM where it is installed."""
 
+import inspect
+
 import pytest
 import torch
 from _hf_models import build
@@ -43,7 +45,7 @@ def test_merge_keeps_each_parameter_and_the_outputs_and_split_undoes_it():
 
 def test_filter_and_the_mlps_that_are_not_merged():
     model, inputs, _ = build("llama")
-    assert mlp_fuser.merge_gate_up(model, lambda path, m: path.endswith("1.mlp")) == ["model.layers.1.mlp"]
+    assert mlp_fuser.merge_gate_up(model, lambda m, fqn: fqn.endswith("1.mlp")) == ["model.layers.1.mlp"]
     assert [_one(layer.mlp) for layer in model.model.layers] == [False, True]
     for family in ("gpt_neox", "phi3"):  # no gate (a plain MLP); gate and up already one weight, split in forward
         model, inputs, _ = build(family)
@@ -115,16 +117,22 @@ def test_the_op_tells_the_dispatcher_when_gate_and_up_are_stored_as_one(monkeypa
     resolve = dispatch.resolve
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("activation"), kwargs.get("one_weight")))
+        bound = inspect.signature(resolve).bind(*args, **kwargs).arguments
+        seen.append((bound.get("activation"), bound.get("one_weight")))
         return resolve(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "resolve", spy)
+
+    def call(*args):  # each call asks the dispatcher afresh: a cached choice for the same key would skip it
+        dispatch._resolved.clear()
+        return mlp_fuser.gated_mlp(*args)
+
     w = torch.randn(48, 16)
     x, wd = torch.randn(5, 16), torch.randn(16, 24)
-    y = mlp_fuser.gated_mlp(x, w[:24], None, w[24:], None, wd, None, "silu")
-    mlp_fuser.gated_mlp(x, w[:24].clone(), None, w[24:], None, wd, None, "silu")  # two storages
-    mlp_fuser.gated_mlp(x, w[:24], torch.zeros(24), w[24:], None, wd, None, "silu")  # a bias
-    mlp_fuser.gated_mlp(x, w[24:], None, w[:24], None, wd, None, "swish")  # up before gate
+    y = call(x, w[:24], None, w[24:], None, wd, None, "silu")
+    call(x, w[:24].clone(), None, w[24:], None, wd, None, "silu")  # two storages
+    call(x, w[:24], torch.zeros(24), w[24:], None, wd, None, "silu")  # a bias
+    call(x, w[24:], None, w[:24], None, wd, None, "swish")  # up before gate
     assert seen == [("silu", True), ("silu", False), ("silu", False), ("swish", False)]
     ref = (torch.nn.functional.silu(x.double() @ w[:24].double().T) * (x.double() @ w[24:].double().T)) @ wd.double().T
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
