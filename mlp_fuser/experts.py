@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import itertools
 import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .activations import ACTIVATIONS
-from .moe import Gate
+from .moe import Gate, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
 
@@ -68,13 +66,10 @@ def _probe_rows() -> Tensor:
     return torch.stack([_PROBE.repeat_interleave(len(_PROBE)), _PROBE.repeat(len(_PROBE))], dim=-1)
 
 
-def _candidates(module: nn.Module, interleaved: bool):
-    limits = [None] + sorted({float(v) for k, v in vars(module).items() if isinstance(v, (int, float))
-                              and not isinstance(v, bool) and "limit" in k})
-    for name, L, after, off in itertools.product(ACTIVATIONS, limits, (False, True), (0.0, 1.0)):
-        if L is None and after:
-            continue
-        yield Gate(name, True, interleaved, L, after, off)
+def _limits(module: nn.Module) -> list:
+    """The clamp limits a module may apply: its numeric attributes named like one (GPT-OSS's ``limit``)."""
+    return [None] + sorted({float(v) for k, v in vars(module).items() if isinstance(v, (int, float))
+                            and not isinstance(v, bool) and "limit" in k})
 
 
 def _identify_gated(module: nn.Module) -> Gate | None:
@@ -88,7 +83,7 @@ def _identify_gated(module: nn.Module) -> Gate | None:
         return None
     if not isinstance(ref, Tensor) or ref.shape != (rows.shape[0], width):
         return None
-    for gate in _candidates(module, interleaved):
+    for gate in gates(True, (interleaved,), _limits(module)):
         if torch.allclose(gate(rows), ref, rtol=1e-6, atol=1e-9, equal_nan=True):
             return gate
     return None
@@ -100,10 +95,10 @@ def _identify_plain(module: nn.Module) -> Gate | None:
             ref = module.act_fn(_PROBE.clone())
     except Exception:
         return None
-    for name, act in ACTIVATIONS.items():
-        if isinstance(ref, Tensor) and ref.shape == _PROBE.shape and torch.allclose(act.fn(_PROBE), ref, rtol=1e-6,
+    for gate in gates(False):
+        if isinstance(ref, Tensor) and ref.shape == _PROBE.shape and torch.allclose(gate(_PROBE), ref, rtol=1e-6,
                                                                                    atol=1e-9):
-            return Gate(name, False)
+            return gate
     return None
 
 

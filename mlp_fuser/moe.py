@@ -23,6 +23,7 @@ timed once per shape bucket; the aten path elsewhere); fake: shapes only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from . import compat, config
-from .activations import get_activation
+from .activations import ACTIVATIONS, get_activation
 from .kernels.common import next_power_of_2
 
 log = logging.getLogger("mlp_fuser")
@@ -90,6 +91,17 @@ class Gate:
         if self.up_offset:
             text += f", up + {self.up_offset:g}"
         return text + (", interleaved" if self.interleaved else "")
+
+
+def gates(gated: bool, layouts=(False, True), limits=(None,)):
+    """Every activation the op computes for these layouts (interleaved or not) and clamp limits, in a fixed order:
+    the candidates an experts module's activation is identified among, by its values."""
+    if not gated:
+        yield from (Gate(name, False) for name in ACTIVATIONS)
+        return
+    for name, inter, L, after, off in itertools.product(ACTIVATIONS, layouts, limits, (False, True), (0.0, 1.0)):
+        if L is not None or not after:
+            yield Gate(name, True, inter, L, after, off)
 
 
 # ---- validation ---------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ replaces the region by one ``mlp_fuser::moe_mlp`` call.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass, field
 
@@ -20,8 +19,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from mlp_fuser.activations import ACTIVATIONS
-from mlp_fuser.moe import Gate
+from mlp_fuser.moe import Gate, gates
 
 from .common import val
 
@@ -229,23 +227,13 @@ def _identify(first: Node, second: Node, w_down: Node, inside: set[Node], gated:
         return None
     limits = [None] + sorted({abs(float(a)) for n in between for a in (*n.args[1:], *n.kwargs.values())
                               if isinstance(a, (int, float)) and not isinstance(a, bool) and a})
-    for gate in _gates(gated, limits):
+    for gate in gates(gated, limits=limits):
         try:
             if torch.allclose(gate(probe if gated else probe[:, :2]), y, rtol=1e-6, atol=1e-9, equal_nan=True):
                 return gate
         except Exception:
             continue
     return None
-
-
-def _gates(gated: bool, limits: list):
-    if not gated:
-        yield from (Gate(name, False) for name in ACTIVATIONS)
-        return
-    for name, inter, L, after, off in itertools.product(ACTIVATIONS, (False, True), limits, (False, True), (0.0, 1.0)):
-        if L is None and after:
-            continue
-        yield Gate(name, True, inter, L, after, off)
 
 
 def _between(leaf: Node, end: Node, inside: set[Node]) -> list[Node] | None:
