@@ -400,7 +400,7 @@ def test_opcheck(biases):
 
 # ---- 5. the Triton implementations, under the interpreter ---------------------------------------------------------
 
-TRITON = ["triton_moe_pairs", "triton_moe_sorted_tokdown", "triton_moe_sorted"]
+TRITON = ["triton_moe_pairs", "triton_moe_sorted_tokdown", "triton_moe_sorted", "triton_moe_direct"]
 
 
 @pytest.fixture
@@ -421,7 +421,7 @@ def test_triton(triton_impl, dtype, case):
     from conftest import poisoned_empty
 
     kw, act, ids = {}, "silu", None
-    T, k, E = (5, 2, 4) if triton_impl == "triton_moe_pairs" else (19, 2, 8)
+    T, k, E = (5, 2, 4) if triton_impl in ("triton_moe_pairs", "triton_moe_direct") else (19, 2, 8)
     if case == "plain_sentinels":
         ids = torch.randint(0, E + 2, (T, k))  # some ids are sentinels
         ids[0] = E  # a token with no expert
