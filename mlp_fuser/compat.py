@@ -141,6 +141,17 @@ def launch_source(compiled, grid: tuple[int, int, int], stream: str, args: list[
     return f"{names['launch']}(" + form.format(gx=gx, gy=gy, gz=gz, s=stream, args=", ".join(args), **names) + ")"
 
 
+# ---- Dynamo: the object behind a traced variable ---------------------------------------------------------------
+
+
+def traced_value(var):
+    """The Python object behind a ``torch._dynamo.comptime`` variable, or None. Not a shortcut but the only way a
+    function run at trace time (an experts module's spec, which probes its tensors) reaches a module that Dynamo does
+    not treat as a constant; on both paths. Private: ComptimeVar's VariableTracker and its ``value``."""
+    get = getattr(var, "_i_will_not_complain_if_bc_breaks_VariableTracker", None)
+    return getattr(get(), "value", None) if get is not None else None
+
+
 # ---- Inductor's lowering table ---------------------------------------------------------------------------------
 
 

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch._dynamo.comptime import comptime
 
+from . import compat
 from .moe import Gate, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
@@ -158,10 +160,17 @@ def _spec(module: nn.Module) -> Spec:
     return Spec(gate, transposed, bool(getattr(module, "has_bias", False)))
 
 
-@torch._dynamo.assume_constant_result
-def _traced_spec(module: nn.Module) -> Spec:
-    """``spec`` run for real while Dynamo traces a forward (it probes tensors), its result a constant of the graph."""
-    return spec(module)
+def _spec_while_tracing(module: nn.Module) -> Spec | None:
+    """``spec`` while Dynamo traces a forward: run at trace time on the real module (it probes tensors, so it cannot
+    be traced) and cached on it, then read back as an attribute, which Dynamo guards on. None if that failed."""
+    comptime(_stash_spec)
+    return getattr(module, "_mlp_fuser_spec", None)
+
+
+def _stash_spec(ctx) -> None:
+    module = compat.traced_value(ctx.get_local("module"))
+    if isinstance(module, nn.Module):
+        spec(module)
 
 
 def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
@@ -178,8 +187,8 @@ def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, 
 
 def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The ``"mlp_fuser"`` experts implementation: ``moe_mlp`` where ``spec`` allows, else transformers' grouped_mm."""
-    s = _traced_spec(self) if torch.compiler.is_compiling() else spec(self)
-    if s.reason is not None:  # a field, not the property: Dynamo reads fields of a constant dataclass
+    s = _spec_while_tracing(self) if torch.compiler.is_compiling() else spec(self)
+    if s is None or s.reason is not None:  # a field, not the property: fewer calls for Dynamo to trace
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)

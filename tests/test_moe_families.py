@@ -71,6 +71,31 @@ def test_experts_switch(model_type):
     torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_experts_switch_compiled(model_type):
+    """The switch inside one full graph, compiled before any eager call (the spec is taken at trace time), as
+    generate's compiled decode step and torch.compile(model.__call__) trace it: every experts module becomes the op,
+    and a second call runs without recompiling."""
+    model, inputs = toy(model_type)
+    ref = logits(model, inputs)
+    model.set_experts_implementation("mlp_fuser")
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.__call__, backend=record, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(*inputs).logits
+        compiled(*inputs)
+    assert len(graphs) == 1
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "moe_mlp" in str(n.target)]
+    assert len(ops) == len(experts_modules(model))
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
 def test_gpt_oss_spec():
     model, _ = toy("gpt_oss")
     s = experts.spec(experts_modules(model)[0][1])
