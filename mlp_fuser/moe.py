@@ -23,10 +23,12 @@ timed once per shape bucket; the aten path elsewhere); fake: shapes only.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -276,9 +278,15 @@ def _triton(path: str) -> ImplFn:
     def impl(x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
         from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
 
-        act = kmoe.ExpertAct(gate.activation, 0.0, gate.limit, gate.clamp_after, gate.up_offset)
-        return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, act, gate.interleaved, path)
+        return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, _expert_act(gate), gate.interleaved, path)
     return impl
+
+
+@functools.lru_cache(maxsize=256)
+def _expert_act(gate: Gate):
+    from .kernels import moe as kmoe
+
+    return kmoe.ExpertAct(gate.activation, 0.0, gate.limit, gate.clamp_after, gate.up_offset)
 
 
 def _few_pairs(p: Problem) -> str | None:
@@ -318,7 +326,19 @@ IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0
 ]
 IMPLS_BY_NAME = {i.name: i for i in IMPLS}
 
-_chosen: dict[tuple, Impl] = {}
+@dataclass(frozen=True)
+class Choice:
+    """The implementation for plain calls (the fastest with the host's time: eager, or compiled code without CUDA
+    graphs) and the one for calls captured in a CUDA graph (the fastest on the GPU alone: replays cost no host time)."""
+    plain: Impl
+    graph: Impl
+
+    @property
+    def name(self) -> str:
+        return self.plain.name if self.plain is self.graph else f"{self.plain.name} (graphs: {self.graph.name})"
+
+
+_chosen: dict[tuple, Choice] = {}
 
 
 def eligible(p: Problem) -> list[Impl]:
@@ -333,27 +353,31 @@ def eligible(p: Problem) -> list[Impl]:
 
 def choose(p: Problem, args: tuple) -> Impl:
     """The implementation for ``p``: the only eligible one, or on CUDA the fastest of them, timed once per bucket of
-    T on the call's own routing (not under a CUDA-graph capture: there, the aten path until a warm-up call chose)."""
+    T on the call's own routing, both with the host's time and on the GPU alone; a call being captured in a CUDA graph
+    takes the latter (before any warm-up call chose: the aten path, as timing cannot run inside a capture)."""
     key = (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases, config.force_impl, config.triton_on_cpu,
            config.autotune)
-    impl = _chosen.get(key)
-    if impl is not None:
-        return impl
+    capturing = p.device == "cuda" and torch.cuda.is_current_stream_capturing()
+    choice = _chosen.get(key)
+    if choice is not None:
+        return choice.graph if capturing else choice.plain
     candidates = eligible(p)
     if len(candidates) == 1 or p.device != "cuda" or not config.autotune:
-        impl = candidates[0]
-    elif torch.cuda.is_current_stream_capturing():
+        choice = Choice(candidates[0], candidates[0])
+    elif capturing:
         log.warning("mlp_fuser: first moe_mlp call for %s inside a CUDA-graph capture: running the aten path; call "
                     "the model once before capturing", p)
         return IMPLS_BY_NAME["reference"]
     else:
-        impl = _time(candidates, args, p)
-    _chosen[key] = impl
-    return impl
+        choice = _time(candidates, args, p)
+    _chosen[key] = choice
+    return choice.plain
 
 
-def _time(candidates: list[Impl], args: tuple, p: Problem) -> Impl:
-    """The candidate with the least GPU time per call (interleaved rounds, median of 7), warm-up failures skipped."""
+def _time(candidates: list[Impl], args: tuple, p: Problem) -> Choice:
+    """The candidates with the least time per call, median of 7 interleaved rounds of 3 calls, warm-up failures
+    skipped: wall time between syncs (the host's time included), and GPU time with the calls queued behind a sleep
+    kernel (so that the host's time is hidden, as in a CUDA graph's replay)."""
     runnable = []
     for impl in candidates:
         if impl.name == "reference" and len(candidates) > 1:
@@ -365,31 +389,40 @@ def _time(candidates: list[Impl], args: tuple, p: Problem) -> Impl:
         except Exception as e:  # a kernel that cannot compile for this shape is not chosen; say so
             log.warning("mlp_fuser: %s skipped for %s: %s: %s", impl.name, p, type(e).__name__, e)
     if not runnable:
-        return IMPLS_BY_NAME["reference"]
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {i.name: [] for i in runnable}
+        ref = IMPLS_BY_NAME["reference"]
+        return Choice(ref, ref)
+    wall: dict[str, list[float]] = {i.name: [] for i in runnable}
+    gpu: dict[str, list] = {i.name: [] for i in runnable}
     for _ in range(7):
         for impl in runnable:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                impl.fn(*args)
+            torch.cuda.synchronize()
+            wall[impl.name].append((time.perf_counter() - t0) * 1e3)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1_000_000)
+            torch.cuda._sleep(10_000_000)  # a few ms: longer than the host takes to queue the three calls
             start.record()
             for _ in range(3):
                 impl.fn(*args)
             end.record()
-            times[impl.name].append((start, end))
+            gpu[impl.name].append((start, end))
     torch.cuda.synchronize()
-    med = {n: sorted(s.elapsed_time(e) for s, e in pairs)[len(pairs) // 2] / 3 for n, pairs in times.items()}
-    best = min(runnable, key=lambda i: med[i.name])
-    log.info("mlp_fuser: chose %s for moe_mlp %s (µs per call: %s)", best.name, p,
-             ", ".join(f"{n} {t * 1e3:.1f}" for n, t in med.items()))
-    return best
+    med_wall = {n: sorted(ts)[len(ts) // 2] / 3 for n, ts in wall.items()}
+    med_gpu = {n: sorted(s.elapsed_time(e) for s, e in pairs)[len(pairs) // 2] / 3 for n, pairs in gpu.items()}
+    choice = Choice(min(runnable, key=lambda i: med_wall[i.name]), min(runnable, key=lambda i: med_gpu[i.name]))
+    log.info("mlp_fuser: chose %s for moe_mlp %s (µs per call, wall / GPU: %s)", choice.name, p,
+             ", ".join(f"{n} {med_wall[n] * 1e3:.1f} / {med_gpu[n] * 1e3:.1f}" for n in med_wall))
+    return choice
 
 
 def chosen(p: Problem) -> str | None:
-    """The name of the implementation chosen for ``p`` so far, or None."""
-    for key, impl in _chosen.items():
+    """The name of the implementation chosen for ``p`` so far (for plain calls, and for CUDA graphs where that
+    differs), or None."""
+    for key, choice in _chosen.items():
         if key[:9] == (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases):
-            return impl.name
+            return choice.name
     return None
 
 

@@ -459,3 +459,22 @@ def test_triton_needs_opt_in(monkeypatch):
     with pytest.raises(ValueError, match="triton_moe_sorted"):
         mlp_fuser.moe_mlp(*make(5, 2, 4), "silu")
     mlp_fuser.moe.reset()
+
+
+def test_choice_for_plain_calls_and_for_graph_captures(monkeypatch):
+    """A call captured in a CUDA graph takes the implementation fastest on the GPU alone; other calls the one
+    fastest with the host's time (at one token they differ: fewer launches against less GPU time)."""
+    from mlp_fuser import moe
+
+    x, ids, wts, wgu, bgu, wd, bd = make(3, 2, 4)
+    gate = moe._gate(wgu, wd, "silu", False, None, False, 0.0)
+    p = moe.Problem("cuda", x.dtype, 3, 2, 4, x.shape[1], wd.shape[2], gate, False)
+    plain, graph = moe.IMPLS_BY_NAME["triton_moe_direct"], moe.IMPLS_BY_NAME["triton_moe_sorted"]
+    moe.reset()
+    monkeypatch.setattr(moe, "_time", lambda candidates, args, p: moe.Choice(plain, graph))
+    monkeypatch.setattr(moe, "eligible", lambda p: [plain, graph])
+    for capturing, expected in ((False, plain), (True, graph), (False, plain)):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        assert moe.choose(p, ()) is expected
+    assert moe.chosen(p) == "triton_moe_direct (graphs: triton_moe_sorted)"
+    moe.reset()

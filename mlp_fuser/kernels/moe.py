@@ -19,6 +19,7 @@ All accumulation is fp32; h is rounded to x's dtype once, y once. No atomics: re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +56,13 @@ class ExpertAct:
         return a * (u + self.up_offset)
 
     def constexprs(self) -> dict:
-        return dict(ACT=get_activation(self.name).triton_fn, ALPHA=float(self.alpha),
-                    HAS_LIMIT=self.limit is not None, LIMIT=float(self.limit or 0.0),
-                    CLAMP_AFTER=self.clamp_after, UP_OFFSET=float(self.up_offset))
+        return _constexprs(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _constexprs(act: ExpertAct) -> dict:
+    return dict(ACT=get_activation(act.name).triton_fn, ALPHA=float(act.alpha), HAS_LIMIT=act.limit is not None,
+                LIMIT=float(act.limit or 0.0), CLAMP_AFTER=act.clamp_after, UP_OFFSET=float(act.up_offset))
 
 
 @triton.jit
@@ -530,20 +535,24 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     ``configs``: a config per kind of CONFIGS, else default_config's."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    cfg = {kind: default_config(kind, T, k, E, H, I, x.dtype) for kind in CONFIGS} | (configs or {})
+
+    def cfg(kind: str) -> dict:
+        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype)
+
     if path == "pairs":
-        h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg["gate_up_pairs"])
-        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg["down_tokens"])
+        h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"))
+        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
     if path == "direct":
-        h = moe_gate_up_direct(x, ids, wts, w_gu, b_gu, act, I, interleaved, cfg["gate_up"])
-        return moe_down_direct(h, ids, wts, w_d, b_d, x.dtype, cfg["down_direct"])
+        h = moe_gate_up_direct(x, ids, wts, w_gu, b_gu, act, I, interleaved, cfg("gate_up"))
+        return moe_down_direct(h, ids, wts, w_d, b_d, x.dtype, cfg("down_direct"))
     if path not in PATHS:
         raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
-    routing = moe_align(ids, E, cfg["gate_up"]["BLOCK_M"])
-    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, cfg["gate_up"])
+    up = cfg("gate_up")
+    routing = moe_align(ids, E, up["BLOCK_M"])
+    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up)
     if path == "sorted_tokens":
-        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg["down_tokens"])
-    return moe_combine(moe_down(h, routing, wts, w_d, b_d, cfg["down"]), ids, E, x.dtype)
+        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
+    return moe_combine(moe_down(h, routing, wts, w_d, b_d, cfg("down")), ids, E, x.dtype)
 
 
 def moe_reference(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
@@ -637,10 +646,15 @@ def _filling(candidates: list[dict], S: int, E: int, N: int) -> dict:
 
 def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """The first candidate of CONFIGS[kind] for this size's M bucket, with fewer stages where fp32 tiles do not fit
-    shared memory; under the interpreter one small config."""
+    shared memory; under the interpreter one small config. Cached: it runs on every call of the op."""
+    return dict(_default_config(kind, T, k, E, H, I, dtype, INTERPRET))
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype, interpret: bool) -> dict:
     if kind not in CONFIGS:
         raise ValueError(f"default_config: kind must be one of {tuple(CONFIGS)}, not {kind!r}")
-    if INTERPRET:
+    if interpret:
         return dict(_INTERPRET_CONFIG[kind])
     buckets = CONFIGS[kind]
     if kind in ("gate_up", "down"):
