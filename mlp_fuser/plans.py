@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +37,6 @@ from . import compat, config
 from .compat import launch_source
 from .kernels.common import Launcher, stored_as_one
 
-if TYPE_CHECKING:
-    from .dispatch import MLPArgs
-
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
 PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), "triton_small_m": ("zeros", ""),
@@ -48,12 +44,12 @@ PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), 
 _PLANS: dict[tuple, Callable[..., Tensor]] = {}
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
-_INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # MLPArgs' tensors: what a plan takes
+_INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # the tensors of dispatch.MLPArgs: what a plan takes
 _HEAD = f"def plan({', '.join(_INPUTS)}):"
 
 
-def signature(a: MLPArgs, eager: bool) -> tuple:
-    """The key of the call ``a`` (x as given): see the module's docstring."""
+def signature(a: tuple, eager: bool) -> tuple:
+    """The key of the call ``a`` (its ``dispatch.MLPArgs``, x as given): see the module's docstring."""
     x, wg, bg, wu, bu, wd, bd, activation = a
     pg = wg.data_ptr()
     if wu is not None:
@@ -78,10 +74,9 @@ def get(key: tuple) -> Callable[..., Tensor] | None:
     return plan if plan is None or not compat.launch_hooks() else None
 
 
-def record(name: str, fn: Callable[..., Tensor], x: Tensor,
-           args: MLPArgs) -> tuple[Tensor, Callable[..., Tensor] | None]:
-    """``fn(*args)`` (implementation ``name`` on the call's 2-D arguments) and the plan built from the launches it
-    made (None where ``build`` gives none)."""
+def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tuple[Tensor, Callable[..., Tensor] | None]:
+    """``fn(*args)`` (implementation ``name`` on the call's ``dispatch.MLPArgs``, x flattened to 2-D) and the plan
+    built from the launches it made (None where ``build`` gives none)."""
     Launcher.recording.launches = launches = []  # this thread's launches
     try:
         y = fn(*args)
@@ -90,7 +85,7 @@ def record(name: str, fn: Callable[..., Tensor], x: Tensor,
     return y, build(name, x, args, y, launches)
 
 
-def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, args: MLPArgs) -> Tensor:
+def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> Tensor:
     """``fn(*args)``, keeping the plan ``record`` builds from it for ``key``."""
     y, plan = record(name, fn, x, args)
     if plan is not None:
@@ -109,7 +104,7 @@ def source(plan: Callable[..., Tensor]) -> str:
     return plan.__source__
 
 
-def build(name: str, x: Tensor, args: MLPArgs, y: Tensor, launches: list) -> Callable[..., Tensor] | None:
+def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Callable[..., Tensor] | None:
     """The plan for implementation ``name`` from one call: ``args`` its 2-D arguments, ``y`` (M, O) what it returned,
     ``launches`` its launches as ``Launcher`` recorded them. None where a plan could not reproduce the call exactly
     (not a planned implementation, a launch that was not compiled, a tensor it cannot account for)."""
@@ -197,7 +192,7 @@ def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[.
     return plan
 
 
-def _build_cublas_act_mul(name: str, x: Tensor, args: MLPArgs, launches: list) -> Callable[..., Tensor] | None:
+def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> Callable[..., Tensor] | None:
     """The plan of ``cublas_act_mul``: g = x @ w_gateᵀ + b_gate and u (cuBLAS, tensors of the call's own; where gate
     and up are stored as one weight, one GEMM gives gu = [g, u] and g, u are its halves), then its one launch,
     act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for the down
