@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -33,8 +34,9 @@ ImplFn = Callable[..., Tensor]  # called as fn(*MLPArgs) -> y2 (M, O)
 
 
 class MLPArgs(NamedTuple):
-    """One call's operands, x flattened to 2-D: what every implementation takes (``fn(*args)``) and what the
-    dispatcher times and plans record. w_up None: a plain MLP (w_gate is then w1, w_down w2)."""
+    """One call's operands, the record the op passes from its entries through validation, plans and the dispatcher
+    (x as given) to the implementations (x flattened to 2-D: ``fn(*args)``, what the dispatcher times and plans
+    record). w_up None: a plain MLP (w_gate is then w1, w_down w2)."""
 
     x: Tensor
     wg: Tensor
@@ -46,7 +48,8 @@ class MLPArgs(NamedTuple):
     activation: str
 
 
-new_args = tuple.__new__  # new_args(MLPArgs, (x2, ...)): a NamedTuple without its Python __new__ on the hot path
+# new_args((x, wg, ...)): an MLPArgs from a tuple, without the NamedTuple's Python __new__ on the hot path
+new_args = partial(tuple.__new__, MLPArgs)
 
 __all__ = ["BACKWARD", "BACKWARD_IMPLS", "FORWARD", "IMPLS", "IMPLS_BY_NAME", "Impl", "MLPArgs", "Problem", "Registry",
            "callable_for", "chosen", "describe", "eligible", "m_bucket", "resolve", "resolve_backward"]

@@ -273,14 +273,12 @@ def rewrite(gm: GraphModule, c: P.Candidate, order: dict[Node, int], save_preact
     out = c.down.out
     save = (True,) if save_preact else ()  # the op's default (False) is left implicit
     with g.inserting_before(out):
-        wg, bg = _weight_args(g, c.gate)
-        wd, bd = _weight_args(g, c.down)
+        gate, down = _weight_args(g, c.gate), _weight_args(g, c.down)
         if c.up is None:
-            new = g.call_function(torch.ops.mlp_fuser.mlp.default, (c.gate.x, wg, bg, wd, bd, c.act.name, *save))
+            op, weights = torch.ops.mlp_fuser.mlp.default, (*gate, *down)
         else:
-            wu, bu = _weight_args(g, c.up)
-            args = (c.gate.x, wg, bg, wu, bu, wd, bd, c.act.name, *save)
-            new = g.call_function(torch.ops.mlp_fuser.gated_mlp.default, args)
+            op, weights = torch.ops.mlp_fuser.gated_mlp.default, (*gate, *_weight_args(g, c.up), *down)
+        new = g.call_function(op, (c.gate.x, *weights, c.act.name, *save))
     for key in ("example_value", "nn_module_stack", "stack_trace"):
         if key in out.meta:
             new.meta[key] = out.meta[key]

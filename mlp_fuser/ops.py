@@ -48,7 +48,7 @@ from torch import Tensor
 from . import compat, config, dispatch, inductor, plans
 from .activations import ACTIVATIONS, ALIASES, get_activation
 from .dispatch import MLPArgs
-from .dispatch import new_args as _new_args
+from .dispatch import new_args as _args
 from .kernels import act_mul as act_mul_kernel
 from .reference import reference_mlp_backward
 
@@ -69,8 +69,9 @@ _NAMES = {True: ("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"), False:
 # ---- validation: each rule once, the message built only when it fails -----------------------------------
 
 
-def _problem(x, wg, bg, wu, bu, wd, bd, activation) -> tuple[type[Exception], str] | None:
+def _problem(a: MLPArgs) -> tuple[type[Exception], str] | None:
     """The first rule a call breaks, as (exception type, message), or None. Runs on every call."""
+    x, wg, bg, wu, bu, wd, bd, activation = a
     if activation not in _KNOWN_ACTIVATIONS:
         try:
             get_activation(activation)
@@ -82,7 +83,7 @@ def _problem(x, wg, bg, wu, bu, wd, bd, activation) -> tuple[type[Exception], st
     if x.dim() < 1:
         return ValueError, "x must have at least one dimension (its last is K)"
     names = _NAMES[wu is not None]
-    for name, t, dims in zip(names, (wg, bg, wu, bu, wd, bd), (2, 1, 2, 1, 2, 1)):
+    for name, t, dims in zip(names, a[1:7], (2, 1, 2, 1, 2, 1)):
         if t is None:
             continue
         if t.dtype != dt:
@@ -108,12 +109,12 @@ def _shape(t: Tensor | None) -> str:
     return "None" if t is None else f"({', '.join(str(s) for s in t.shape)})"
 
 
-def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
+def check_args(op: str, a: MLPArgs) -> None:
     """Raise TypeError/ValueError naming the op, the argument and every shape when a call breaks a rule."""
-    problem = _problem(x, wg, bg, wu, bu, wd, bd, activation)
+    problem = _problem(a)
     if problem is not None:
         exc, msg = problem
-        named = zip(("x", *_NAMES[wu is not None]), (x, wg, bg, wu, bu, wd, bd))
+        named = zip(("x", *_NAMES[a.wu is not None]), a)  # the seven tensors: zip stops before the activation
         shapes = ", ".join(f"{n}={_shape(t)}" for n, t in named if n is not None)
         raise exc(f"mlp_fuser::{op}: {msg} (shapes: {shapes})")
 
@@ -121,29 +122,26 @@ def check_args(op: str, x, wg, bg, wu, bu, wd, bd, activation) -> None:
 # ---- forward: every device ----------------------------------------------------------------------
 
 
-def _forward(op: str, x, wg, bg, wu, bu, wd, bd, activation, eager: bool = False):
+def _forward(op: str, a: MLPArgs, eager: bool = False):
     """Validate, then run what ``dispatch`` gives for the call (``eager``: its choice for calls made without CUDA
     graphs, where the host's time per call counts too). On CUDA, a signature seen before runs its launch plan
     (``plans``, kept by the dispatcher's callable on the first call): the same kernels with the same arguments,
-    without the path that found them."""
+    without the path that found them. ``a``: the call's operands, x as given."""
+    x = a.x
     planned = x.is_cuda and config.plans and compat.PRIVATE  # plans launch through Triton's private API
     if planned:
-        key = plans.signature(x, wg, bg, wu, bu, wd, bd, activation, eager)
+        key = plans.signature(a, eager)
         plan = plans.get(key)
         if plan is not None:
-            return plan(x, wg, bg, wu, bu, wd, bd)
-    if _problem(x, wg, bg, wu, bu, wd, bd, activation) is not None:
-        check_args(op, x, wg, bg, wu, bu, wd, bd, activation)  # raises, naming the argument and every shape
+            return plan(*a[:7])
+    if _problem(a) is not None:
+        check_args(op, a)  # raises, naming the argument and every shape
     shape = x.shape
-    K, O = shape[-1], wd.shape[0]
-    if len(shape) == 2:
-        M, x2 = shape[0], x
-    else:
-        M = math.prod(shape[:-1])  # not numel // K, which is 0 rows when K = 0
-        x2 = x.reshape(M, K)
+    K, O = shape[-1], a.wd.shape[0]
+    M = shape[0] if len(shape) == 2 else math.prod(shape[:-1])  # not numel // K, which is 0 rows when K = 0
     if M == 0:
         return x.new_empty((*shape[:-1], O))
-    args = _new_args(MLPArgs, (x2, wg, bg, wu, bu, wd, bd, activation))
+    args = a if len(shape) == 2 else _args((x.reshape(M, K), *a[1:]))
     y = dispatch.callable_for(x, args, M, eager, key if planned else None)(*args)
     return y if len(shape) == 2 else y.view(*shape[:-1], O)
 
@@ -159,11 +157,11 @@ calls = _Calls()
 
 
 def _mlp(x, w1, b1, w2, b2, activation, save_preact=False):
-    return _forward("mlp", x, w1, b1, None, None, w2, b2, activation, calls.eager)
+    return _forward("mlp", _args((x, w1, b1, None, None, w2, b2, activation)), calls.eager)
 
 
 def _gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
-    return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, calls.eager)
+    return _forward("gated_mlp", _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)), calls.eager)
 
 
 _lib.impl("mlp", _mlp, "CompositeExplicitAutograd")
@@ -172,14 +170,14 @@ _lib.impl("gated_mlp", _gated_mlp, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("mlp_fuser::mlp")
 def _mlp_fake(x, w1, b1, w2, b2, activation, save_preact=False):
-    check_args("mlp", x, w1, b1, None, None, w2, b2, activation)
+    check_args("mlp", _args((x, w1, b1, None, None, w2, b2, activation)))
     inductor.install_if_inductor()  # the graph being traced may go to Inductor: its code then calls inductor_mlp
     return x.new_empty((*x.shape[:-1], w2.shape[0]))
 
 
 @torch.library.register_fake("mlp_fuser::gated_mlp")
 def _gated_mlp_fake(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
-    check_args("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    check_args("gated_mlp", _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)))
     inductor.install_if_inductor()
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
@@ -205,33 +203,35 @@ def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_
 _PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
 
 
-def _plain_call(x, wg, bg, wu, bu, wd, bd) -> bool:
+def _plain_call(a: MLPArgs) -> bool:
     """Whether computing the op right here is exactly what the dispatcher would do: plain CPU/CUDA tensors, no
     gradient, no autocast (on any device), no torch function or dispatch mode (fake tensors, functionalization), no
     tracing; and no profiler, which then sees the op's own event. Never on ``compat``'s public path."""
     # cheapest first; x.is_cuda / x.is_cpu, not x.device.type (which builds a device object, then a string)
+    x = a.x
     return (type(x) is Tensor and compat.PRIVATE and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
             and not compat.profiler_enabled()
-            and not (torch.is_grad_enabled() and compat.any_requires_grad(x, wg, bg, wu, bu, wd, bd))
+            and not (torch.is_grad_enabled() and compat.any_requires_grad(*a[:7]))
             and not compat.any_autocast_enabled()  # any device: asking for x's builds its device's name
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
-            and type(wg) in _PLAIN and type(bg) in _PLAIN and type(wu) in _PLAIN and type(bu) in _PLAIN
-            and type(wd) in _PLAIN and type(bd) in _PLAIN)
+            and _PLAIN.issuperset(map(type, a[1:7])))
 
 
 def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     """``mlp`` for a caller that runs eagerly (``patch``): what the op computes, minus the dispatcher's host time
     where nothing needs it, and with the implementation chosen for calls made without CUDA graphs. ``save_preact``
     matters only under autograd, which the registered op handles."""
-    if _plain_call(x, w1, b1, None, None, w2, b2):
-        return _forward("mlp", x, w1, b1, None, None, w2, b2, activation, True)
+    a = _args((x, w1, b1, None, None, w2, b2, activation))
+    if _plain_call(a):
+        return _forward("mlp", a, True)
     return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
 
 def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` for a caller that runs eagerly: see ``eager_mlp``."""
-    if _plain_call(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
-        return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, True)
+    a = _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
+    if _plain_call(a):
+        return _forward("gated_mlp", a, True)
     return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
                                                  save_preact)
 
@@ -246,15 +246,17 @@ def inductor_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     """``mlp`` as Inductor's generated code calls it: computed right here where nothing needs the dispatcher's
     layers, with the choice the registered op makes (``calls.eager``, set around graphs run without CUDA graphs);
     otherwise the registered op."""
-    if _plain_call(x, w1, b1, None, None, w2, b2):
-        return _forward("mlp", x, w1, b1, None, None, w2, b2, activation, calls.eager)
+    a = _args((x, w1, b1, None, None, w2, b2, activation))
+    if _plain_call(a):
+        return _forward("mlp", a, calls.eager)
     return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
 
 def inductor_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` as Inductor's generated code calls it: see ``inductor_mlp``."""
-    if _plain_call(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
-        return _forward("gated_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, calls.eager)
+    a = _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
+    if _plain_call(a):
+        return _forward("gated_mlp", a, calls.eager)
     return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
                                                  save_preact)
 
@@ -301,20 +303,21 @@ def _mlp_backward_fake(dy, w_down, g, u, activation, need_h):
 # ---- autograd: pre-activations recomputed (default) or saved; the fused backward ---------------------
 
 
-def _forward_saving(op, x, wg, bg, wu, bu, wd, bd, activation):
+def _forward_saving(op: str, a: MLPArgs):
     """The forward as cuBLAS gate and up, one act·mul, cuBLAS down: (y, g, u), g and u (M, I) for the backward."""
-    check_args(op, x, wg, bg, wu, bu, wd, bd, activation)
-    K, O = x.shape[-1], wd.shape[0]
-    x2 = x.reshape(math.prod(x.shape[:-1]), K)
-    g = F.linear(x2, wg, bg)
-    u = F.linear(x2, wu, bu) if wu is not None else None
-    y = F.linear(torch.ops.mlp_fuser.act_mul.default(g, u, activation), wd, bd)
-    return y.view(*x.shape[:-1], O).detach(), g, u  # detach(): a tensor of its own, as _forward's
+    check_args(op, a)
+    x = a.x
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    g = F.linear(x2, a.wg, a.bg)
+    u = F.linear(x2, a.wu, a.bu) if a.wu is not None else None
+    y = F.linear(torch.ops.mlp_fuser.act_mul.default(g, u, a.activation), a.wd, a.bd)
+    return y.view(*x.shape[:-1], a.wd.shape[0]).detach(), g, u  # detach(): a tensor of its own, as _forward's
 
 
-def _backward_core(activation, need, dy, x, wg, bg, wu, bu, wd, bd, g=None, u=None):
-    """Gradients of (x, wg, bg, wu, bu, wd, bd) (those ``need`` asks for) from dy; g and u, the pre-activations,
+def _backward_core(need, dy, a: MLPArgs, g=None, u=None):
+    """Gradients of the seven tensors of ``a`` (those ``need`` asks for) from dy; g and u, the pre-activations,
     are recomputed from x when not given."""
+    x, wg, bg, wu, bu, wd, bd, activation = a
     K, O, I = x.shape[-1], wd.shape[0], wg.shape[0]
     x2 = x.reshape(-1, K)
     dy2 = dy.reshape(-1, O)
@@ -357,14 +360,14 @@ class _MLPFunction(torch.autograd.Function):
     def forward(ctx, keyset, op, save_preact, *args):
         ctx.activation = args[-1]
         ctx.gated = len(args) == 8
-        full = args[:-1] if ctx.gated else (*args[:3], None, None, *args[3:5])  # (x, wg, bg, wu, bu, wd, bd)
+        a = _args(args if ctx.gated else (*args[:3], None, None, *args[3:]))
         if save_preact:
-            y, g, u = _forward_saving("gated_mlp" if ctx.gated else "mlp", *full, ctx.activation)
-            ctx.save_for_backward(*full, g, u)
+            y, g, u = _forward_saving("gated_mlp" if ctx.gated else "mlp", a)
+            ctx.save_for_backward(*a[:7], g, u)
         else:
             with torch._C._AutoDispatchBelowAutograd():
                 y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-            ctx.save_for_backward(*full)
+            ctx.save_for_backward(*a[:7])
         # A view of the 2-D result is returned as a tensor of its own, so callers may update it in place under
         # autograd (Falcon adds the attention output into the MLP output with +=).
         return y.detach() if y._is_view() else y
@@ -373,7 +376,8 @@ class _MLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         n = ctx.needs_input_grad[3:]
         need = n[:7] if ctx.gated else (n[0], n[1], n[2], False, False, n[3], n[4])
-        grads = _backward_core(ctx.activation, need, dy, *ctx.saved_tensors)
+        saved = ctx.saved_tensors
+        grads = _backward_core(need, dy, _args((*saved[:7], ctx.activation)), *saved[7:])
         if not ctx.gated:
             grads = grads[:3] + grads[5:]
         return (None, None, None, *grads, None)

@@ -44,11 +44,13 @@ PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), 
 _PLANS: dict[tuple, Callable[..., Tensor]] = {}
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
-_INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")
+_INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # the tensors of dispatch.MLPArgs: what a plan takes
+_HEAD = f"def plan({', '.join(_INPUTS)}):"
 
 
-def signature(x: Tensor, wg, bg, wu, bu, wd, bd, activation: str, eager: bool) -> tuple:
-    """The call's key: see the module's docstring."""
+def signature(a: tuple, eager: bool) -> tuple:
+    """The key of the call ``a`` (its ``dispatch.MLPArgs``, x as given): see the module's docstring."""
+    x, wg, bg, wu, bu, wd, bd, activation = a
     pg = wg.data_ptr()
     if wu is not None:
         pu = wu.data_ptr()
@@ -73,8 +75,8 @@ def get(key: tuple) -> Callable[..., Tensor] | None:
 
 
 def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tuple[Tensor, Callable[..., Tensor] | None]:
-    """``fn(*args)`` (implementation ``name`` on the call's 2-D arguments) and the plan built from the launches it
-    made (None where ``build`` gives none)."""
+    """``fn(*args)`` (implementation ``name`` on the call's ``dispatch.MLPArgs``, x flattened to 2-D) and the plan
+    built from the launches it made (None where ``build`` gives none)."""
     Launcher.recording.launches = launches = []  # this thread's launches
     try:
         y = fn(*args)
@@ -109,13 +111,13 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
     if name not in PLANNED or not launches or compat.launch_hooks():
         return None
     start, cublas = PLANNED[name]
-    x2, wg, bg, wu, bu, wd, bd, activation = args
+    x2, wg, wd = args.x, args.wg, args.wd
     if x2.data_ptr() != x.data_ptr():  # x2 must be a view of x: the plan passes x's pointer
         return None
     if cublas == "all":
         return _build_cublas_act_mul(name, x, args, launches)
     cublas_tail = cublas == "down"
-    names = {id(t): n for n, t in zip(_INPUTS, (x2, wg, bg, wu, bu, wd, bd)) if t is not None}
+    names = {id(t): n for n, t in zip(_INPUTS, args) if t is not None}
     out_shape = (*x.shape[:-1], wd.shape[0])
     pieces: dict[int, tuple[str, int, int]] = {}  # id(intermediate) -> (expression, byte offset, bytes)
     nbytes, calls, consts, used = 0, [], {}, set()
@@ -147,7 +149,7 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
             else:
                 return None
         calls.append(_launch_line(i, launcher, hit, exprs, consts))
-    lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({device_index})"]
+    lines = [_HEAD, f"    s = _stream({device_index})"]
     lines += [f"    p_{n} = {n}.data_ptr()" for n in _INPUTS if n in used]
     if cublas_tail:  # the launches write h (the only intermediate), which cuBLAS then reads as a tensor
         h_shape = (x2.shape[0], wg.shape[0])
@@ -195,7 +197,7 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     and up are stored as one weight, one GEMM gives gu = [g, u] and g, u are its halves), then its one launch,
     act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for the down
     projection of h. None where the record is not that one launch."""
-    x2, wg, bg, wu, bu, wd, bd, _ = args
+    x2, wg, wu, wd = args.x, args.wg, args.wu, args.wd
     if len(launches) != 1:
         return None
     launcher, key, largs = launches[0]
@@ -220,7 +222,7 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
         return None
     consts: dict = {}
     out_shape = (*x.shape[:-1], wd.shape[0])
-    lines = ["def plan(x, wg, bg, wu, bu, wd, bd):", f"    s = _stream({hit[2]})",
+    lines = [_HEAD, f"    s = _stream({hit[2]})",
              f"    x2 = x.view({tuple(x2.shape)})" if x.dim() != 2 else "    x2 = x"]
     if one:  # the signature says the weights are stored as one: their (2I, K) view, as gate_up_as_one takes it
         lines += [f"    gu = _linear(x2, wg.as_strided({(2 * wg.shape[0], wg.shape[1])}, {wg.stride()}))",

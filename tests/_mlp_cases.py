@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlp_fuser.dispatch import MLPArgs
 from mlp_fuser.reference import reference_gate_up, reference_mlp
 
 
@@ -31,6 +32,10 @@ class Case:
         if self.gated:
             return (self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd, self.act)
         return (self.x, self.wg, self.bg, self.wd, self.bd, self.act)
+
+    def record(self, **fields) -> MLPArgs:
+        """The case as the record the op passes inside (``dispatch.MLPArgs``), ``fields`` replaced."""
+        return MLPArgs(self.x, self.wg, self.bg, self.wu, self.bu, self.wd, self.bd, self.act)._replace(**fields)
 
     def op(self):
         return torch.ops.mlp_fuser.gated_mlp.default if self.gated else torch.ops.mlp_fuser.mlp.default

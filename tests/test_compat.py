@@ -52,7 +52,7 @@ def test_public_path_outside_the_tested_versions_gives_the_fast_paths_outputs(re
     restore.setattr(config, "triton_on_cpu", True)
     c = make_case(5, 32, 48, 16, dtype=torch.float32)
     fast = _outputs(c)
-    assert compat.PRIVATE and ops._plain_call(c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
+    assert compat.PRIVATE and ops._plain_call(c.record())
     if how == "unknown torch":
         restore.setattr(torch, "__version__", "2.99.0")
     elif how == "unknown triton":
@@ -60,7 +60,7 @@ def test_public_path_outside_the_tested_versions_gives_the_fast_paths_outputs(re
     else:
         restore.setattr(config, "private_apis", False)
     assert compat.refresh() is False
-    assert not ops._plain_call(c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)  # the registered op, through the dispatcher
+    assert not ops._plain_call(c.record())  # the registered op, through the dispatcher
     assert compat.inductor_lowering() is None
     assert not compat.set_op_attribute("_never_set", len) and "_never_set" not in vars(torch.ops.mlp_fuser)
     public = _outputs(c)

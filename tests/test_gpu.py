@@ -241,7 +241,7 @@ def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
         for i in range(4):
             case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, device="cuda", bias=(bias,) * 3,
                              lead=lead)
-            key = plans.signature(case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd, act, False)
+            key = plans.signature(case.record(), False)
             # built by the first call, run after; small_m's fp32 calls without b_down return its zeroed accumulator
             planned = i > 0 and not (impl == "triton_small_m" and dtype == torch.float32 and not bias)
             assert (plans.get(key) is not None) == planned, (impl, M, i)
@@ -274,7 +274,7 @@ def test_gpu_gate_and_up_stored_as_one_match_float64(impl, dtype, monkeypatch):
         for i in range(3):
             case = make_case(M, K, I, O, act="silu", dtype=dtype, device="cuda", bias=(False,) * 3, lead=lead,
                              layout="merged")
-            key = plans.signature(case.x, case.wg, None, case.wu, None, case.wd, None, "silu", False)
+            key = plans.signature(case.record(), False)
             planned = i > 0 and impl in plans.PLANNED  # cublas_two_streams has no plan: it runs its full path
             assert (plans.get(key) is not None) == planned, (impl, M, i)
             if planned:

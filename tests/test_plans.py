@@ -66,7 +66,7 @@ def test_a_plan_launches_what_the_full_path_launched(recorded, name, case):
     if impl.why_not(dispatch.Problem("cpu", c.x.dtype, M, K, I, O, gated)) is not None:
         pytest.skip(f"{name} does not take {case}")
     x2 = c.x.reshape(-1, K)
-    args = (x2, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act)
+    args = c.record(x=x2)
     key = ("test", name, case)
     plans.clear()
     y_full = plans.run_and_plan(key, name, impl.fn, c.x, args)
@@ -120,7 +120,7 @@ def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorde
     c = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
     impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
     plans.clear()
-    plans.run_and_plan("k", impl.name, impl.fn, c.x, (c.x.reshape(-1, 32), c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act))
+    plans.run_and_plan("k", impl.name, impl.fn, c.x, c.record(x=c.x.reshape(-1, 32)))
     plan = plans.get("k")
     assert plan is not None
     d = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
@@ -158,7 +158,7 @@ def test_the_cublas_act_mul_plan_runs_one_gemm_where_gate_and_up_are_stored_as_o
     c, args, _ = merged_case()
     impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
     plans.clear()
-    plans.run_and_plan("k", impl.name, impl.fn, c.x, (c.x.reshape(-1, 32), *args[1:], "silu"))
+    plans.run_and_plan("k", impl.name, impl.fn, c.x, dispatch.MLPArgs(c.x.reshape(-1, 32), *args[1:], "silu"))
     plan = plans.get("k")
     assert plan is not None and "as_strided" in plans.source(plan)
     _, args, w = merged_case()
@@ -176,10 +176,14 @@ def test_the_cublas_act_mul_plan_runs_one_gemm_where_gate_and_up_are_stored_as_o
 def test_the_signature_tells_apart_everything_a_launch_depends_on():
     c = make_case(4, 32, 48, 16, bias=(True, True, True), dtype=torch.float16)
     base = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
-    key = plans.signature(*base, "silu", False)
-    assert plans.signature(*[t.clone() for t in base], "silu", False) == key  # same metadata, other memory
-    assert plans.signature(*base, "gelu", False) != key
-    assert plans.signature(*base, "silu", True) != key
+
+    def sig(*tensors, act="silu", eager=False):
+        return plans.signature(dispatch.MLPArgs(*tensors, act), eager)
+
+    key = sig(*base)
+    assert sig(*[t.clone() for t in base]) == key  # same metadata, other memory
+    assert sig(*base, act="gelu") != key
+    assert sig(*base, eager=True) != key
     for i, t in enumerate(base):
         variants = [t.float(), t.t().contiguous().t() if t.dim() == 2 else t[::1].expand(t.shape[0]).clone(),
                     torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)]  # dtype, strides, alignment
@@ -191,15 +195,15 @@ def test_the_signature_tells_apart_everything_a_launch_depends_on():
             if v.stride() == t.stride() and v.dtype == t.dtype and v.shape == t.shape and \
                     v.data_ptr() % 16 == t.data_ptr() % 16:
                 continue  # not a variant of this tensor
-            assert plans.signature(*args, "silu", False) != key, (i, v.shape, v.stride(), v.dtype)
-    assert plans.signature(c.x, c.wg, None, c.wu, c.bu, c.wd, c.bd, "silu", False) != key
+            assert sig(*args) != key, (i, v.shape, v.stride(), v.dtype)
+    assert sig(c.x, c.wg, None, *base[3:]) != key
     w = torch.cat([c.wg, c.wu])  # gate and up stored as one weight, else the same metadata
-    assert plans.signature(c.x, w[:48], c.bg, w[48:], c.bu, c.wd, c.bd, "silu", False) != key
+    assert sig(c.x, w[:48], c.bg, w[48:], *base[4:]) != key
     for setting, value in (("force_impl", "reference"), ("autotune", False)):
         old = getattr(config, setting)
         setattr(config, setting, value)
         try:
-            assert plans.signature(*base, "silu", False) != key, setting
+            assert sig(*base) != key, setting
         finally:
             setattr(config, setting, old)
 
@@ -209,7 +213,7 @@ def test_no_plan_while_a_launch_hook_is_set(recorded, monkeypatch):
     x2 = c.x.reshape(-1, 32)
     impl = dispatch.IMPLS_BY_NAME["triton_gemm_splitk"]
     plans.clear()
-    plans.run_and_plan("k", impl.name, impl.fn, c.x, (x2, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act))
+    plans.run_and_plan("k", impl.name, impl.fn, c.x, c.record(x=x2))
     assert plans.get("k") is not None
     monkeypatch.setattr(compat, "launch_hooks", lambda: True)
     assert plans.get("k") is None  # a profiler's hook: every launch goes through Triton's own path
@@ -219,10 +223,10 @@ def test_small_m_in_fp32_without_b_down_is_not_planned(recorded):
     """There the kernel accumulates into the output itself, which must start at zero on every call."""
     c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, False))
     impl = dispatch.IMPLS_BY_NAME["triton_small_m"]
-    args = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act)
+    args = c.record()
     plans.clear()
     plans.run_and_plan("fp32", impl.name, impl.fn, c.x, args)
     assert plans.get("fp32") is None
     c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, True))
-    plans.run_and_plan("fp32 b", impl.name, impl.fn, c.x, (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, c.act))
+    plans.run_and_plan("fp32 b", impl.name, impl.fn, c.x, c.record())
     assert plans.get("fp32 b") is not None  # with b_down a finish kernel writes the output
