@@ -68,7 +68,7 @@ def gated_act_bwd(g, u, dh, ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl
 def _moe_bwd_act_kernel(
     x_ptr, dy_ptr, wgu_ptr, bgu_ptr, wd_ptr, bd_ptr, wts_ptr, h_ptr, dgu_ptr, dw_ptr,
     sorted_ptr, block_expert_ptr, num_blocks_ptr,
-    S, K_TOP, I, H, UP_ROW, N_TILES,
+    S, K_TOP, I, H, N_GU, UP_ROW, N_TILES,
     stride_xm, stride_xk, stride_dym, stride_dyk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_de, stride_dn, stride_dk, stride_bde, stride_bdn, stride_wt, stride_wj,
     GATED: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, GATE_STEP: tl.constexpr,
@@ -141,7 +141,7 @@ def _moe_bwd_act_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     tl.store(dw_ptr + rows * N_TILES + pid_n, dw, mask=mask_m)
     tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=mask)
-    dgu_rows = dgu_ptr + rows[:, None] * (I * (1 + GATED))
+    dgu_rows = dgu_ptr + rows[:, None] * N_GU
     tl.store(dgu_rows + (offs_n * GATE_STEP)[None, :], dg.to(dgu_ptr.dtype.element_ty), mask=mask)
     if GATED:
         tl.store(dgu_rows + (UP_ROW + offs_n * GATE_STEP)[None, :], du.to(dgu_ptr.dtype.element_ty), mask=mask)
@@ -187,8 +187,10 @@ def _moe_wgrad_kernel(
             acc_b += tl.sum(a_f, axis=1)
     out = dw_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn + offs_k[None, :] * stride_dk
     tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
-    if HAS_DB and pid_k == 0:
-        tl.store(db_ptr + e * stride_dbe + offs_n * stride_dbn, acc_b.to(db_ptr.dtype.element_ty), mask=mask_n)
+    if HAS_DB:
+        if pid_k == 0:  # one program per row tile sums the bias gradient
+            tl.store(db_ptr + e * stride_dbe + offs_n * stride_dbn, acc_b.to(db_ptr.dtype.element_ty),
+                     mask=mask_n)
 
 
 # ---- host side --------------------------------------------------------------------------------------
@@ -234,9 +236,8 @@ def _check(x: Tensor, act: ExpertAct) -> None:
 
 
 def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_start: Tensor, E: int, N: int, K: int,
-           a_by_token: bool, b_by_token: bool, dw: Tensor, db: Tensor | None) -> None:
+           a_by_token: bool, b_by_token: bool, dw: Tensor, db: Tensor | None, cfg: dict) -> None:
     """dw[e] (N, K) = Σ_p (w_p a_p)ᵀ b_p over expert e's pairs; db[e] = Σ_p w_p a_p. Writes every element."""
-    cfg = backward_config("wgrad", routing.block_m, a.dtype)
     S = b.shape[0] * routing.k if b_by_token else b.shape[0]
     s = wts if wts is not None else a
     d = db if db is not None else dw
@@ -253,11 +254,13 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
 
 
 def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
-                 b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+                 b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
+                 configs: dict | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
     """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
     given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
-    (any BLOCK_M), else built here. Raises NotImplementedError for what it does not run (the caller falls back)."""
+    (any BLOCK_M), else built here. ``configs``: "act", "wgrad" (``backward_config``'s keys) and "dx" (a
+    ``moe_down`` config), else the defaults. Raises NotImplementedError for what it does not run (the caller falls
+    back to the aten reference)."""
     _check(x, act)
     T, H = x.shape
     k = ids.shape[1]
@@ -277,7 +280,8 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         return (torch.zeros_like(x), torch.zeros_like(wts), *zero)
 
     # -- h, [dg du] per pair and dw's partials per column tile -------------------------------------------
-    cfg = backward_config("act", routing.block_m, x.dtype)
+    cfgs = {kind: backward_config(kind, routing.block_m, x.dtype) for kind in ("act", "wgrad")} | (configs or {})
+    cfg = cfgs["act"]
     n_tiles = cdiv(I, cfg["BLOCK_N"])
     h = torch.empty((S, I), dtype=x.dtype, device=dev)
     dgu = torch.empty((S, w_gu.shape[1]), dtype=x.dtype, device=dev)
@@ -288,7 +292,7 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     _moe_bwd_act_kernel[(n_blocks, n_tiles)](
         x, dy, w_gu, bgu, w_d, bd, wts, h, dgu, dw_part,
         routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        S, k, I, H, up_row, n_tiles,
+        S, k, I, H, w_gu.shape[1], up_row, n_tiles,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
         *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1),
         GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
@@ -300,14 +304,14 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
 
     # -- dx: [dg du]_p Wgu[e] per pair (the forward's down kernel on the transposed view), summed per token -----
     ones = torch.ones((), dtype=torch.float32, device=dev).expand(T, k)
-    dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None), ids, E, x.dtype)
+    dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None, cfgs.get("dx")), ids, E, x.dtype)
 
     # -- weight gradients: a program per (expert, tile), looping over the expert's blocks -----------------------
     expert_start = torch.searchsorted(routing.block_expert,
                                       torch.arange(E + 1, dtype=routing.block_expert.dtype, device=dev))
     expert_start = expert_start.to(torch.int32)
-    _wgrad(dy, h, wts, routing, expert_start, E, H, I, True, False, dw_d, db_d)
-    _wgrad(dgu, x, None, routing, expert_start, E, w_gu.shape[1], H, False, True, dw_gu, db_gu)
+    _wgrad(dy, h, wts, routing, expert_start, E, H, I, True, False, dw_d, db_d, cfgs["wgrad"])
+    _wgrad(dgu, x, None, routing, expert_start, E, w_gu.shape[1], H, False, True, dw_gu, db_gu, cfgs["wgrad"])
     return dx, dwts, dw_gu, db_gu, dw_d, db_d
 
 
