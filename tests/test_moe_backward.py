@@ -7,6 +7,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.kernels.moe import ExpertAct
 from mlp_fuser.kernels.moe_backward import moe_backward, moe_experts_autograd
+from mlp_fuser.kernels.moe_routing import moe_align
 from mlp_fuser.moe import Gate, reference
 from mlp_fuser.reference import rel_err
 
@@ -103,6 +104,30 @@ def test_autograd_function():
     y_ref = reference(*(t.double() if t.is_floating_point() else t for t in (x, ids, wts, w_gu, b_gu, w_d, b_d)), gate)
     assert rel_err(y.detach(), y_ref) <= 1e-5
     check([t.grad for t in leaves], grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy), BAR[torch.float32])
+
+
+def test_forward_routing_strided_dy_and_frozen_weights():
+    """A routing of another BLOCK_M passed in, dy through strides; without weight gradients only dx and dwts."""
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(40, 3, 6, 48, 40, torch.float32, bias=True, seed=2)
+    dy = dy.t().contiguous().t()
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, Gate("silu"), dy)
+    with poisoned_empty():
+        out = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy, moe_align(ids, 6, 32))
+    check(out, ref, BAR[torch.float32])
+    with poisoned_empty():
+        out = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy, need_weights=False)
+    assert out[2:] == (None,) * 4
+    check(out[:2], ref[:2], BAR[torch.float32])
+
+
+def test_autograd_function_frozen_experts():
+    """Experts frozen (LoRA-style): gradients reach x and the routing weights only."""
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(17, 2, 4, 24, 16, torch.float32, seed=3)
+    xg, wg = x.clone().requires_grad_(), wts.clone().requires_grad_()
+    with poisoned_empty():
+        moe_experts_autograd(xg, ids, wg, w_gu, None, w_d, None).backward(dy)
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, Gate("silu"), dy)
+    check([xg.grad, wg.grad], ref[:2], BAR[torch.float32])
 
 
 def test_float64_raises_not_implemented():

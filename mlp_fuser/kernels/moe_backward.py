@@ -170,8 +170,14 @@ def _moe_wgrad_kernel(
         pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = pairs < S
         tokens = pairs // K_TOP
-        rows_a = (tokens if A_BY_TOKEN else pairs).to(tl.int64)
-        rows_b = (tokens if B_BY_TOKEN else pairs).to(tl.int64)
+        if A_BY_TOKEN:
+            rows_a = tokens.to(tl.int64)
+        else:
+            rows_a = pairs.to(tl.int64)
+        if B_BY_TOKEN:
+            rows_b = tokens.to(tl.int64)
+        else:
+            rows_b = pairs.to(tl.int64)
         a = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
                     mask=mask_n[:, None] & mask_m[None, :], other=0.0)  # (BLOCK_N, BLOCK_M), read transposed
         if SCALED:
@@ -255,12 +261,14 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
 
 def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
-                 configs: dict | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+                 configs: dict | None = None, need_dx: bool = True, need_weights: bool = True
+                 ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
     given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
     (any BLOCK_M), else built here. ``configs``: "act", "wgrad" (``backward_config``'s keys) and "dx" (a
     ``moe_down`` config), else the defaults. Raises NotImplementedError for what it does not run (the caller falls
-    back to the aten reference)."""
+    back to the aten reference). Without ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight
+    and bias gradients are not computed and come back None."""
     _check(x, act)
     T, H = x.shape
     k = ids.shape[1]
@@ -271,13 +279,10 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype)["BLOCK_M"])
     dy = dy.to(x.dtype)
     dev = x.device
-    dw_gu = torch.empty(w_gu.shape, dtype=w_gu.dtype, device=dev)
-    dw_d = torch.empty(w_d.shape, dtype=w_d.dtype, device=dev)
-    db_gu = torch.empty(b_gu.shape, dtype=b_gu.dtype, device=dev) if b_gu is not None else None
-    db_d = torch.empty(b_d.shape, dtype=b_d.dtype, device=dev) if b_d is not None else None
     if S == 0 or H == 0 or I == 0 or E == 0:
-        zero = [t.zero_() if t is not None else None for t in (dw_gu, db_gu, dw_d, db_d)]
-        return (torch.zeros_like(x), torch.zeros_like(wts), *zero)
+        zero = [torch.zeros(t.shape, dtype=t.dtype, device=dev) if t is not None and need_weights else None
+                for t in (w_gu, b_gu, w_d, b_d)]
+        return (torch.zeros_like(x) if need_dx else None, torch.zeros_like(wts), *zero)
 
     # -- h, [dg du] per pair and dw's partials per column tile -------------------------------------------
     cfgs = {kind: backward_config(kind, routing.block_m, x.dtype) for kind in ("act", "wgrad")} | (configs or {})
@@ -303,8 +308,16 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
     # -- dx: [dg du]_p Wgu[e] per pair (the forward's down kernel on the transposed view), summed per token -----
-    ones = torch.ones((), dtype=torch.float32, device=dev).expand(T, k)
-    dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None, cfgs.get("dx")), ids, E, x.dtype)
+    dx = None
+    if need_dx:
+        ones = torch.ones((), dtype=torch.float32, device=dev).expand(T, k)
+        dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None, cfgs.get("dx")), ids, E, x.dtype)
+    if not need_weights:
+        return dx, dwts, None, None, None, None
+    dw_gu = torch.empty(w_gu.shape, dtype=w_gu.dtype, device=dev)
+    dw_d = torch.empty(w_d.shape, dtype=w_d.dtype, device=dev)
+    db_gu = torch.empty(b_gu.shape, dtype=b_gu.dtype, device=dev) if b_gu is not None else None
+    db_d = torch.empty(b_d.shape, dtype=b_d.dtype, device=dev) if b_d is not None else None
 
     # -- weight gradients: a program per (expert, tile), looping over the expert's blocks -----------------------
     expert_start = torch.searchsorted(routing.block_expert,
@@ -337,9 +350,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         x, ids, wts, w_gu, b_gu, w_d, b_d, sorted_pairs, block_expert, num_blocks = ctx.saved_tensors
         act, interleaved, block_m, k = ctx.meta
         routing = Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
-        dx, dwts, dw_gu, db_gu, dw_d, db_d = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved,
-                                                          dy, routing)
-        return dx, None, dwts, dw_gu, db_gu, dw_d, db_d, None, None
+        need = ctx.needs_input_grad
+        dx, dwts, dw_gu, db_gu, dw_d, db_d = moe_backward(
+            x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, dy, routing,
+            need_dx=need[0], need_weights=any(need[3:7]))
+        return dx, None, dwts if need[2] else None, dw_gu, db_gu, dw_d, db_d, None, None
 
 
 def moe_experts_autograd(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
