@@ -12,7 +12,9 @@ y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising wit
 - ``_moe_wgrad_kernel``, per (expert, BLOCK_N rows, BLOCK_K columns of dW[e]): loops over that expert's blocks,
   dWd[e] = Σ (w_p dy[t])ᵀ h_p and dWgu[e] = Σ [dg du]_pᵀ x[t], the bias gradient summed by the column-0 programs.
 
-No atomics: every gradient is deterministic. fp32 accumulation; h and [dg du] are rounded to x's dtype once.
+No atomics on any gradient: dx and dwts are computed per pair and summed in j order, so they are bitwise
+reproducible; a weight gradient sums its expert's pairs in the routing's order, which ``moe_align``'s atomic version
+(many pairs) may change from call to call. fp32 accumulation; h and [dg du] are rounded to x's dtype once.
 Every layout and activation of the forward is supported (gated concatenated or interleaved, plain, biases, the
 clamps, GPT-OSS's g·σ(αg)); fp64 raises NotImplementedError (the caller keeps the aten reference for it).
 """
