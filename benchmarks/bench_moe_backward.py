@@ -1,0 +1,193 @@
+"""The routed experts' Triton backward on the GPU against autograd through the aten path (torch._grouped_mm).
+
+    python benchmarks/bench_moe_backward.py [--backward] [--sweep] [--T 1024,4096] [--tiny]
+
+Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8, silu, gate|up concatenated), bf16, random top-k routing.
+For each T: ours = ``moe_experts_autograd`` (the sorted Triton forward, ``moe_backward``); theirs = autograd through
+``mlp_fuser.moe.reference`` (torch._grouped_mm both ways). Timed as CUDA-graph medians: the training step of the
+experts (forward + backward) and, with ``--backward``, the backward alone as well; peak memory of one step above
+what the inputs hold; with ``--sweep``, the backward alone over a few tile configs of each of its kernels (the
+others at their defaults), the fastest printed. Every gradient checked against float64 autograd
+(‖out − ref‖ / ‖ref‖, both sides' errors).
+Results go to $OUT/moe_backward.json when OUT is set; a short table is printed last.
+``--tiny``: small shapes on the CPU under the Triton interpreter (fp32, wall clock): a smoke test of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+TINY = "--tiny" in sys.argv
+if TINY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from mlp_fuser.kernels import moe  # noqa: E402
+from mlp_fuser.kernels.moe import ExpertAct  # noqa: E402
+from mlp_fuser.kernels.moe_backward import moe_backward, moe_experts_autograd  # noqa: E402
+from mlp_fuser.moe import Gate, reference  # noqa: E402
+from mlp_fuser.reference import rel_err  # noqa: E402
+
+SIZE = (64, 40, 8, 4) if TINY else (2048, 768, 128, 8)  # H, I, E, k
+DEV = "cpu" if TINY else "cuda"
+DTYPE = torch.float32 if TINY else torch.bfloat16
+NAMES = ("dx", "dwts", "dw_gu", "dw_d")
+
+
+def _cfg(bn, bk, warps, stages):
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
+SWEEP = {  # each fits shared memory in bf16 at BLOCK_M = 128
+    "act": [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(32, 64, 4, 4), _cfg(64, 32, 4, 4)],
+    "wgrad": [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 128, 4, 3), _cfg(128, 128, 4, 2),
+              _cfg(64, 64, 4, 4)],
+}
+
+
+def timed(fn) -> tuple[float, str]:
+    """(µs, how): the CUDA-graph median; plain launches where the capture fails; one wall-clock call on the CPU."""
+    fn()
+    if TINY:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6, "wall"
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    try:
+        return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3, "graph"
+    except Exception as exc:  # noqa: BLE001  (a path that cannot be captured is still timed)
+        print(f"  no CUDA graph ({type(exc).__name__}: {str(exc)[:80]}): plain launches", flush=True)
+        torch.cuda.synchronize()
+        return do_bench(fn, rep=50, return_mode="median") * 1e3, "eager"
+
+
+def peak_mib(fn) -> float:
+    """MiB allocated at the peak of one call above what was allocated before it."""
+    if TINY:
+        return math.nan
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def grads64(x, ids, wts, w_gu, w_d, dy):
+    """(dx, dwts, dw_gu, dw_d) by float64 autograd, expert by expert (rows by torch.where: a benchmark may sync)."""
+    E, H, I = w_d.shape
+    leaves = [t.detach().double().requires_grad_() for t in (x, wts, w_gu, w_d)]
+    xx, ww, wgu, wd = leaves
+    y = torch.zeros((x.shape[0], H), dtype=torch.float64, device=x.device)
+    for e in range(E):
+        tok, j = torch.where(ids == e)
+        if tok.numel():
+            gu = xx[tok] @ wgu[e].T
+            h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+            y = y.index_add(0, tok, (h @ wd[e].T) * ww[tok, j][:, None])
+    return torch.autograd.grad(y, leaves, dy.double())
+
+
+def sweep(row, x, ids, wts, w_gu, w_d, dy, act) -> None:
+    """The backward alone per candidate config of one kernel kind, the others at their defaults."""
+    H, I, E, k = SIZE
+    cands = dict(SWEEP, dx=[dict(c) for c in moe.CONFIGS["down"][moe.rows_bucket(x.shape[0], k, E)]])
+    if TINY:
+        cands = {kind: cs[:2] for kind, cs in cands.items()}
+    row["sweep"] = {}
+    for kind, cs in cands.items():
+        times = []
+        for c in cs:
+            try:
+                us, _ = timed(lambda c=c, kind=kind: moe_backward(x, ids, wts, w_gu, None, w_d, None, act, False, dy,
+                                                       configs={kind: c}))
+            except Exception as exc:  # noqa: BLE001  (a config that does not compile here is skipped)
+                print(f"  {kind} {c}: {type(exc).__name__}", flush=True)
+                us = math.nan
+            times.append((us, c))
+            row["sweep"][f"{kind} {c}"] = us
+        us, best = min((t for t in times if t[0] == t[0]), key=lambda t: t[0], default=(math.nan, None))
+        print(f"  T={x.shape[0]} {kind}: best {us:.0f} µs with {best}", flush=True)
+
+
+def run(T: int, backward_alone: bool, do_sweep: bool = False) -> dict:
+    H, I, E, k = SIZE
+    g = torch.Generator(device=DEV).manual_seed(T)
+    w_gu = (torch.randn((E, 2 * I, H), generator=g, device=DEV) / H ** 0.5).to(DTYPE)
+    w_d = (torch.randn((E, H, I), generator=g, device=DEV) / I ** 0.5).to(DTYPE)
+    x = torch.randn((T, H), generator=g, device=DEV).to(DTYPE)
+    top, ids = torch.randn((T, E), generator=g, device=DEV).topk(k, dim=1)  # distinct experts per token
+    wts = torch.softmax(top, dim=1).to(DTYPE)
+    dy = torch.randn((T, H), generator=g, device=DEV).to(DTYPE)
+    act, gate = ExpertAct("silu"), Gate("silu")
+    leaves = [t.requires_grad_() for t in (x, wts, w_gu, w_d)]
+
+    def ours():
+        y = moe_experts_autograd(leaves[0], ids, leaves[1], leaves[2], None, leaves[3], None, act)
+        return torch.autograd.grad(y, leaves, dy)
+
+    def theirs():
+        y = reference(leaves[0], ids, leaves[1], leaves[2], None, leaves[3], None, gate)
+        return torch.autograd.grad(y, leaves, dy)
+
+    ref = grads64(x, ids, wts, w_gu, w_d, dy)
+    row = {"T": T, "H": H, "I": I, "E": E, "k": k, "dtype": str(DTYPE)}
+    for name, fn in (("ours", ours), ("grouped_mm", theirs)):
+        out = fn()
+        row[f"{name}_err"] = {n: rel_err(o.detach(), r) for n, o, r in zip(NAMES, out, ref)}
+        row[f"{name}_step_us"], row[f"{name}_how"] = timed(fn)
+        row[f"{name}_peak_mib"] = peak_mib(fn)
+    for n in NAMES:
+        if not row["ours_err"][n] <= 3 * row["grouped_mm_err"][n] + 1e-2:
+            print(f"  WRONG T={T} {n}: ours {row['ours_err'][n]:.3g}, grouped_mm {row['grouped_mm_err'][n]:.3g}",
+                  flush=True)
+    if backward_alone:  # the backward given the forward's saved state: ours from its inputs, theirs retained
+        xd, wd_, wgud, wdd = (t.detach() for t in leaves)
+        row["ours_bwd_us"], _ = timed(lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy))
+        y = reference(leaves[0], ids, leaves[1], leaves[2], None, leaves[3], None, gate)
+        row["grouped_mm_bwd_us"], _ = timed(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True))
+    if do_sweep:
+        sweep(row, *(t.detach() for t in (x, ids, wts, w_gu, w_d, dy)), act)
+    print(f"T={T}: step ours {row['ours_step_us']:.0f} µs, grouped_mm {row['grouped_mm_step_us']:.0f} µs "
+          f"({row['grouped_mm_step_us'] / row['ours_step_us']:.2f}x)", flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backward", action="store_true", help="also time the backward alone")
+    ap.add_argument("--sweep", action="store_true", help="time the backward over a few configs per kernel")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--T", default="5,33" if TINY else "1024,4096")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    rows = [run(int(t), args.backward, args.sweep) for t in args.T.split(",")]
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_backward.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    H, I, E, k = SIZE
+    print(f"\nexperts H {H}, I {I}, E {E}, k {k}, {DTYPE}, µs ({rows[0]['ours_how']}); peak MiB above the inputs; "
+          "errors: max over (dx, dwts, dw_gu, dw_d) of ‖out − ref‖/‖ref‖ against float64")
+    print("| T | step ours | step grouped_mm | speedup | bwd ours | bwd grouped_mm | peak ours | peak grouped_mm "
+          "| err ours | err grouped_mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        bwd = (f"{r['ours_bwd_us']:.0f} | {r['grouped_mm_bwd_us']:.0f}" if "ours_bwd_us" in r else "– | –")
+        print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['grouped_mm_step_us']:.0f} | "
+              f"{r['grouped_mm_step_us'] / r['ours_step_us']:.2f}x | {bwd} | {r['ours_peak_mib']:.0f} | "
+              f"{r['grouped_mm_peak_mib']:.0f} | {max(r['ours_err'].values()):.2e} | "
+              f"{max(r['grouped_mm_err'].values()):.2e} |")
+    print(f"({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

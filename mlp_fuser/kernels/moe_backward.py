@@ -1,0 +1,365 @@
+"""The backward of the routed experts (``kernels/moe.py``) on the sorted routing, in Triton.
+
+Forward per pair p (token t = p // k, expert e): gu = x[t] Wgu[e]ᵀ + bgu[e]; h = A(g, u); o = h Wd[e]ᵀ + bd[e];
+y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising with the host:
+
+- ``_moe_bwd_act_kernel``, per (block of one expert's pairs, BLOCK_N columns of h): over H at once it recomputes
+  g, u = x Wgu[e]ᵀ and takes dh' = dy[t] Wd[e] (three fp32 accumulators from one x and one dy tile), then in its
+  epilogue h = A(g, u), dw_p's partial <dh', h> (+ <dy, bd[e]> once), dh = w_p dh' and (dg, du) = A'(g, u) · dh,
+  stored in Wgu's row layout. Nothing of the forward is saved but its inputs and routing.
+- dx: dx_p = [dg du]_p Wgu[e] is ``moe_down`` on the transposed weight view, summed over each token's k pairs by
+  ``moe_combine`` in j order.
+- ``_moe_wgrad_kernel``, per (expert, BLOCK_N rows, BLOCK_K columns of dW[e]): loops over that expert's blocks,
+  dWd[e] = Σ (w_p dy[t])ᵀ h_p and dWgu[e] = Σ [dg du]_pᵀ x[t], the bias gradient summed by the column-0 programs.
+
+No atomics on any gradient: dx and dwts are computed per pair and summed in j order, so they are bitwise
+reproducible; a weight gradient sums its expert's pairs in the routing's order, which ``moe_align``'s atomic version
+(many pairs) may change from call to call. fp32 accumulation; h and [dg du] are rounded to x's dtype once.
+Every layout and activation of the forward is supported (gated concatenated or interleaved, plain, biases, the
+clamps, GPT-OSS's g·σ(αg)); fp64 raises NotImplementedError (the caller keeps the aten reference for it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..activations import get_activation
+from .common import INTERPRET, cdiv, dot_precision
+from .moe import ExpertAct, _gate_up_layout, default_config, moe_combine, moe_down, moe_gate_up
+from .moe_routing import Routing, moe_align
+
+__all__ = ["moe_backward", "MoEExpertsFunction", "moe_experts_autograd", "backward_config"]
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+_SILU = ExpertAct()
+
+
+@triton.jit
+def gated_act_bwd(g, u, dh, ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr):
+    """(h, dg, du) in fp32 for h = A(g, u) as ``gated_act`` computes it; a clamp passes no gradient where it bites."""
+    keep_g = g == g
+    keep_u = u == u
+    if HAS_LIMIT and not CLAMP_AFTER:
+        keep_g = g <= LIMIT
+        keep_u = (u >= -LIMIT) & (u <= LIMIT)
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    if ALPHA != 0.0:
+        s = tl.sigmoid(ALPHA * g)
+        a = g * s
+        da = s + ALPHA * g * s * (1.0 - s)
+    else:
+        a = ACT(g)
+        da = ACT_GRAD(g)
+    if HAS_LIMIT and CLAMP_AFTER:
+        keep_g = a <= LIMIT
+        keep_u = (u >= -LIMIT) & (u <= LIMIT)
+        a = tl.minimum(a, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    uo = u + UP_OFFSET
+    dg = tl.where(keep_g, dh * uo * da, 0.0)
+    du = tl.where(keep_u, dh * a, 0.0)
+    return a * uo, dg, du
+
+
+@triton.jit
+def _moe_bwd_act_kernel(
+    x_ptr, dy_ptr, wgu_ptr, bgu_ptr, wd_ptr, bd_ptr, wts_ptr, h_ptr, dgu_ptr, dw_ptr,
+    sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, K_TOP, I, H, N_GU, UP_ROW, N_TILES,
+    stride_xm, stride_xk, stride_dym, stride_dyk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_de, stride_dn, stride_dk, stride_bde, stride_bdn, stride_wt, stride_wj,
+    GATED: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, GATE_STEP: tl.constexpr,
+    ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- this program's block of pairs (one expert) and BLOCK_N columns of h -------------------------
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < S
+    tokens = pairs // K_TOP
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # -- over H: g, u = x Wgu[e]ᵀ (recomputed) and dh' = dy Wd[e], tiles (BLOCK_K, BLOCK_N) of each weight ----
+    x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    dy_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_k[None, :] * stride_dyk
+    wg_ptrs = wgu_ptr + e * stride_we + (offs_n * GATE_STEP)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wg_ptrs + UP_ROW * stride_wn
+    wd_ptrs = wd_ptr + e * stride_de + offs_k[:, None] * stride_dn + offs_n[None, :] * stride_dk
+    bd_ptrs = bd_ptr + e * stride_bde + offs_k * stride_bdn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dy_bd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # <dy[t], bd[e]>: dw_p's bias term
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        mask_k = offs_k < H - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+        acc_d = tl.dot(dy, tl.load(wd_ptrs, mask=w_mask, other=0.0), acc_d, input_precision=PRECISION)
+        if HAS_BD:
+            bd = tl.load(bd_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+            dy_bd += tl.sum(dy.to(tl.float32) * bd[None, :], axis=1)
+        x_ptrs += BLOCK_K * stride_xk
+        dy_ptrs += BLOCK_K * stride_dyk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+        wd_ptrs += BLOCK_K * stride_dn
+        bd_ptrs += BLOCK_K * stride_bdn
+
+    # -- epilogue: biases, h, A'(g, u) · (w_p dh'), dw_p's partial over these columns -------------------
+    if HAS_BGU:
+        b_base = bgu_ptr + e * stride_be
+        acc_g += tl.load(b_base + offs_n * GATE_STEP * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            b_up = b_base + (UP_ROW + offs_n * GATE_STEP) * stride_bn
+            acc_u += tl.load(b_up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    wts = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+    dh = acc_d * wts.to(tl.float32)[:, None]
+    if GATED:
+        h, dg, du = gated_act_bwd(acc_g, acc_u, dh, ACT, ACT_GRAD, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    else:
+        h = ACT(acc_g)
+        dg = dh * ACT_GRAD(acc_g)
+    h = h.to(h_ptr.dtype.element_ty)  # o was computed from the rounded h
+    dw = tl.sum(tl.where(mask_n[None, :], acc_d * h.to(tl.float32), 0.0), axis=1)
+    if pid_n == 0:
+        dw += dy_bd
+    rows = pairs.to(tl.int64)
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(dw_ptr + rows * N_TILES + pid_n, dw, mask=mask_m)
+    tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=mask)
+    dgu_rows = dgu_ptr + rows[:, None] * N_GU
+    tl.store(dgu_rows + (offs_n * GATE_STEP)[None, :], dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+    if GATED:
+        tl.store(dgu_rows + (UP_ROW + offs_n * GATE_STEP)[None, :], du.to(dgu_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_wgrad_kernel(
+    a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr, expert_start_ptr,
+    S, K_TOP, N, K,
+    stride_am, stride_an, stride_bm, stride_bk, stride_wt, stride_wj, stride_de, stride_dn, stride_dk,
+    stride_dbe, stride_dbn,
+    A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, SCALED: tl.constexpr, HAS_DB: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- dW[e][n-tile, k-tile] = Σ over expert e's pairs of (s_p a_p)ᵀ b_p; a's row is the pair's or its token's ---
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for blk in range(tl.load(expert_start_ptr + e), tl.load(expert_start_ptr + e + 1)):
+        pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < S
+        tokens = pairs // K_TOP
+        if A_BY_TOKEN:
+            rows_a = tokens.to(tl.int64)
+        else:
+            rows_a = pairs.to(tl.int64)
+        if B_BY_TOKEN:
+            rows_b = tokens.to(tl.int64)
+        else:
+            rows_b = pairs.to(tl.int64)
+        a = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
+                    mask=mask_n[:, None] & mask_m[None, :], other=0.0)  # (BLOCK_N, BLOCK_M), read transposed
+        if SCALED:
+            s = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+            a_f = a.to(tl.float32) * s.to(tl.float32)[None, :]
+            a = a_f.to(a_ptr.dtype.element_ty)
+        else:
+            a_f = a.to(tl.float32)
+        b = tl.load(b_ptr + rows_b[:, None] * stride_bm + offs_k[None, :] * stride_bk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_DB:
+            acc_b += tl.sum(a_f, axis=1)
+    out = dw_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn + offs_k[None, :] * stride_dk
+    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
+    if HAS_DB:
+        if pid_k == 0:  # one program per row tile sums the bias gradient
+            tl.store(db_ptr + e * stride_dbe + offs_n * stride_dbn, acc_b.to(db_ptr.dtype.element_ty),
+                     mask=mask_n)
+
+
+# ---- host side --------------------------------------------------------------------------------------
+
+
+def _cfg(bn: int, bk: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
+_INTERPRET_CONFIG = {"act": _cfg(32, 32, 4, 1), "wgrad": _cfg(32, 32, 4, 1)}
+
+
+def backward_config(kind: str, block_m: int, dtype: torch.dtype) -> dict:
+    """Tiles for "act" (BLOCK_N columns of h, BLOCK_K of H per step: two activation and three weight tiles) and
+    "wgrad" (a (BLOCK_N, BLOCK_K) tile of dW, BLOCK_M = the routing's block of pairs per step), stages fitted to
+    shared memory; under the interpreter small tiles, so that the edges are exercised."""
+    if INTERPRET:
+        return dict(_INTERPRET_CONFIG[kind])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if kind == "act":
+        cfg = _cfg(64, 64 if itemsize == 2 else 32, 8 if block_m >= 128 else 4, 3)
+        tiles = lambda c: 2 * block_m * c["BLOCK_K"] + 3 * c["BLOCK_K"] * c["BLOCK_N"]  # noqa: E731
+    elif kind == "wgrad":
+        cfg = _cfg(128, 128 if itemsize == 2 else 64, 8, 3)
+        tiles = lambda c: block_m * (c["BLOCK_N"] + c["BLOCK_K"])  # noqa: E731
+    else:
+        raise ValueError(f"backward_config: kind must be 'act' or 'wgrad', not {kind!r}")
+    while cfg["num_stages"] > 1 and cfg["num_stages"] * tiles(cfg) * itemsize > 200 * 1024:
+        cfg["num_stages"] -= 1
+    return cfg
+
+
+def _launch(cfg: dict) -> dict:
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _check(x: Tensor, act: ExpertAct) -> None:
+    if x.dtype not in _SUPPORTED:
+        raise NotImplementedError(f"moe_backward: x has dtype {x.dtype}; the Triton backward takes float16, "
+                                  "bfloat16 or float32 (use the aten reference's autograd)")
+    if get_activation(act.name).triton_grad is None:
+        raise NotImplementedError(f"moe_backward: activation {act.name!r} has no Triton derivative")
+
+
+def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_start: Tensor, E: int, N: int, K: int,
+           a_by_token: bool, b_by_token: bool, dw: Tensor, db: Tensor | None, cfg: dict) -> None:
+    """dw[e] (N, K) = Σ_p (w_p a_p)ᵀ b_p over expert e's pairs; db[e] = Σ_p w_p a_p. Writes every element."""
+    S = b.shape[0] * routing.k if b_by_token else b.shape[0]
+    s = wts if wts is not None else a
+    d = db if db is not None else dw
+    grid = (E, cdiv(N, cfg["BLOCK_N"]), cdiv(K, cfg["BLOCK_K"]))
+    _moe_wgrad_kernel[grid](
+        a, b, s, dw, d, routing.sorted_pairs, expert_start,
+        S, routing.k, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), s.stride(0), s.stride(-1), *dw.stride(),
+        d.stride(0), d.stride(-1),
+        A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, SCALED=wts is not None, HAS_DB=db is not None,
+        PRECISION=dot_precision(a.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        **_launch(cfg),
+    )
+
+
+def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
+                 b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
+                 configs: dict | None = None, need_dx: bool = True, need_weights: bool = True
+                 ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
+    given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
+    (any BLOCK_M), else built here. ``configs``: "act", "wgrad" (``backward_config``'s keys) and "dx" (a
+    ``moe_down`` config), else the defaults. Raises NotImplementedError for what it does not run (the caller falls
+    back to the aten reference). Without ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight
+    and bias gradients are not computed and come back None."""
+    _check(x, act)
+    T, H = x.shape
+    k = ids.shape[1]
+    E, _, I = w_d.shape
+    S = T * k
+    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
+    if routing is None:
+        routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype)["BLOCK_M"])
+    dy = dy.to(x.dtype)
+    dev = x.device
+    if S == 0 or H == 0 or I == 0 or E == 0:
+        zero = [torch.zeros(t.shape, dtype=t.dtype, device=dev) if t is not None and need_weights else None
+                for t in (w_gu, b_gu, w_d, b_d)]
+        return (torch.zeros_like(x) if need_dx else None, torch.zeros_like(wts), *zero)
+
+    # -- h, [dg du] per pair and dw's partials per column tile -------------------------------------------
+    cfgs = {kind: backward_config(kind, routing.block_m, x.dtype) for kind in ("act", "wgrad")} | (configs or {})
+    cfg = cfgs["act"]
+    n_tiles = cdiv(I, cfg["BLOCK_N"])
+    h = torch.empty((S, I), dtype=x.dtype, device=dev)
+    dgu = torch.empty((S, w_gu.shape[1]), dtype=x.dtype, device=dev)
+    dw_part = torch.zeros((S, n_tiles), dtype=torch.float32, device=dev)  # dropped pairs: no gradient
+    bgu = b_gu if b_gu is not None else w_gu
+    bd = b_d if b_d is not None else w_d
+    n_blocks = routing.block_expert.shape[0]
+    _moe_bwd_act_kernel[(n_blocks, n_tiles)](
+        x, dy, w_gu, bgu, w_d, bd, wts, h, dgu, dw_part,
+        routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+        S, k, I, H, w_gu.shape[1], up_row, n_tiles,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
+        *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1),
+        GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
+        ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
+        PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        **_launch(cfg),
+    )
+    dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
+
+    # -- dx: [dg du]_p Wgu[e] per pair (the forward's down kernel on the transposed view), summed per token -----
+    dx = None
+    if need_dx:
+        ones = torch.ones((), dtype=torch.float32, device=dev).expand(T, k)
+        dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None, cfgs.get("dx")), ids, E, x.dtype)
+    if not need_weights:
+        return dx, dwts, None, None, None, None
+    dw_gu = torch.empty(w_gu.shape, dtype=w_gu.dtype, device=dev)
+    dw_d = torch.empty(w_d.shape, dtype=w_d.dtype, device=dev)
+    db_gu = torch.empty(b_gu.shape, dtype=b_gu.dtype, device=dev) if b_gu is not None else None
+    db_d = torch.empty(b_d.shape, dtype=b_d.dtype, device=dev) if b_d is not None else None
+
+    # -- weight gradients: a program per (expert, tile), looping over the expert's blocks -----------------------
+    expert_start = torch.searchsorted(routing.block_expert,
+                                      torch.arange(E + 1, dtype=routing.block_expert.dtype, device=dev))
+    expert_start = expert_start.to(torch.int32)
+    _wgrad(dy, h, wts, routing, expert_start, E, H, I, True, False, dw_d, db_d, cfgs["wgrad"])
+    _wgrad(dgu, x, None, routing, expert_start, E, w_gu.shape[1], H, False, True, dw_gu, db_gu, cfgs["wgrad"])
+    return dx, dwts, dw_gu, db_gu, dw_d, db_d
+
+
+class MoEExpertsFunction(torch.autograd.Function):
+    """The sorted Triton forward (routing, gate_up, down, combine) and ``moe_backward``; saves only the inputs and
+    the routing (h is recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, ids, wts, w_gu, b_gu, w_d, b_d, act: ExpertAct, interleaved: bool):
+        T, H = x.shape
+        k = ids.shape[1]
+        E, _, I = w_d.shape
+        _check(x, act)
+        routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype)["BLOCK_M"])
+        h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved)
+        y = moe_combine(moe_down(h, routing, wts, w_d, b_d), ids, E, x.dtype)
+        ctx.save_for_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, *routing[:3])
+        ctx.meta = (act, interleaved, routing.block_m, routing.k)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ids, wts, w_gu, b_gu, w_d, b_d, sorted_pairs, block_expert, num_blocks = ctx.saved_tensors
+        act, interleaved, block_m, k = ctx.meta
+        routing = Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+        need = ctx.needs_input_grad
+        dx, dwts, dw_gu, db_gu, dw_d, db_d = moe_backward(
+            x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, dy, routing,
+            need_dx=need[0], need_weights=any(need[3:7]))
+        return dx, None, dwts if need[2] else None, dw_gu, db_gu, dw_d, db_d, None, None
+
+
+def moe_experts_autograd(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
+                         b_d: Tensor | None, act: ExpertAct = _SILU, interleaved: bool = False) -> Tensor:
+    """y (T, H) as ``moe_experts(..., path="sorted")``, differentiable through the Triton backward."""
+    return MoEExpertsFunction.apply(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)

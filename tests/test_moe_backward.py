@@ -1,0 +1,136 @@
+"""The routed experts' Triton backward (mlp_fuser.kernels.moe_backward) against float64 autograd through the aten
+reference (mlp_fuser.moe.reference), every gradient, on every layout it supports."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
+
+from mlp_fuser.kernels.moe import ExpertAct
+from mlp_fuser.kernels.moe_backward import moe_backward, moe_experts_autograd
+from mlp_fuser.kernels.moe_routing import moe_align
+from mlp_fuser.moe import Gate, reference
+from mlp_fuser.reference import rel_err
+
+NAMES = ("dx", "dwts", "dw_gu", "db_gu", "dw_d", "db_d")
+
+
+def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, empty_expert=True, seed=0):
+    """Fresh random inputs; about 15% sentinel ids (>= E); the last expert gets no tokens with ``empty_expert``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * I if gated else I
+    x = torch.randn((T, H), generator=gen)
+    w_gu = torch.randn((E, rows, H), generator=gen) / H ** 0.5 * 2
+    w_d = torch.randn((E, H, I), generator=gen) / I ** 0.5
+    b_gu = torch.randn((E, rows), generator=gen) if bias else None
+    b_d = torch.randn((E, H), generator=gen) if bias else None
+    ids = torch.randint(0, E - 1 if empty_expert else E, (T, k), generator=gen)
+    ids = torch.where(torch.rand((T, k), generator=gen) < 0.15, E + torch.randint(0, 3, (T, k), generator=gen), ids)
+    wts = torch.rand((T, k), generator=gen)
+    dy = torch.randn((T, H), generator=gen)
+    x, w_gu, b_gu, w_d, b_d, dy = (t.to(dtype) if t is not None else None for t in (x, w_gu, b_gu, w_d, b_d, dy))
+    if transposed:  # stored (E, H, 2I) and (E, I, H) as GPT-OSS keeps them: the kernels get transposed views
+        w_gu = w_gu.transpose(1, 2).contiguous().transpose(1, 2)
+        w_d = w_d.transpose(1, 2).contiguous().transpose(1, 2)
+    dev = KERNEL_DEVICE
+    return [t.to(dev) if t is not None else None for t in (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d, dy)]
+
+
+def grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy):
+    """Every gradient by float64 autograd through the aten reference (zeros where autograd gives none)."""
+    leaves = [t.detach().cpu().double().requires_grad_() if t is not None else None
+              for t in (x, wts, w_gu, b_gu, w_d, b_d)]
+    xx, ww, wgu, bgu, wd, bd = leaves
+    y = reference(xx, ids.cpu(), ww, wgu, bgu, wd, bd, gate)
+    y.backward(dy.cpu().double())
+    g = [None if t is None else (t.grad if t.grad is not None else torch.zeros_like(t)) for t in leaves]
+    return g[0], g[1], g[2], g[3], g[4], g[5]
+
+
+def check(out, ref, bar):
+    for name, o, r in zip(NAMES, out, ref):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.shape == r.shape, name
+        err = rel_err(o.cpu(), r)
+        assert err <= bar, f"{name}: relative error {err:.2e} > {bar:.0e}"
+
+
+BAR = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+CASES = {  # T, k, E, H, I, ExpertAct, the reference's Gate, gated, interleaved, bias, transposed
+    "silu_concat": (37, 4, 8, 40, 24, ExpertAct("silu"), Gate("silu"), True, False, False, False),
+    "gelu_interleaved_bias_transposed": (29, 2, 5, 33, 40, ExpertAct("gelu"), Gate("gelu", interleaved=True),
+                                         True, True, True, True),
+    "plain_gelu_bias": (23, 3, 4, 36, 20, ExpertAct("gelu"), Gate("gelu", gated=False), False, False, True, False),
+    "gpt_oss_clamped": (25, 4, 6, 24, 36, ExpertAct(alpha=1.702, limit=0.75, up_offset=1.0),
+                        Gate("quick_gelu", interleaved=True, limit=0.75, up_offset=1.0), True, True, True, True),
+    "silu_clamp_after": (20, 2, 4, 40, 18, ExpertAct("silu", limit=0.3, clamp_after=True),
+                         Gate("silu", limit=0.3, clamp_after=True), True, False, False, False),
+    "one_token_many_experts": (1, 1, 16, 40, 24, ExpertAct("silu"), Gate("silu"), True, False, False, False),
+}
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_matches_float64_autograd(name, dtype):
+    T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES[name]
+    if dtype != torch.float32 and name not in ("silu_concat", "gpt_oss_clamped"):
+        pytest.skip("16-bit: two layouts are enough on the interpreter")
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, dtype, gated, bias, transposed)
+    with poisoned_empty():
+        out = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, dy)
+    check(out, grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy), BAR[dtype])
+    assert not out[4][E - 1].any() and not out[2][E - 1].any()  # the expert without tokens gets zero
+
+
+def test_every_pair_dropped():
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(5, 2, 4, 24, 16, torch.float32, bias=True)
+    ids = torch.full_like(ids, 4)
+    with poisoned_empty():
+        out = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy)
+    for name, g in zip(NAMES, out):
+        assert torch.equal(g, torch.zeros_like(g)), name
+
+
+def test_autograd_function():
+    """The differentiable wrapper: its forward and every gradient through .backward()."""
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(31, 4, 8, 40, 24, torch.float32, bias=True, seed=1)
+    leaves = [t.clone().requires_grad_() for t in (x, wts, w_gu, b_gu, w_d, b_d)]
+    with poisoned_empty():
+        y = moe_experts_autograd(leaves[0], ids, *leaves[1:3], leaves[3], leaves[4], leaves[5], ExpertAct("silu"))
+        y.backward(dy)
+    gate = Gate("silu")
+    y_ref = reference(*(t.double() if t.is_floating_point() else t for t in (x, ids, wts, w_gu, b_gu, w_d, b_d)), gate)
+    assert rel_err(y.detach(), y_ref) <= 1e-5
+    check([t.grad for t in leaves], grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy), BAR[torch.float32])
+
+
+def test_forward_routing_strided_dy_and_frozen_weights():
+    """A routing of another BLOCK_M passed in, dy through strides; without weight gradients only dx and dwts."""
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(40, 3, 6, 48, 40, torch.float32, bias=True, seed=2)
+    dy = dy.t().contiguous().t()
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, Gate("silu"), dy)
+    with poisoned_empty():
+        out = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy, moe_align(ids, 6, 32))
+    check(out, ref, BAR[torch.float32])
+    with poisoned_empty():
+        out = moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy, need_weights=False)
+    assert out[2:] == (None,) * 4
+    check(out[:2], ref[:2], BAR[torch.float32])
+
+
+def test_autograd_function_frozen_experts():
+    """Experts frozen (LoRA-style): gradients reach x and the routing weights only."""
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(17, 2, 4, 24, 16, torch.float32, seed=3)
+    xg, wg = x.clone().requires_grad_(), wts.clone().requires_grad_()
+    with poisoned_empty():
+        moe_experts_autograd(xg, ids, wg, w_gu, None, w_d, None).backward(dy)
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, Gate("silu"), dy)
+    check([xg.grad, wg.grad], ref[:2], BAR[torch.float32])
+
+
+def test_float64_raises_not_implemented():
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(3, 2, 4, 16, 8, torch.float64)
+    with pytest.raises(NotImplementedError, match="float64"):
+        moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy)
