@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch._dynamo.comptime import comptime
 
 from . import compat
-from .moe import Gate, gates
+from .moe import Gate, eager_moe_mlp, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
 
@@ -195,8 +195,9 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     w, b, wd, bd = weights(self, s)
     g = s.gate
     x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
-    y = torch.ops.mlp_fuser.moe_mlp.default(x, top_k_index, top_k_weights, w, b, wd, bd, g.activation,
-                                            g.interleaved, g.limit, g.clamp_after, g.up_offset)
+    op = torch.ops.mlp_fuser.moe_mlp.default if torch.compiler.is_compiling() else eager_moe_mlp
+    y = op(x, top_k_index, top_k_weights, w, b, wd, bd, g.activation, g.interleaved, g.limit, g.clamp_after,
+           g.up_offset)
     return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 

@@ -478,3 +478,25 @@ def test_choice_for_plain_calls_and_for_graph_captures(monkeypatch):
         assert moe.choose(p, ()) is expected
     assert moe.chosen(p) == "triton_moe_direct (graphs: triton_moe_sorted)"
     moe.reset()
+
+
+def test_eager_entry_skips_the_dispatcher_only_where_nothing_needs_it(monkeypatch):
+    """eager_moe_mlp computes plain calls right away (the same result as the registered op) and hands calls with
+    gradients, autocast or a dispatch mode to the registered op."""
+    from mlp_fuser import compat, moe
+
+    if not compat.PRIVATE:
+        pytest.skip("the public path never skips the dispatcher")  # the CPU and GPU machines take the private path
+    args = make(5, 2, 4)
+    direct = []
+    real = moe._forward
+    monkeypatch.setattr(moe, "_forward", lambda *a, **k: direct.append(1) or real(*a, **k))
+    y = moe.eager_moe_mlp(*args, "silu")
+    assert direct == [1]
+    torch.testing.assert_close(y, torch.ops.mlp_fuser.moe_mlp.default(*args, "silu"), rtol=0, atol=0)
+    x, *rest = args
+    direct.clear()
+    moe.eager_moe_mlp(x.clone().requires_grad_(True), *rest, "silu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe.eager_moe_mlp(*args, "silu")
+    assert direct == []  # both through the registered op (whose kernel is the _forward registered at import)

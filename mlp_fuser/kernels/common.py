@@ -159,3 +159,18 @@ class Launcher:
         if len(self.cache) >= self.MAX_KEYS:
             self.cache.clear()
         self.cache[key] = (compiled, grid, torch.cuda.current_device())
+
+
+_LAUNCHERS: dict = {}
+
+
+def launch(kernel, grid: Sequence[int], *args, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)`` through a ``Launcher`` of its own, keyed on everything Triton
+    specializes on: each tensor's dtype and 16-byte alignment, every other argument's value, the constexprs and
+    launch options, and the grid. For kernels launched with plain Python values (no autotuner)."""
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    key = (*grid, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args],
+           *constexprs.items())
+    launcher(key, grid, *args, **constexprs)

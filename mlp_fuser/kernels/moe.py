@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, dot_precision, k_loop_fits
+from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch
 from .gemm import gate_up_acc
 from .moe_routing import Routing, moe_align
 
@@ -383,7 +383,8 @@ def moe_gate_up(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, 
         return h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
-    _moe_gate_up_kernel[grid](
+    launch(
+        _moe_gate_up_kernel, grid,
         x, w_gu, b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
         S, routing.k, I, H, up_row,
         x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
@@ -407,7 +408,8 @@ def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor 
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
     grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
-    _moe_down_kernel[grid](
+    launch(
+        _moe_down_kernel, grid,
         h, w_d, b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
         S, routing.k, H, I,
         *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
@@ -425,7 +427,8 @@ def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype) -> Tensor:
     if T == 0 or H == 0:
         return y
     block_n = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, cdiv(H, block_n))](
+    launch(
+        _moe_combine_kernel, (T, cdiv(H, block_n)),
         out, ids, y, E, H, ids.stride(0), ids.stride(1), y.stride(0), K_TOP=k, BLOCK_N=block_n, num_warps=4,
     )
     return y
@@ -443,7 +446,8 @@ def moe_gate_up_pairs(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None,
     if T * k == 0 or I == 0:
         return h
     b = b_gu if b_gu is not None else w_gu
-    _moe_gate_up_pairs_kernel[(T * k, cdiv(I, cfg["BLOCK_N"]))](
+    launch(
+        _moe_gate_up_pairs_kernel, (T * k, cdiv(I, cfg["BLOCK_N"])),
         x, ids, w_gu, b, h,
         E, k, I, H, up_row,
         x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
@@ -465,7 +469,8 @@ def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
         return y
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
-    _moe_down_tokens_kernel[(T, cdiv(H, cfg["BLOCK_N"]))](
+    launch(
+        _moe_down_tokens_kernel, (T, cdiv(H, cfg["BLOCK_N"])),
         h, ids, wts, w_d, b, y,
         E, H, I,
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0), b.stride(-1),
@@ -488,7 +493,8 @@ def moe_gate_up_direct(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: 
     if T * k == 0 or I == 0:
         return h
     b = b_gu if b_gu is not None else w_gu
-    _moe_gate_up_direct_kernel[(T * k, cdiv(I, cfg["BLOCK_N"]))](
+    launch(
+        _moe_gate_up_direct_kernel, (T * k, cdiv(I, cfg["BLOCK_N"])),
         x, ids, wts, w_gu, b, h,
         E, k, I, H, up_row,
         x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
@@ -512,7 +518,8 @@ def moe_down_direct(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
         return y
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
-    _moe_down_direct_kernel[(T, cdiv(H, cfg["BLOCK_N"]))](
+    launch(
+        _moe_down_direct_kernel, (T, cdiv(H, cfg["BLOCK_N"])),
         h, ids, wts, w_d, b, y,
         E, H, I,
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0), b.stride(-1),

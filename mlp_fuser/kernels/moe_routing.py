@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRET, cdiv, next_power_of_2
+from .common import INTERPRET, cdiv, launch, next_power_of_2
 
 TRITON_MAX_PAIRS = 4096  # one program sorts every pair in registers: beyond this the torch version is used
 
@@ -113,7 +113,8 @@ def moe_align_triton(ids: Tensor, E: int, block_m: int) -> Routing:
         return Routing(sorted_pairs, block_expert, num_blocks.zero_(), block_m, k)
     flat = ids.reshape(-1)  # a copy only where ids is not contiguous
     block_s = max(16, next_power_of_2(S))
-    _moe_align_kernel[(1,)](
+    launch(
+        _moe_align_kernel, (1,),
         flat, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m, n_blocks,
         BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=max(16, next_power_of_2(E + 1)), FILL=1024,
         num_warps=4 if S <= 1024 else 8,
@@ -179,10 +180,10 @@ def moe_align_atomic(ids: Tensor, E: int, block_m: int) -> Routing:
     start = torch.empty(E, dtype=torch.int32, device=dev)
     flat = ids.reshape(-1)
     BLOCK = 1024
-    _count_kernel[(cdiv(S, BLOCK),)](flat, counts, rank, S, E, BLOCK=BLOCK)
-    _starts_kernel[(1,)](counts, start, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m, n_blocks,
-                         BLOCK_M=block_m, BLOCK_E=max(16, next_power_of_2(E)), FILL=64, num_warps=8)
-    _place_kernel[(cdiv(S, BLOCK),)](flat, rank, start, sorted_pairs, S, E, BLOCK_M=block_m, BLOCK=BLOCK)
+    launch(_count_kernel, (cdiv(S, BLOCK),), flat, counts, rank, S, E, BLOCK=BLOCK)
+    launch(_starts_kernel, (1,), counts, start, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m,
+           n_blocks, BLOCK_M=block_m, BLOCK_E=max(16, next_power_of_2(E)), FILL=64, num_warps=8)
+    launch(_place_kernel, (cdiv(S, BLOCK),), flat, rank, start, sorted_pairs, S, E, BLOCK_M=block_m, BLOCK=BLOCK)
     return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
 
 
