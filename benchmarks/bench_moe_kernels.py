@@ -151,31 +151,11 @@ def run_tokens(name, H, I, E, k, T, w_gu, w_d, mod, g):
             if us < best.get("down_tokens", (math.inf,))[0]:
                 best["down_tokens"] = (us, c)
 
-    if T <= 32:  # the direct path: the gate/up tile GEMM per pair (its own configs), down summed per token
-        for c in candidates("gate_up", 16):
-            us = timed(partial(moe.moe_gate_up_direct, x, ids, wts, w_gu, None, act, I, False, c), rep=10)
-            hd = moe.moe_gate_up_direct(x, ids, wts, w_gu, None, act, I, False, c)
-            y = moe.moe_down_direct(hd, ids, wts, w_d, None, DTYPE)
-            row["configs"][f"gate_up_direct {c}"] = (us, check(y, f"gate_up_direct {c}"))
-            if us < best.get("gate_up_direct", (math.inf,))[0]:
-                best["gate_up_direct"] = (us, c)
-        hd = moe.moe_gate_up_direct(x, ids, wts, w_gu, None, act, I, False, best["gate_up_direct"][1])
-        for c in candidates("down_direct", 16):
-            us = timed(partial(moe.moe_down_direct, hd, ids, wts, w_d, None, DTYPE, c), rep=10)
-            row["configs"][f"down_direct {c}"] = (us, check(moe.moe_down_direct(hd, ids, wts, w_d, None, DTYPE, c),
-                                                            f"down_direct {c}"))
-            if us < best.get("down_direct", (math.inf,))[0]:
-                best["down_direct"] = (us, c)
-
     # -- each path end to end with the fastest configs --------------------------------------------
-    cfgs = {kind: c for kind, (_, c) in best.items() if kind != "gate_up_direct"}
+    cfgs = {kind: c for kind, (_, c) in best.items()}
     for path in moe.PATHS if T <= 32 else ("sorted",):
-        path_cfgs = cfgs | ({"gate_up": best["gate_up_direct"][1]} if path == "direct" else {})
-        fn = partial(moe.moe_experts, x, ids, wts, w_gu, None, w_d, None, act, False, path, path_cfgs)
+        fn = partial(moe.moe_experts, x, ids, wts, w_gu, None, w_d, None, act, False, path, cfgs)
         row["paths"][path] = (timed(fn), check(fn(), path))
-        if path == "direct":  # and with default_config's choices, as the op runs it
-            fn = partial(moe.moe_experts, x, ids, wts, w_gu, None, w_d, None, act, False, path)
-            row["paths"]["direct (default configs)"] = (timed(fn), check(fn(), path))
     row["best_configs"] = cfgs
 
     # -- transformers' experts on the same weights -------------------------------------------------
@@ -219,9 +199,9 @@ def main():
 
     print(f"\n{DTYPE}, {'interpreter wall clock' if TINY else 'CUDA-graph medians'}, µs (% of floor); "
           f"err = ‖y − y64‖∞ / ‖y64‖∞ ({time.time() - t0:.0f} s)")
-    print("| size | T | floor | ours: best path | sorted | sorted_tokens | pairs | direct | grouped_mm | batched_mm "
+    print("| size | T | floor | ours: best path | sorted | sorted_tokens | pairs | grouped_mm | batched_mm "
           "| ours / grouped_mm | err ours, grouped_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cell = partial(_cell, r["floor_us"])
         name, best = min(r["paths"].items(), key=lambda kv: kv[1][0])
@@ -230,7 +210,7 @@ def main():
         gerr = f"{gm[1]:.2g}" if gm and isinstance(gm[1], float) else "–"
         print(f"| {r['size']} | {r['T']} | {r['floor_us']:.1f} | {name} {cell(best)} | "
               f"{cell(r['paths'].get('sorted'))} | {cell(r['paths'].get('sorted_tokens'))} | "
-              f"{cell(r['paths'].get('pairs'))} | {cell(r['paths'].get('direct'))} | {cell(gm)} | "
+              f"{cell(r['paths'].get('pairs'))} | {cell(gm)} | "
               f"{cell(r['hf'].get('batched_mm'))} | {speed} | "
               f"{best[1]:.2g}, {gerr} |")
 

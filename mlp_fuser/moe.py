@@ -295,12 +295,6 @@ def _few_pairs(p: Problem) -> str | None:
     return f"{p.T * p.k} token-expert pairs > 64 (a GEMV per pair would read shared experts again)"
 
 
-def _one_or_few_tokens(p: Problem) -> str | None:
-    if p.T == 1 or p.T * p.k * 4 <= p.E:
-        return None
-    return f"{p.T} tokens, {p.T * p.k} pairs > E/4 = {p.E // 4} (a block per pair would read shared experts again)"
-
-
 def _tokens_rarely_share(p: Problem) -> str | None:
     if p.T * p.k <= 2 * p.E:
         return None
@@ -316,7 +310,6 @@ def _grouped_mm_ok(p: Problem) -> str | None:
 
 
 IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0) the first eligible runs
-    Impl("triton_moe_direct", _triton("direct"), frozenset({"cuda"}), triton=True, worth=_one_or_few_tokens),
     Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
     Impl("triton_moe_sorted_tokdown", _triton("sorted_tokens"), frozenset({"cuda"}), triton=True,
          worth=_tokens_rarely_share),

@@ -400,7 +400,7 @@ def test_opcheck(biases):
 
 # ---- 5. the Triton implementations, under the interpreter ---------------------------------------------------------
 
-TRITON = ["triton_moe_pairs", "triton_moe_sorted_tokdown", "triton_moe_sorted", "triton_moe_direct"]
+TRITON = ["triton_moe_pairs", "triton_moe_sorted_tokdown", "triton_moe_sorted"]
 
 
 @pytest.fixture
@@ -421,7 +421,7 @@ def test_triton(triton_impl, dtype, case):
     from conftest import poisoned_empty
 
     kw, act, ids = {}, "silu", None
-    T, k, E = (5, 2, 4) if triton_impl in ("triton_moe_pairs", "triton_moe_direct") else (19, 2, 8)
+    T, k, E = (5, 2, 4) if triton_impl == "triton_moe_pairs" else (19, 2, 8)
     if case == "plain_sentinels":
         ids = torch.randint(0, E + 2, (T, k))  # some ids are sentinels
         ids[0] = E  # a token with no expert
@@ -469,14 +469,14 @@ def test_choice_for_plain_calls_and_for_graph_captures(monkeypatch):
     x, ids, wts, wgu, bgu, wd, bd = make(3, 2, 4)
     gate = moe._gate(wgu, wd, "silu", False, None, False, 0.0)
     p = moe.Problem("cuda", x.dtype, 3, 2, 4, x.shape[1], wd.shape[2], gate, False)
-    plain, graph = moe.IMPLS_BY_NAME["triton_moe_direct"], moe.IMPLS_BY_NAME["triton_moe_sorted"]
+    plain, graph = moe.IMPLS_BY_NAME["triton_moe_pairs"], moe.IMPLS_BY_NAME["triton_moe_sorted"]
     moe.reset()
     monkeypatch.setattr(moe, "_time", lambda candidates, args, p: moe.Choice(plain, graph))
     monkeypatch.setattr(moe, "eligible", lambda p: [plain, graph])
     for capturing, expected in ((False, plain), (True, graph), (False, plain)):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
         assert moe.choose(p, ()) is expected
-    assert moe.chosen(p) == "triton_moe_direct (graphs: triton_moe_sorted)"
+    assert moe.chosen(p) == "triton_moe_pairs (graphs: triton_moe_sorted)"
     moe.reset()
 
 

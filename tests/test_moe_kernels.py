@@ -216,7 +216,6 @@ def test_default_config_gemv_programs(monkeypatch):
     assert moe.default_config("down_tokens", 1, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 8
     assert moe.default_config("down_tokens", 32, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 32
     assert moe.default_config("gate_up_pairs", 1, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 16
-    assert moe.default_config("down_direct", 1, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 16  # 128 programs
     assert moe.default_config("gate_up", 2048, 2, 8, 4096, 14336, torch.bfloat16)["BLOCK_M"] == 128
     assert moe.default_config("gate_up", 2048, 2, 8, 4096, 14336, torch.float32)["num_stages"] == 2  # fp32: 3 too big
 

@@ -10,9 +10,6 @@ copied. Two ways through it, each without host syncs (CUDA-graph safe):
   ``moe_combine`` sums each token's k rows in j order. Or ``moe_down_tokens`` for the last two.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
-- direct (a token or a few): no routing; ``moe_gate_up_direct`` runs the sorted kernel's tile GEMM on each pair as a
-  block of its own and folds the routing weight into h; ``moe_down_direct`` runs one loop over a token's k experts'
-  K steps into one accumulator (tl.dot), y stored once: two launches in all.
 
 All accumulation is fp32; h is rounded to x's dtype once, y once. No atomics: results are deterministic.
 """
@@ -33,7 +30,7 @@ from .gemm import gate_up_acc
 from .moe_routing import Routing, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_pairs",
-           "moe_down_tokens", "moe_gate_up_direct", "moe_down_direct", "moe_experts", "moe_reference",
+           "moe_down_tokens", "moe_experts", "moe_reference",
            "default_config", "CONFIGS", "PATHS", "Routing"]
 
 
@@ -189,87 +186,6 @@ def _moe_combine_kernel(
         row = out_ptr + (t * K_TOP + j).to(tl.int64) * N
         acc += tl.load(row + offs_n, mask=mask_n & ok, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-
-# ---- direct path (a token or a few): no routing, a block per pair, down summed over k in registers ------
-
-
-@triton.jit
-def _moe_gate_up_direct_kernel(
-    x_ptr, ids_ptr, wts_ptr, w_ptr, b_ptr, h_ptr,
-    E, K_TOP, N, K, UP_ROW,
-    stride_xm, stride_xk, stride_it, stride_ij, stride_wt, stride_wj,
-    stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
-    ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
-    CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # -- pair p = t·k + j as a block of its own (row 0 of BLOCK_M), its expert, BLOCK_N columns of h -------
-    p = tl.program_id(0)
-    t = p // K_TOP
-    j = p % K_TOP
-    e = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int64)
-    if (e < 0) | (e >= E):
-        return
-    rows = tl.arange(0, BLOCK_M)
-    mask_m = rows == 0
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-
-    # -- the sorted kernel's tile GEMM and epilogue, then the routing weight folded into h ---------------
-    w_e = w_ptr + e * stride_we
-    acc_g, acc_u = gate_up_acc(
-        x_ptr, w_e, w_e + UP_ROW * stride_wn, rows * 0 + t, offs_n, mask_m, mask_n, K,
-        stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk,
-        GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
-    h = expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
-                        GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
-    h = h * tl.load(wts_ptr + t * stride_wt + j * stride_wj).to(tl.float32)
-    h_ptrs = h_ptr + p.to(tl.int64) * N + rows[:, None] * 0 + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _moe_down_direct_kernel(
-    h_ptr, ids_ptr, wts_ptr, w_ptr, b_ptr, y_ptr,
-    E, N, K,
-    stride_it, stride_ij, stride_wt, stride_wj, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_yt,
-    HAS_BIAS: tl.constexpr, K_TOP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # -- token t, BLOCK_N columns of y: one loop over (j, K step), so the k experts' tiles stream back to back --
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_k = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, K_TOP * n_k):
-        j = it // n_k
-        ks = (it % n_k) * BLOCK_K + offs_k
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int64)
-        ok = (e >= 0) & (e < E)  # a dropped pair's h row was never written: masked, it adds nothing
-        e = tl.where(ok, e, 0)
-        # -- row 0: h[t·k + j] (already times its routing weight); rows 1.. zero ---------------------------
-        a_ptrs = h_ptr + (t * K_TOP + j).to(tl.int64) * K + rows[:, None] * 0 + ks[None, :]
-        a = tl.load(a_ptrs, mask=(rows[:, None] == 0) & (ks[None, :] < K) & ok, other=0.0)
-        w_ptrs = w_ptr + e * stride_we + ks[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        w = tl.load(w_ptrs, mask=(ks[:, None] < K) & mask_n[None, :] & ok, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    y = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
-
-    # -- epilogue: Σ_j w[t, j] · bd[e] over the valid j; y stored once -------------------------------------
-    if HAS_BIAS:
-        for j in tl.static_range(K_TOP):
-            e = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int64)
-            ok = (e >= 0) & (e < E)
-            wt = tl.load(wts_ptr + t * stride_wt + j * stride_wj).to(tl.float32)
-            b = tl.load(b_ptr + tl.where(ok, e, 0) * stride_be + offs_n * stride_bn, mask=mask_n & ok, other=0.0)
-            y += wt * b.to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 # ---- pairs path: a GEMV per pair, then per token ---------------------------------------------------
@@ -480,65 +396,14 @@ def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
     return y
 
 
-def moe_gate_up_direct(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct,
-                       I: int, interleaved: bool = False, config: dict | None = None) -> Tensor:
-    """h (S, I) in x's dtype with no routing, row p = w[p] · A(x[p // k] @ Wgu[e]ᵀ + bgu[e]): the routing weight
-    folded in before h is rounded; rows of dropped pairs unwritten. ``config`` as ``moe_gate_up``'s (BLOCK_M is 16)."""
-    T, H = x.shape
-    k = ids.shape[1]
-    E = w_gu.shape[0]
-    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
-    cfg = config or default_config("gate_up", T, k, E, H, I, x.dtype)
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    if T * k == 0 or I == 0:
-        return h
-    b = b_gu if b_gu is not None else w_gu
-    launch(
-        _moe_gate_up_direct_kernel, (T * k, cdiv(I, cfg["BLOCK_N"])),
-        x, ids, wts, w_gu, b, h,
-        E, k, I, H, up_row,
-        x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
-        *w_gu.stride(), b.stride(0), b.stride(-1),
-        GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
-        PRECISION=dot_precision(x.dtype), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **_launch_opts(cfg),
-    )
-    return h
-
-
-def moe_down_direct(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None, dtype: torch.dtype,
-                    config: dict | None = None) -> Tensor:
-    """y (T, H) in ``dtype``: y[t] = Σ_j h[t·k + j] @ Wd[e]ᵀ + w[t, j] · bd[e] over valid j, for h from
-    ``moe_gate_up_direct`` (routing weights already in it); one tile-GEMM program per (token, BLOCK_N columns)."""
-    T, k = ids.shape
-    E, H, I = w_d.shape
-    cfg = config or default_config("down_direct", T, k, E, H, I, h.dtype)
-    y = torch.empty((T, H), dtype=dtype, device=h.device)
-    if T == 0 or H == 0:
-        return y
-    h = h.contiguous()
-    b = b_d if b_d is not None else w_d
-    launch(
-        _moe_down_direct_kernel, (T, cdiv(H, cfg["BLOCK_N"])),
-        h, ids, wts, w_d, b, y,
-        E, H, I,
-        ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0), b.stride(-1),
-        y.stride(0),
-        HAS_BIAS=b_d is not None, K_TOP=k, PRECISION=dot_precision(h.dtype),
-        BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
-    )
-    return y
-
-
-PATHS = ("sorted", "sorted_tokens", "pairs", "direct")
+PATHS = ("sorted", "sorted_tokens", "pairs")
 
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
                 configs: dict | None = None) -> Tensor:
     """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches),
-    "sorted_tokens" (routing, gate_up, down_tokens: 3), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens),
-    "direct" (gate_up_direct, down_direct: 2 tile-GEMM launches, no routing, for a token or a few).
+    "sorted_tokens" (routing, gate_up, down_tokens: 3), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
     ``configs``: a config per kind of CONFIGS, else default_config's."""
     T, k = ids.shape
     E, H, I = w_d.shape
@@ -549,9 +414,6 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     if path == "pairs":
         h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"))
         return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
-    if path == "direct":
-        h = moe_gate_up_direct(x, ids, wts, w_gu, b_gu, act, I, interleaved, cfg("gate_up"))
-        return moe_down_direct(h, ids, wts, w_d, b_d, x.dtype, cfg("down_direct"))
     if path not in PATHS:
         raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
     up = cfg("gate_up")
@@ -616,10 +478,6 @@ CONFIGS: dict[str, dict[int, list[dict]]] = {  # in order of preference (benchma
         1: [_cfg(1, 16, 256, 4, 3), _cfg(1, 32, 256, 4, 3), _cfg(1, 16, 512, 4, 3), _cfg(1, 8, 512, 4, 3),
             _cfg(1, 32, 128, 4, 4)],
     },
-    "down_direct": {  # per (token, BLOCK_N columns): thin tiles, so that one token's grid still fills the SMs
-        16: [_cfg(16, 16, 256, 4, 4), _cfg(16, 32, 256, 4, 4), _cfg(16, 16, 128, 4, 6), _cfg(16, 32, 128, 4, 5),
-             _cfg(16, 64, 128, 4, 4)],
-    },
     "down_tokens": {
         1: [_cfg(1, 32, 256, 4, 3), _cfg(1, 16, 256, 4, 3), _cfg(1, 64, 128, 4, 3), _cfg(1, 16, 512, 4, 3),
             _cfg(1, 8, 512, 4, 3), _cfg(1, 32, 512, 8, 3)],
@@ -628,7 +486,7 @@ CONFIGS: dict[str, dict[int, list[dict]]] = {  # in order of preference (benchma
 _SMS = 132  # the H200's SMs: default_config's rule of thumb for the GEMVs (the dispatcher times CONFIGS)
 _INTERPRET_CONFIG = {  # the CPU interpreter: small tiles, so that masking at the edges is exercised
     "gate_up": _cfg(16, 32, 32, 4, 1), "down": _cfg(16, 32, 32, 4, 1),
-    "gate_up_pairs": _cfg(1, 16, 32, 4, 1), "down_tokens": _cfg(1, 16, 32, 4, 1), "down_direct": _cfg(16, 16, 32, 4, 1),
+    "gate_up_pairs": _cfg(1, 16, 32, 4, 1), "down_tokens": _cfg(1, 16, 32, 4, 1),
 }
 
 
@@ -666,10 +524,6 @@ def _default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: to
     buckets = CONFIGS[kind]
     if kind in ("gate_up", "down"):
         cfg = dict(_filling(buckets[rows_bucket(T, k, E)], T * k, E, I if kind == "gate_up" else H))
-    elif kind == "down_direct":  # a program per (token, columns): the first whose grid fills the SMs
-        programs = [T * cdiv(H, c["BLOCK_N"]) for c in buckets[16]]
-        enough = [c for c, n in zip(buckets[16], programs) if n >= _SMS]
-        cfg = dict(enough[0] if enough else buckets[16][programs.index(max(programs))])
     else:  # a GEMV per row: the first candidate with two programs per SM, else the one with the most programs
         rows, width = (T * k, I) if kind == "gate_up_pairs" else (T, H)
         programs = [rows * cdiv(width, c["BLOCK_N"]) for c in buckets[1]]
