@@ -151,9 +151,11 @@ def run(T: int, backward_alone: bool, do_sweep: bool = False) -> dict:
                   flush=True)
     if backward_alone:  # the backward given the forward's saved state: ours from its inputs, theirs retained
         xd, wd_, wgud, wdd = (t.detach() for t in leaves)
-        row["ours_bwd_us"], _ = timed(lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy))
+        row["ours_bwd_us"], row["ours_bwd_how"] = timed(
+            lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy))
         y = reference(leaves[0], ids, leaves[1], leaves[2], None, leaves[3], None, gate)
-        row["grouped_mm_bwd_us"], _ = timed(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True))
+        row["grouped_mm_bwd_us"], row["grouped_mm_bwd_how"] = timed(
+            lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True))
     if do_sweep:
         sweep(row, *(t.detach() for t in (x, ids, wts, w_gu, w_d, dy)), act)
     print(f"T={T}: step ours {row['ours_step_us']:.0f} µs, grouped_mm {row['grouped_mm_step_us']:.0f} µs "
@@ -181,7 +183,8 @@ def main():
           "| err ours | err grouped_mm |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        bwd = (f"{r['ours_bwd_us']:.0f} | {r['grouped_mm_bwd_us']:.0f}" if "ours_bwd_us" in r else "– | –")
+        bwd = (f"{r['ours_bwd_us']:.0f} ({r['ours_bwd_how']}) | "
+               f"{r['grouped_mm_bwd_us']:.0f} ({r['grouped_mm_bwd_how']})" if "ours_bwd_us" in r else "– | –")
         print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['grouped_mm_step_us']:.0f} | "
               f"{r['grouped_mm_step_us'] / r['ours_step_us']:.2f}x | {bwd} | {r['ours_peak_mib']:.0f} | "
               f"{r['grouped_mm_peak_mib']:.0f} | {max(r['ours_err'].values()):.2e} | "
