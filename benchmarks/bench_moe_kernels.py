@@ -199,9 +199,9 @@ def main():
 
     print(f"\n{DTYPE}, {'interpreter wall clock' if TINY else 'CUDA-graph medians'}, µs (% of floor); "
           f"err = ‖y − y64‖∞ / ‖y64‖∞ ({time.time() - t0:.0f} s)")
-    print("| size | T | floor | ours: best path | sorted | sorted_tokens | pairs | grouped_mm | batched_mm "
+    print("| size | T | floor | ours: best path | sorted | pairs | grouped_mm | batched_mm "
           "| ours / grouped_mm | err ours, grouped_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cell = partial(_cell, r["floor_us"])
         name, best = min(r["paths"].items(), key=lambda kv: kv[1][0])
@@ -209,7 +209,7 @@ def main():
         speed = f"{gm[0] / best[0]:.2f}×" if gm and gm[0] == gm[0] else "–"
         gerr = f"{gm[1]:.2g}" if gm and isinstance(gm[1], float) else "–"
         print(f"| {r['size']} | {r['T']} | {r['floor_us']:.1f} | {name} {cell(best)} | "
-              f"{cell(r['paths'].get('sorted'))} | {cell(r['paths'].get('sorted_tokens'))} | "
+              f"{cell(r['paths'].get('sorted'))} | "
               f"{cell(r['paths'].get('pairs'))} | {cell(gm)} | "
               f"{cell(r['hf'].get('batched_mm'))} | {speed} | "
               f"{best[1]:.2g}, {gerr} |")

@@ -295,12 +295,6 @@ def _few_pairs(p: Problem) -> str | None:
     return f"{p.T * p.k} token-expert pairs > 64 (a GEMV per pair would read shared experts again)"
 
 
-def _tokens_rarely_share(p: Problem) -> str | None:
-    if p.T * p.k <= 2 * p.E:
-        return None
-    return f"{p.T * p.k} token-expert pairs > 2·E = {2 * p.E} (a per-token down would read shared experts again)"
-
-
 def _grouped_mm_ok(p: Problem) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return "torch._grouped_mm is absent"
@@ -311,8 +305,6 @@ def _grouped_mm_ok(p: Problem) -> str | None:
 
 IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0) the first eligible runs
     Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
-    Impl("triton_moe_sorted_tokdown", _triton("sorted_tokens"), frozenset({"cuda"}), triton=True,
-         worth=_tokens_rarely_share),
     Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, worth=_few_pairs),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),

@@ -4,10 +4,10 @@ An expert is o = A(x @ Wgu[e]ᵀ + bgu[e]) @ Wd[e]ᵀ + bd[e] with Wgu[e] (2I, H
 interleaved as GPT-OSS stores it), (I, H) plain, and Wd[e] (H, I); weights are read through their strides, never
 copied. Two ways through it, each without host syncs (CUDA-graph safe):
 
-- sorted (prefill): ``moe_align`` groups the pairs by expert in BLOCK_M-row blocks; ``moe_gate_up`` runs one tile
+- sorted: ``moe_align`` groups the pairs by expert in BLOCK_M-row blocks; ``moe_gate_up`` runs one tile
   GEMM per (block, BLOCK_N) over gathered x rows with the activation in its epilogue and writes h per pair;
   ``moe_down`` multiplies h into Wd[e] with the bias and routing weight in its epilogue (fp32 per pair), and
-  ``moe_combine`` sums each token's k rows in j order. Or ``moe_down_tokens`` for the last two.
+  ``moe_combine`` sums each token's k rows in j order.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
 
@@ -396,14 +396,14 @@ def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
     return y
 
 
-PATHS = ("sorted", "sorted_tokens", "pairs")
+PATHS = ("sorted", "pairs")
 
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
                 configs: dict | None = None) -> Tensor:
-    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches),
-    "sorted_tokens" (routing, gate_up, down_tokens: 3), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
+    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches), "pairs"
+    (gate_up_pairs, down_tokens: 2, for few tokens).
     ``configs``: a config per kind of CONFIGS, else default_config's."""
     T, k = ids.shape
     E, H, I = w_d.shape
@@ -419,8 +419,6 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     up = cfg("gate_up")
     routing = moe_align(ids, E, up["BLOCK_M"])
     h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up)
-    if path == "sorted_tokens":
-        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
     return moe_combine(moe_down(h, routing, wts, w_d, b_d, cfg("down")), ids, E, x.dtype)
 
 
