@@ -187,7 +187,8 @@ def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, 
 
 def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The ``"mlp_fuser"`` experts implementation: ``moe_mlp`` where ``spec`` allows, else transformers' grouped_mm."""
-    s = _spec_while_tracing(self) if torch.compiler.is_compiling() else spec(self)
+    compiling = torch.compiler.is_compiling()
+    s = _spec_while_tracing(self) if compiling else spec(self)
     if s is None or s.reason is not None:  # a field, not the property: fewer calls for Dynamo to trace
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -195,7 +196,7 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     w, b, wd, bd = weights(self, s)
     g = s.gate
     x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
-    op = torch.ops.mlp_fuser.moe_mlp.default if torch.compiler.is_compiling() else eager_moe_mlp
+    op = torch.ops.mlp_fuser.moe_mlp.default if compiling else eager_moe_mlp
     y = op(x, top_k_index, top_k_weights, w, b, wd, bd, g.activation, g.interleaved, g.limit, g.clamp_after,
            g.up_offset)
     return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)

@@ -490,26 +490,11 @@ for _dev in ("cuda", "cpu"):
     _register_autocast(_dev)
 
 
-_PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
-
-
-def _plain_call(x, ids, *floats) -> bool:
-    """Whether computing the op right here is exactly what the dispatcher would do (as ``ops._plain_call`` says for
-    the dense ops): plain tensors, no gradient, no autocast, no torch function or dispatch mode, no tracing, no
-    profiler; never on ``compat``'s public path."""
-    return (type(x) is Tensor and compat.PRIVATE and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
-            and not compat.profiler_enabled()
-            and not (torch.is_grad_enabled() and compat.any_requires_grad(x, *floats))
-            and not compat.any_autocast_enabled()
-            and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
-            and type(ids) is Tensor and _PLAIN.issuperset(map(type, floats)))
-
-
 def eager_moe_mlp(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
                   up_offset=0.0) -> Tensor:
     """``moe_mlp`` for a caller that runs eagerly (``patch``, the experts switch outside torch.compile): what the op
     computes, minus the dispatcher's layers (autocast, autograd, the op's entry) where nothing needs them."""
-    if _plain_call(x, ids, wts, wgu, bgu, wd, bd):
+    if type(ids) is Tensor and compat.plain_call(x, (wts, wgu, bgu, wd, bd)):
         return _forward(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
     return torch.ops.mlp_fuser.moe_mlp.default(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
                                                clamp_after, up_offset)

@@ -200,21 +200,12 @@ def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_
 
 # ---- eager entry: the op without the dispatcher's hop, for calls that need none of its layers ---------
 
-_PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
+_PLAIN = compat.PLAIN_TYPES
 
 
 def _plain_call(a: MLPArgs) -> bool:
-    """Whether computing the op right here is exactly what the dispatcher would do: plain CPU/CUDA tensors, no
-    gradient, no autocast (on any device), no torch function or dispatch mode (fake tensors, functionalization), no
-    tracing; and no profiler, which then sees the op's own event. Never on ``compat``'s public path."""
-    # cheapest first; x.is_cuda / x.is_cpu, not x.device.type (which builds a device object, then a string)
-    x = a.x
-    return (type(x) is Tensor and compat.PRIVATE and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
-            and not compat.profiler_enabled()
-            and not (torch.is_grad_enabled() and compat.any_requires_grad(*a[:7]))
-            and not compat.any_autocast_enabled()  # any device: asking for x's builds its device's name
-            and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
-            and _PLAIN.issuperset(map(type, a[1:7])))
+    """Whether computing the op right here is exactly what the dispatcher would do (``compat.plain_call``)."""
+    return compat.plain_call(a.x, a[1:7])
 
 
 def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):

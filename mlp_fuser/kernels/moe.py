@@ -30,8 +30,7 @@ from .gemm import gate_up_acc
 from .moe_routing import Routing, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_pairs",
-           "moe_down_tokens", "moe_experts", "moe_reference",
-           "default_config", "CONFIGS", "PATHS", "Routing"]
+           "moe_down_tokens", "moe_experts", "moe_reference", "default_config", "CONFIGS", "PATHS", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -403,8 +402,8 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
                 configs: dict | None = None) -> Tensor:
     """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches), "pairs"
-    (gate_up_pairs, down_tokens: 2, for few tokens).
-    ``configs``: a config per kind of CONFIGS, else default_config's."""
+    (gate_up_pairs, down_tokens: 2, for few tokens). ``configs``: a config per kind of CONFIGS, else
+    default_config's."""
     T, k = ids.shape
     E, H, I = w_d.shape
 
