@@ -27,8 +27,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, dot_precision
-from .moe import ExpertAct, _gate_up_layout, default_config, moe_combine, moe_down, moe_gate_up
+from .common import INTERPRET, cdiv, dot_precision, launch
+from .moe import ExpertAct, _gate_up_layout, _launch_opts, default_config, moe_combine, moe_down, moe_gate_up
 from .moe_routing import Routing, moe_align
 
 __all__ = ["moe_backward", "MoEExpertsFunction", "moe_experts_autograd", "backward_config"]
@@ -231,10 +231,6 @@ def backward_config(kind: str, block_m: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def _launch(cfg: dict) -> dict:
-    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-
-
 def _check(x: Tensor, act: ExpertAct) -> None:
     if x.dtype not in _SUPPORTED:
         raise NotImplementedError(f"moe_backward: x has dtype {x.dtype}; the Triton backward takes float16, "
@@ -250,14 +246,15 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
     s = wts if wts is not None else a
     d = db if db is not None else dw
     grid = (E, cdiv(N, cfg["BLOCK_N"]), cdiv(K, cfg["BLOCK_K"]))
-    _moe_wgrad_kernel[grid](
+    launch(
+        _moe_wgrad_kernel, grid,
         a, b, s, dw, d, routing.sorted_pairs, expert_start,
         S, routing.k, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), s.stride(0), s.stride(-1), *dw.stride(),
         d.stride(0), d.stride(-1),
         A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, SCALED=wts is not None, HAS_DB=db is not None,
         PRECISION=dot_precision(a.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **_launch(cfg),
+        **_launch_opts(cfg),
     )
 
 
@@ -296,7 +293,8 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     bgu = b_gu if b_gu is not None else w_gu
     bd = b_d if b_d is not None else w_d
     n_blocks = routing.block_expert.shape[0]
-    _moe_bwd_act_kernel[(n_blocks, n_tiles)](
+    launch(
+        _moe_bwd_act_kernel, (n_blocks, n_tiles),
         x, dy, w_gu, bgu, w_d, bd, wts, h, dgu, dw_part,
         routing.sorted_pairs, routing.block_expert, routing.num_blocks,
         S, k, I, H, w_gu.shape[1], up_row, n_tiles,
@@ -305,7 +303,7 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
         ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **_launch(cfg),
+        **_launch_opts(cfg),
     )
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
