@@ -56,6 +56,16 @@ VARIANTS = {
                                    "randn(256, 1024), 'silu', True)",
     "act_mul_backward gelu plain, no h": "k.backward.act_mul_backward(randn(256, 512), randn(512, 1024), "
                                          "randn(256, 1024), None, 'gelu', False)",
+    "moe sorted SwiGLU": "k.moe.moe_experts(randn(16, 512), ids(16, 2, 8), randn(16, 2), randn(8, 512, 512), None, "
+                         "randn(8, 512, 256), None)",
+    "moe sorted GPT-OSS biases interleaved": "k.moe.moe_experts(randn(16, 512), ids(16, 2, 8), randn(16, 2), "
+                                             "randn(8, 512, 512), randn(8, 512), randn(8, 512, 256), randn(8, 512), "
+                                             "k.moe.ExpertAct(alpha=1.702, limit=7.0, up_offset=1.0), True)",
+    "moe pairs SwiGLU": "k.moe.moe_experts(randn(4, 512), ids(4, 2, 8), randn(4, 2), randn(8, 512, 512), None, "
+                        "randn(8, 512, 256), None, path='pairs')",
+    "moe backward SwiGLU + biases": "k.moe_backward.moe_backward(randn(16, 512), ids(16, 2, 8), randn(16, 2), "
+                                    "randn(8, 512, 512), randn(8, 512), randn(8, 512, 256), randn(8, 512), "
+                                    "k.moe.ExpertAct(), False, randn(16, 512))",
 }
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
@@ -118,8 +128,11 @@ def dump(tree: str) -> dict[str, str]:
         raise SystemExit(f"imported {mlp_fuser.__file__}, not the tree {tree}")
     launches = []
     common.Launcher.__call__ = lambda self, key, grid, *args, **kw: launches.append((self.kernel, args, kw))
+    from mlp_fuser.kernels import moe, moe_backward  # noqa: F401  (reached as k.moe, k.moe_backward)
+
     env = {"k": k, "linear_splitk": linear_splitk, "swapab": swapab, "torch": torch,
-           "randn": lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)}
+           "randn": lambda *shape: torch.randn(*shape, dtype=torch.bfloat16),
+           "ids": lambda T, topk, E: torch.randint(0, E, (T, topk))}
     out = {}
     for name, code in VARIANTS.items():
         launches.clear()
