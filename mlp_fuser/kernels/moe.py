@@ -79,17 +79,26 @@ def gated_act(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.conste
 
 
 @triton.jit
+def add_gate_up_bias(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
+                     GATED: tl.constexpr, GATE_STEP: tl.constexpr):
+    """acc_g and acc_u plus the biases of expert e: gate at row GATE_STEP·n, up at UP_ROW + GATE_STEP·n."""
+    b_base = b_ptr + e * stride_be
+    acc_g += tl.load(b_base + offs_n * GATE_STEP * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        b_up = b_base + (UP_ROW + offs_n * GATE_STEP) * stride_bn
+        acc_u += tl.load(b_up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return acc_g, acc_u
+
+
+@triton.jit
 def expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
                     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
                     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr):
-    """Biases of expert e (gate at row GATE_STEP·n, up at UP_ROW + GATE_STEP·n), then A(g, u) or act(g), in fp32."""
+    """Biases of expert e (``add_gate_up_bias``), then A(g, u) or act(g), in fp32."""
     if HAS_BIAS:
-        b_base = b_ptr + e * stride_be
-        acc_g += tl.load(b_base + offs_n * GATE_STEP * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            b_up = b_base + (UP_ROW + offs_n * GATE_STEP) * stride_bn
-            acc_u += tl.load(b_up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
+                                        GATED, GATE_STEP)
     if GATED:
         return gated_act(acc_g, acc_u, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
     return ACT(acc_g)

@@ -28,7 +28,16 @@ from torch import Tensor
 
 from ..activations import get_activation
 from .common import INTERPRET, cdiv, dot_precision, launch
-from .moe import ExpertAct, _gate_up_layout, _launch_opts, default_config, moe_combine, moe_down, moe_gate_up
+from .moe import (
+    ExpertAct,
+    _gate_up_layout,
+    _launch_opts,
+    add_gate_up_bias,
+    default_config,
+    moe_combine,
+    moe_down,
+    moe_gate_up,
+)
 from .moe_routing import Routing, moe_align
 
 __all__ = ["moe_backward", "MoEExpertsFunction", "moe_experts_autograd", "backward_config"]
@@ -123,11 +132,8 @@ def _moe_bwd_act_kernel(
 
     # -- epilogue: biases, h, A'(g, u) · (w_p dh'), dw_p's partial over these columns -------------------
     if HAS_BGU:
-        b_base = bgu_ptr + e * stride_be
-        acc_g += tl.load(b_base + offs_n * GATE_STEP * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            b_up = b_base + (UP_ROW + offs_n * GATE_STEP) * stride_bn
-            acc_u += tl.load(b_up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, bgu_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
+                                        GATED, GATE_STEP)
     wts = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
     dh = acc_d * wts.to(tl.float32)[:, None]
     if GATED:
