@@ -345,7 +345,7 @@ def callable_for(x: Tensor, args: MLPArgs, M: int, eager: bool, plan_key: tuple 
         impl = resolve(device, dtype, M, K, I, O, gated, args, eager, FORWARD, activation, one)
     if plan_key is None or impl.name not in plans.PLANNED:
         return impl.fn
-    return lambda *a: plans.run_and_plan(plan_key, impl.name, impl.fn, x, a)
+    return lambda *a: plans.run_and_plan(plan_key, impl.name, impl.fn, x, new_args(a))  # a record, as plans read it
 
 
 def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False,

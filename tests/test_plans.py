@@ -104,6 +104,18 @@ def test_a_plan_launches_what_the_full_path_launched(recorded, name, case):
         assert p not in {t.data_ptr() for t in inputs if t is not None} | {y_plan.data_ptr()}
 
 
+@pytest.mark.parametrize("name", sorted(plans.PLANNED))
+def test_the_dispatchers_callable_records_a_plan_as_the_op_calls_it(recorded, monkeypatch, name):
+    """The op's own path: ``callable_for(...)`` called with the record's fields spread out, as ``ops._forward`` calls
+    it, keeps a plan for the key (the plan must get a record, not a bare tuple)."""
+    c = make_case(5, 64, 96, 48, dtype=torch.float16)
+    monkeypatch.setattr(config, "force_impl", name)
+    args = c.record(x=c.x.reshape(-1, 64))
+    plans.clear()
+    y = dispatch.callable_for(c.x, args, 5, False, ("op path", name))(*args)
+    assert y.shape == (5, 48) and plans.get(("op path", name)) is not None
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorded, monkeypatch, gated):
     """Its launch reads tensors the plan itself makes with cuBLAS (g, u) and writes h, which the down projection then
