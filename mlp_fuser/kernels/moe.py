@@ -2,16 +2,19 @@
 
 An expert is o = A(x @ Wgu[e]ᵀ + bgu[e]) @ Wd[e]ᵀ + bd[e] with Wgu[e] (2I, H) gated (gate|up concatenated, or
 interleaved as GPT-OSS stores it), (I, H) plain, and Wd[e] (H, I); weights are read through their strides, never
-copied. Two ways through it, each without host syncs (CUDA-graph safe):
+copied. The ways through it (PATHS), each without host syncs (CUDA-graph safe):
 
 - sorted: ``moe_align`` groups the pairs by expert in BLOCK_M-row blocks; ``moe_gate_up`` runs one tile
   GEMM per (block, BLOCK_N) over gathered x rows with the activation in its epilogue and writes h per pair;
   ``moe_down`` multiplies h into Wd[e] with the bias and routing weight in its epilogue (fp32 per pair), and
-  ``moe_combine`` sums each token's k rows in j order.
+  ``moe_combine`` sums each token's k rows in j order. sorted_fused: ``moe_down_combine`` does that sum in the
+  down kernel, by the last of a token's pairs to finish its n-block (an atomic counter per token and n-block).
+- unsorted (one token): the same two kernels with every pair its own block (``routing`` None), so no moe_align.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
 
-All accumulation is fp32; h is rounded to x's dtype once, y once. No atomics: results are deterministic.
+All accumulation is fp32; h is rounded to x's dtype once, y once. Results are deterministic: the counters only pick
+which program sums a token's rows, never the order of the sum.
 """
 
 from __future__ import annotations
