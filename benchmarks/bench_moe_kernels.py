@@ -3,7 +3,8 @@
     python benchmarks/bench_moe_kernels.py [--tiny] [--T 1,8,32] [--sizes qwen3-30b-a3b]
 
 For Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8) and Mixtral-8x7B's (4096, 14336, 8, 2), bf16, at each T:
-every candidate of mlp_fuser.kernels.moe.CONFIGS for the kernels of that M bucket, alone; then each path end to end
+every candidate of mlp_fuser.kernels.moe.CONFIGS for the kernels of that M bucket, alone (the down kernel also with
+its combine, and at T <= 32 both kernels with every pair its own block); then each path of moe.PATHS end to end
 with the fastest ones (routing included), beside transformers' grouped_mm and batched_mm experts forwards on a
 Qwen3MoeExperts module holding the same weights. CUDA-graph medians (``do_bench_cudagraph``); floor = max(bytes of
 the distinct experts the routing touches + x + y at 4.3 TB/s, FLOPs at 790 TFLOP/s). Errors: ‖out − ref‖∞ / ‖ref‖∞
@@ -136,6 +137,19 @@ def run_tokens(name, H, I, E, k, T, w_gu, w_d, mod, g):
                                                                  DTYPE), f"down {c}"))
         if us < best.get("down", (math.inf,))[0]:
             best["down"] = (us, c)
+        us = timed(partial(moe.moe_down_combine, h, r, ids, wts, w_d, None, DTYPE, c), rep=10)
+        y = moe.moe_down_combine(h, r, ids, wts, w_d, None, DTYPE, c)
+        row["configs"][f"down_combine {c}"] = (us, check(y, f"down_combine {c}"))
+    if T <= 32:  # every pair its own block (the unsorted path): the same candidates, BLOCK_M set by the kernels
+        for c in candidates("gate_up", bucket):
+            us = timed(partial(moe.moe_gate_up, x, None, w_gu, None, act, I, False, c, ids), rep=10)
+            hp = moe.moe_gate_up(x, None, w_gu, None, act, I, False, c, ids)
+            y = moe.moe_down_combine(hp, None, ids, wts, w_d, None, DTYPE)
+            row["configs"][f"gate_up_per_pair {c}"] = (us, check(y, f"gate_up_per_pair {c}"))
+        for c in candidates("down", bucket):
+            us = timed(partial(moe.moe_down_combine, h, None, ids, wts, w_d, None, DTYPE, c), rep=10)
+            y = moe.moe_down_combine(h, None, ids, wts, w_d, None, DTYPE, c)
+            row["configs"][f"down_combine_per_pair {c}"] = (us, check(y, f"down_combine_per_pair {c}"))
     if T <= 32:  # the GEMV paths read an expert once per pair / token: for few tokens only
         for c in candidates("gate_up_pairs", 1):
             us = timed(partial(moe.moe_gate_up_pairs, x, ids, w_gu, None, act, I, False, c), rep=10)
@@ -153,7 +167,7 @@ def run_tokens(name, H, I, E, k, T, w_gu, w_d, mod, g):
 
     # -- each path end to end with the fastest configs --------------------------------------------
     cfgs = {kind: c for kind, (_, c) in best.items()}
-    for path in moe.PATHS if T <= 32 else ("sorted",):
+    for path in moe.PATHS:  # "pairs" and "unsorted" read an expert once per pair: slow beyond a few tokens
         fn = partial(moe.moe_experts, x, ids, wts, w_gu, None, w_d, None, act, False, path, cfgs)
         row["paths"][path] = (timed(fn), check(fn(), path))
     row["best_configs"] = cfgs
@@ -199,9 +213,9 @@ def main():
 
     print(f"\n{DTYPE}, {'interpreter wall clock' if TINY else 'CUDA-graph medians'}, µs (% of floor); "
           f"err = ‖y − y64‖∞ / ‖y64‖∞ ({time.time() - t0:.0f} s)")
-    print("| size | T | floor | ours: best path | sorted | pairs | grouped_mm | batched_mm "
+    print("| size | T | floor | ours: best path | sorted | sorted_fused | unsorted | pairs | grouped_mm | batched_mm "
           "| ours / grouped_mm | err ours, grouped_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cell = partial(_cell, r["floor_us"])
         name, best = min(r["paths"].items(), key=lambda kv: kv[1][0])
@@ -209,8 +223,8 @@ def main():
         speed = f"{gm[0] / best[0]:.2f}×" if gm and gm[0] == gm[0] else "–"
         gerr = f"{gm[1]:.2g}" if gm and isinstance(gm[1], float) else "–"
         print(f"| {r['size']} | {r['T']} | {r['floor_us']:.1f} | {name} {cell(best)} | "
-              f"{cell(r['paths'].get('sorted'))} | "
-              f"{cell(r['paths'].get('pairs'))} | {cell(gm)} | "
+              f"{cell(r['paths'].get('sorted'))} | {cell(r['paths'].get('sorted_fused'))} | "
+              f"{cell(r['paths'].get('unsorted'))} | {cell(r['paths'].get('pairs'))} | {cell(gm)} | "
               f"{cell(r['hf'].get('batched_mm'))} | {speed} | "
               f"{best[1]:.2g}, {gerr} |")
 

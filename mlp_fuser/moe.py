@@ -296,6 +296,12 @@ def _few_pairs(p: Problem) -> str | None:
     return f"{p.T * p.k} token-expert pairs > 64 (a GEMV per pair would read shared experts again)"
 
 
+def _one_token(p: Problem) -> str | None:
+    if p.T == 1:
+        return None
+    return f"{p.T} tokens > 1 (every pair its own block would read an expert shared by tokens again)"
+
+
 def _grouped_mm_ok(p: Problem) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return "torch._grouped_mm is absent"
@@ -306,7 +312,9 @@ def _grouped_mm_ok(p: Problem) -> str | None:
 
 IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0) the first eligible runs
     Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
+    Impl("triton_moe_sorted_fused", _triton("sorted_fused"), frozenset({"cuda"}), triton=True),
     Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, worth=_few_pairs),
+    Impl("triton_moe_unsorted", _triton("unsorted"), frozenset({"cuda"}), triton=True, worth=_one_token),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
 ]

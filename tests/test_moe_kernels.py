@@ -171,6 +171,61 @@ def test_experts_against_float64(case, path):
     assert rel_err(moe.moe_reference(*args, act=act, interleaved=interleaved).cpu(), expected, math.inf) < bar
 
 
+FUSED = ("sorted_fused", "unsorted")  # the down kernel combines the k rows itself
+
+
+def drop_token(ids_pair, t, E):
+    """Every pair of token t a sentinel: in no block, so y[t] = 0 falls to whoever handles empty tokens."""
+    for ids in ids_pair:
+        ids[t] = E + 1
+
+
+@pytest.mark.parametrize("path", FUSED)
+@pytest.mark.parametrize("T,k,E,dtype,extra", [
+    (1, 8, 128, torch.float16, {}),
+    (1, 1, 4, torch.float32, dict(bias=True)),
+    (3, 2, 8, torch.float32, dict(drop=1)),
+    (3, 8, 16, torch.float16, dict(act=GPT_OSS, interleaved=True, bias=True, transposed=True, drop=2)),
+    (17, 8, 16, torch.float16, dict(drop=5)),
+    (17, 2, 64, torch.float32, dict(act=CLAMPED_SILU, bias=True, drop=0)),
+], ids=["T1-k8-E128", "T1-k1-bias", "T3-k2-drop", "T3-gpt-oss", "T17-k8", "T17-k2-E64"])
+def test_fused_combine_against_float64(path, T, k, E, dtype, extra):
+    """Sentinels among a token's pairs (random) and for every pair of one token (``drop``): that y row must be 0."""
+    H, I = 40, 36
+    act, interleaved = extra.get("act", ExpertAct()), extra.get("interleaved", False)
+    ref_args, args = make_case(T, k, E, H, I, dtype, bias=extra.get("bias", False),
+                               transposed=extra.get("transposed", False), seed=T + k + E)
+    if "drop" in extra:
+        drop_token((ref_args[1], args[1]), extra["drop"], E)
+    with poisoned_empty():
+        y = moe.moe_experts(*args, act=act, interleaved=interleaved, path=path)
+    expected = reference64(*ref_args, act, interleaved)
+    assert y.dtype == dtype and y.shape == (T, H) and expected.abs().max() > 0.1
+    if "drop" in extra:
+        assert (y[extra["drop"]] == 0).all()
+    assert rel_err(y.cpu(), expected, ord=math.inf) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("path", FUSED)
+@pytest.mark.parametrize("T", [0, 1, 4])
+def test_fused_combine_every_pair_dropped(path, T):
+    """No valid pair anywhere (no block at all in the sorted routing): y is all zeros, not the poisoned empty."""
+    _, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(T, 2, 8, 32, 24, torch.float32, bias=True)
+    ids.fill_(8)
+    with poisoned_empty():
+        y = moe.moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, path=path)
+    assert y.shape == (T, 32) and (y == 0).all()
+
+
+def test_fused_combine_deterministic():
+    """The last arriver sums in j order: y is bitwise the same twice on each path, and sorted_fused's bitwise the
+    sorted path's (the same fp32 rows, summed in the same order by a kernel of its own)."""
+    _, args = make_case(9, 4, 8, 40, 36, torch.float32, bias=True, seed=11)  # fp32: y keeps the sum's bits
+    for path in FUSED:
+        assert torch.equal(moe.moe_experts(*args, path=path), moe.moe_experts(*args, path=path)), path
+    assert torch.equal(moe.moe_experts(*args, path="sorted_fused"), moe.moe_experts(*args, path="sorted"))
+
+
 def test_down_and_combine_parts():
     """moe_down's per-pair rows are weighted expert outputs; dropped rows stay unwritten and combine skips them."""
     ref_args, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(5, 2, 4, 32, 24, torch.float32, bias=True, seed=3)

@@ -2,16 +2,19 @@
 
 An expert is o = A(x @ Wgu[e]ᵀ + bgu[e]) @ Wd[e]ᵀ + bd[e] with Wgu[e] (2I, H) gated (gate|up concatenated, or
 interleaved as GPT-OSS stores it), (I, H) plain, and Wd[e] (H, I); weights are read through their strides, never
-copied. Two ways through it, each without host syncs (CUDA-graph safe):
+copied. The ways through it (PATHS), each without host syncs (CUDA-graph safe):
 
 - sorted: ``moe_align`` groups the pairs by expert in BLOCK_M-row blocks; ``moe_gate_up`` runs one tile
   GEMM per (block, BLOCK_N) over gathered x rows with the activation in its epilogue and writes h per pair;
   ``moe_down`` multiplies h into Wd[e] with the bias and routing weight in its epilogue (fp32 per pair), and
-  ``moe_combine`` sums each token's k rows in j order.
+  ``moe_combine`` sums each token's k rows in j order. sorted_fused: ``moe_down_combine`` does that sum in the
+  down kernel, by the last of a token's pairs to finish its n-block (an atomic counter per token and n-block).
+- unsorted (one token): the same two kernels with every pair its own block (``routing`` None), so no moe_align.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
 
-All accumulation is fp32; h is rounded to x's dtype once, y once. No atomics: results are deterministic.
+All accumulation is fp32; h is rounded to x's dtype once, y once. Results are deterministic: the counters only pick
+which program sums a token's rows, never the order of the sum.
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch
+from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
 from .gemm import gate_up_acc
 from .moe_routing import Routing, moe_align
 
-__all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_pairs",
+__all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
            "moe_down_tokens", "moe_experts", "moe_reference", "default_config", "CONFIGS", "PATHS", "Routing"]
 
 
@@ -112,18 +115,25 @@ def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    ids_ptr, E, stride_it, stride_ij,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_b >= tl.load(num_blocks_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)  # int64: E·2I·H overflows int32 (DeepSeek-V3)
-    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PER_PAIR:  # no routing: program b is pair b alone, the tile's other rows masked off
+        e = tl.load(ids_ptr + (pid_b // K_TOP) * stride_it + (pid_b % K_TOP) * stride_ij).to(tl.int64)
+        if (e < 0) | (e >= E):
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_b, S)
+    else:
+        if pid_b >= tl.load(num_blocks_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_b).to(tl.int64)  # int64: E·2I·H overflows int32 (DeepSeek-V3)
+        pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     mask_m = pairs < S
     tokens = pairs // K_TOP  # x rows gathered per pair
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,20 +153,45 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
+def valid_pairs(ids_ptr, tokens, mask, E, K_TOP, stride_it, stride_ij, BLOCK_J: tl.constexpr):
+    """Per token of ``tokens``: how many of its K_TOP ids are in [0, E) (0 where ``mask`` is off)."""
+    offs_j = tl.arange(0, BLOCK_J)
+    e = tl.load(ids_ptr + tokens[:, None] * stride_it + offs_j[None, :] * stride_ij,
+                mask=mask[:, None] & (offs_j[None, :] < K_TOP), other=-1)
+    return tl.sum(((e >= 0) & (e < E)).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _moe_down_kernel(
     h_ptr, w_ptr, b_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_wt, stride_wj,
+    ids_ptr, y_ptr, count_ptr, E, stride_it, stride_ij, stride_yt,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PER_PAIR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of the output ---------------
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_b >= tl.load(num_blocks_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    if COMBINE:  # tokens with no valid pair are in no block: y = 0 for tokens b, b + grid, ... (BLOCK_T of them)
+        T = S // K_TOP
+        offs_t = pid_b + tl.num_programs(0) * tl.arange(0, BLOCK_T)
+        none = (offs_t < T) & (valid_pairs(ids_ptr, offs_t, offs_t < T, E, K_TOP, stride_it, stride_ij, BLOCK_J) == 0)
+        offs_y = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        zero_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_y[None, :]
+        tl.store(zero_ptrs, tl.zeros((BLOCK_T, BLOCK_N), dtype=y_ptr.dtype.element_ty),
+                 mask=none[:, None] & (offs_y < N)[None, :])
+    if PER_PAIR:  # no routing: program b is pair b alone, the tile's other rows masked off
+        e = tl.load(ids_ptr + (pid_b // K_TOP) * stride_it + (pid_b % K_TOP) * stride_ij).to(tl.int64)
+        if (e < 0) | (e >= E):
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_b, S)
+    else:
+        if pid_b >= tl.load(num_blocks_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     mask_m = pairs < S
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -176,6 +211,24 @@ def _moe_down_kernel(
     acc = acc * wts.to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+    if COMBINE:
+        # -- count each pair's (token, n-block) in; its last arriver sums the token's rows -----------
+        tokens = pairs // K_TOP
+        k_valid = valid_pairs(ids_ptr, tokens, mask_m, E, K_TOP, stride_it, stride_ij, BLOCK_J)
+        tl.debug_barrier()  # every thread's rows stored before any of this program's counts
+        old = tl.atomic_add(count_ptr + tokens * tl.num_programs(1) + pid_n, 1, mask=mask_m)
+        last = mask_m & (old == k_valid - 1)
+        if tl.sum(last.to(tl.int32)) > 0:
+            tl.debug_barrier()  # the counts read before any thread reads the other programs' rows
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(0, K_TOP):  # in j order, whoever arrived last: deterministic
+                e_j = tl.load(ids_ptr + tokens * stride_it + j * stride_ij, mask=last, other=-1)
+                ok = last & (e_j >= 0) & (e_j < E)  # the rows of dropped pairs were never written
+                row = out_ptr + (tokens * K_TOP + j)[:, None].to(tl.int64) * N + offs_n[None, :]
+                y += tl.load(row, mask=ok[:, None] & mask_n[None, :], other=0.0, cache_modifier=".cg")
+            y_ptrs = y_ptr + tokens[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=last[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -292,55 +345,91 @@ def _launch_opts(config: dict) -> dict:
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
-def moe_gate_up(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
-                interleaved: bool = False, config: dict | None = None) -> Tensor:
+def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
+                interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None) -> Tensor:
     """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
-    pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's)."""
+    pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's).
+    ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k)."""
     T, H = x.shape
-    S = T * routing.k
+    k = routing.k if routing is not None else ids.shape[1]
+    S = T * k
     E = w_gu.shape[0]
     gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
-    cfg = config or default_config("gate_up", T, routing.k, E, H, I, x.dtype)
+    cfg = config or default_config("gate_up", T, k, E, H, I, x.dtype)
     h = torch.empty((S, I), dtype=x.dtype, device=x.device)
-    n_blocks = routing.block_expert.shape[0]
+    n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or I == 0:
         return h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
+    blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
+    per_pair = (ids, E, ids.stride(0), ids.stride(1)) if routing is None else (None,) * 4
     grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
     launch(
         _moe_gate_up_kernel, grid,
-        x, w_gu, b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        S, routing.k, I, H, up_row,
-        x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
+        x, w_gu, b, h, *blocks,
+        S, k, I, H, up_row,
+        x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1), *per_pair,
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
-        PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **_launch_opts(cfg),
+        PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m if routing is not None else PER_PAIR_BLOCK_M,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, **_launch_opts(cfg),
     )
     return h
 
 
-def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-             config: dict | None = None) -> Tensor:
-    """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten)."""
+PER_PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: one live row in it
+
+
+def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
+          y: Tensor | None, config: dict | None) -> Tensor:
+    """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well."""
     S, I = h.shape
     E, H = w_d.shape[0], w_d.shape[1]
-    cfg = config or default_config("down", S // max(routing.k, 1), routing.k, E, H, I, h.dtype)
+    k = routing.k if routing is not None else ids.shape[1]
+    cfg = config or default_config("down", S // max(k, 1), k, E, H, I, h.dtype)
     out = torch.empty((S, H), dtype=torch.float32, device=h.device)
-    n_blocks = routing.block_expert.shape[0]
+    n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or H == 0:
         return out
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
     grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
+    blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
+    combine = (None,) * 7
+    if y is not None:  # a counter per (token, n-block): its k_valid-th arriver sums the token's rows
+        counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
+        combine = (ids, y, counts, E, ids.stride(0), ids.stride(1), y.stride(0))
+    elif routing is None:
+        combine = (ids, None, None, E, ids.stride(0), ids.stride(1), None)
     launch(
         _moe_down_kernel, grid,
-        h, w_d, b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        S, routing.k, H, I,
-        *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
+        h, w_d, b, wts, out, *blocks,
+        S, k, H, I,
+        *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *combine,
         HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype),
-        BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
+        BLOCK_M=routing.block_m if routing is not None else PER_PAIR_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, COMBINE=y is not None,
+        BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if y is not None else 1,
+        BLOCK_J=next_power_of_2(k) if y is not None else 1, **_launch_opts(cfg),
     )
     return out
+
+
+def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
+             config: dict | None = None) -> Tensor:
+    """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten)."""
+    return _down(h, routing, None, wts, w_d, b_d, None, config)
+
+
+def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
+                     dtype: torch.dtype, config: dict | None = None) -> Tensor:
+    """y (T, H) in ``dtype``, as ``moe_combine(moe_down(...))`` computes it bit for bit, in one launch: each
+    program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
+    n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``."""
+    T, k = ids.shape
+    y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
+    if T > 0:
+        _down(h, routing, ids, wts, w_d, b_d, y, config)
+    return y
 
 
 def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype) -> Tensor:
@@ -404,15 +493,16 @@ def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
     return y
 
 
-PATHS = ("sorted", "pairs")
+PATHS = ("sorted", "sorted_fused", "unsorted", "pairs")
 
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
                 configs: dict | None = None) -> Tensor:
-    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches), "pairs"
-    (gate_up_pairs, down_tokens: 2, for few tokens). ``configs``: a config per kind of CONFIGS, else
-    default_config's."""
+    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches),
+    "sorted_fused" (routing, gate_up, down with the combine: 3), "unsorted" (gate_up and down+combine with every
+    pair its own block, no routing: 2, for one token), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
+    ``configs``: a config per kind of CONFIGS, else default_config's."""
     T, k = ids.shape
     E, H, I = w_d.shape
 
@@ -422,11 +512,16 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     if path == "pairs":
         h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"))
         return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
+    if path == "unsorted":
+        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids)
+        return moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, cfg("down"))
     if path not in PATHS:
         raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
     up = cfg("gate_up")
     routing = moe_align(ids, E, up["BLOCK_M"])
     h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up)
+    if path == "sorted_fused":
+        return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, cfg("down"))
     return moe_combine(moe_down(h, routing, wts, w_d, b_d, cfg("down")), ids, E, x.dtype)
 
 
