@@ -71,6 +71,7 @@ def test_gpu_first_call_inside_a_capture_runs_the_aten_path(caplog):
     the unfused aten path, says so, and the captured graph computes the right thing."""
     case = make_case(3, 640, 1792, 640, dtype=torch.bfloat16, device="cuda")  # a shape no other test uses
     args = case.args()
+    case.unfused()  # cuBLAS initialised outside the capture, as by any eager work before one (else cublasCreate fails)
     graph = torch.cuda.CUDAGraph()
     with caplog.at_level("WARNING", logger="mlp_fuser"), torch.cuda.graph(graph):
         out = case.op()(*args)
