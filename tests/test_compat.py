@@ -11,6 +11,7 @@ import pytest
 import torch
 import triton
 from _mlp_cases import make_case
+from conftest import KERNEL_DEVICE
 from test_launcher import FakeKernel
 
 import mlp_fuser  # noqa: F401 (registers the ops)
@@ -48,9 +49,9 @@ def _outputs(c):
 def test_public_path_outside_the_tested_versions_gives_the_fast_paths_outputs(restore, how):
     """With an unknown torch or Triton (faked) or MLP_FUSER_PRIVATE=0, no private API is used: the op's entries go
     through the registered op, Triton launches every call itself, Inductor's lowering is left alone, and the outputs
-    are the fast path's, bit for bit (Triton kernels under the interpreter)."""
+    are the fast path's, bit for bit (Triton kernels under the interpreter here, compiled on a GPU machine)."""
     restore.setattr(config, "triton_on_cpu", True)
-    c = make_case(5, 32, 48, 16, dtype=torch.float32)
+    c = make_case(5, 32, 48, 16, dtype=torch.float32, device=KERNEL_DEVICE)
     fast = _outputs(c)
     assert compat.PRIVATE and ops._plain_call(c.record())
     if how == "unknown torch":
