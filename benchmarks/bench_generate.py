@@ -433,7 +433,8 @@ def run(args, results):
                             host_split(f"{label} b={batch} {path}", m, gen, device)
                         if args.time_modules and path in ("eager", "patch", "patch_noplan"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
-                        step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens)
+                        step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens,
+                                  profile=args.step_profile)
                                 if args.step and path.startswith("static") else {})
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                             ms=times[path], round_ms=per_round[path], warmup_s=warm_s,
@@ -691,15 +692,16 @@ class _StepTimed(Exception):
     """Ends the generate ``time_step`` ran in, once the step is timed."""
 
 
-def time_step(label, model, gen, device, new_tokens, calls=20):
+def time_step(label, model, gen, device, new_tokens, calls=20, profile=False):
     """The static-cache decode step alone, outside ``generate``'s own work: inside one generate, at its fourth
     decode step, the compiled call transformers made (``model._compiled_call``, a CUDA-graph replay under
     reduce-overhead) is run again ``2 * calls`` times with that step's arguments, then the generate is ended (each
     call moves the static cache on by one position, so fewer calls when the cache, ``new_tokens`` past the prompt,
     has no room). GPU ms per step (CUDA events around each call, queued behind a GPU sleep, so the host's time cannot
     show in them), host ms per call (its wall time while the GPU is still busy), and ms per step back to back
-    (synchronised once at the end). Where a path's step is faster on the GPU but its generate is not, this says
-    whether the step or what ``generate`` does around it holds it back."""
+    (synchronised once at the end; with ``profile``, under cProfile, whose top functions by own time are logged).
+    Where a path's step is faster on the GPU but its generate is not, this says whether the step or what
+    ``generate`` does around it holds it back."""
     compiled, seen, out = model._compiled_call, [0], {}
     cuda, calls = device == "cuda", max(1, min(calls, (new_tokens - 6) // 2))  # room in the cache
 
@@ -717,10 +719,19 @@ def time_step(label, model, gen, device, new_tokens, calls=20):
                 e1.record()
                 e1.synchronize()
                 gpu.append(e0.elapsed_time(e1))
+        prof = None
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         for _ in range(calls):
             compiled(*a, **k)
         sync(device)
+        if prof is not None:
+            prof.disable()
+            log_profile(f"  step alone, {label}: Python by own time over {calls} calls (cProfile)", prof)
         out.update(step_gpu_ms=statistics.median(gpu) if gpu else float("nan"), step_host_ms=statistics.median(host),
                    step_back_ms=(time.perf_counter() - t0) / calls * 1e3)
 
@@ -782,8 +793,6 @@ def profile_decode(label, gen, device, python=False, tokens=16):
     """Where one generate of ``tokens`` new tokens spends its time (after a warm-up generate): GPU kernels by total
     time and count, the CPU side by self time, and with ``python`` the Python functions by own time (cProfile)."""
     import cProfile
-    import io
-    import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -809,9 +818,17 @@ def profile_decode(label, gen, device, python=False, tokens=16):
         gen(tokens)
         sync(device)
         pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-        log("  Python by own time (cProfile, one generate):\n" + "\n".join(s.getvalue().splitlines()[6:]))
+        log_profile("  Python by own time (cProfile, one generate):", pr, 22)
+
+
+def log_profile(title, prof, lines=16):
+    """The top ``lines`` functions of a cProfile.Profile by own time, logged under ``title``."""
+    import io
+    import pstats
+
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(lines)
+    log(title + "\n" + "\n".join(s.getvalue().splitlines()[6:]))
 
 
 def model_label(args) -> str:
@@ -916,6 +933,8 @@ def main(argv=None) -> int:
                     "op, the garbage collector; synchronisations")
     ap.add_argument("--step", action="store_true", help="static paths: time the compiled decode step alone (GPU, "
                     "host per call, back to back), inside a generate but without its own work")
+    ap.add_argument("--step-profile", action="store_true", help="with --step: the back-to-back calls under cProfile "
+                    "(where a replay's host time goes; that column then includes the profiler's cost)")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model "
                          "(decode: one generate; prefill: one forward), and the host's time for the whole call")
