@@ -171,7 +171,7 @@ def test_experts_against_float64(case, path):
     assert rel_err(moe.moe_reference(*args, act=act, interleaved=interleaved).cpu(), expected, math.inf) < bar
 
 
-FUSED = ("sorted_fused", "unsorted")  # the down kernel combines the k rows itself
+FUSED = tuple(p for p in moe.PATHS if p.startswith(("sorted_fused", "unsorted")))  # down combines the k rows
 
 
 def drop_token(ids_pair, t, E):
@@ -224,6 +224,36 @@ def test_fused_combine_deterministic():
     for path in FUSED:
         assert torch.equal(moe.moe_experts(*args, path=path), moe.moe_experts(*args, path=path)), path
     assert torch.equal(moe.moe_experts(*args, path="sorted_fused"), moe.moe_experts(*args, path="sorted"))
+    assert torch.equal(moe.moe_experts(*args, path="unsorted_pdl"), moe.moe_experts(*args, path="unsorted"))
+
+
+@pytest.mark.parametrize("sorted_routing", [False, True], ids=["per-pair", "sorted"])
+@pytest.mark.parametrize("T,k,H", [(1, 8, 40), (5, 2, 200), (17, 4, 72)])
+def test_gate_up_zeroes_poisoned_counts(sorted_routing, T, k, H):
+    """The memset-free combine: counters full of random ints, zeroed by the gate/up kernel alone (more counters
+    than its programs where H is wide), give the float64 y; the combine's own rows still checked per token."""
+    E, I = 8, 24
+    ref_args, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(T, k, E, H, I, torch.float32, bias=True, seed=T + H)
+    down = moe.default_config("down", T, k, E, H, I, x.dtype)
+    up = moe.default_config("gate_up", T, k, E, H, I, x.dtype)
+    routing = moe.moe_align(ids, E, up["BLOCK_M"]) if sorted_routing else None
+    counts = moe.combine_counts(T, H, down, x.device)
+    counts.copy_(torch.randint(-2**31, 2**31 - 1, counts.shape, dtype=torch.int32))
+    with poisoned_empty():
+        h = moe.moe_gate_up(x, routing, w_gu, b_gu, ExpertAct(), I, False, up, None if routing else ids, counts)
+        assert (counts == 0).all()
+        y = moe.moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl=True)
+    expected = reference64(*ref_args, ExpertAct(), False)
+    assert expected.abs().max() > 0.1 and rel_err(y.cpu(), expected, ord=math.inf) < 1e-5
+
+
+def test_down_combine_counts_checked():
+    _, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(3, 2, 4, 32, 24, torch.float32)
+    h = moe.moe_gate_up(x, None, w_gu, b_gu, ExpertAct(), 24, ids=ids)
+    with pytest.raises(ValueError, match="counts must be int32 of shape"):
+        moe.moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, counts=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counts must be a contiguous int32"):
+        moe.moe_gate_up(x, None, w_gu, b_gu, ExpertAct(), 24, ids=ids, counts=torch.zeros(3, 2))
 
 
 def test_down_and_combine_parts():
