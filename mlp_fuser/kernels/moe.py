@@ -12,6 +12,9 @@ copied. The ways through it (PATHS), each without host syncs (CUDA-graph safe):
 - unsorted (one token): the same two kernels with every pair its own block (``routing`` None), so no moe_align.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
+- sorted_fused and unsorted also as "<path>_nomemset" (the gate/up kernel zeroes the combine's counters: no memset
+  launch) and "<path>_pdl" (that, with the down kernel launched by programmatic dependent launch on Hopper: its
+  prologue overlaps gate/up's tail, ``gdc_wait`` before it reads h or the counters).
 
 All accumulation is fp32; h is rounded to x's dtype once, y once. Results are deterministic: the counters only pick
 which program sums a token's rows, never the order of the sum.
@@ -483,7 +486,9 @@ def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tenso
     program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
     n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``.
     ``counts``: the counters as ``moe_gate_up(counts=...)`` zeroed them, under this ``config`` (else a memset
-    zeroes new ones); ``pdl``: launched to overlap that gate/up kernel's tail (Hopper), h read after its end."""
+    zeroes new ones); ``pdl``: launched to overlap the tail of the kernel before it on the stream, which must be
+    ``moe_gate_up(pdl=True)`` launched without PDL (Hopper): h and the counters are read after its end, the ids,
+    weights and routing before it (complete, as everything before that gate/up kernel is)."""
     T, k = ids.shape
     y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
     if T > 0:
