@@ -5,10 +5,11 @@
 For Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8) and Mixtral-8x7B's (4096, 14336, 8, 2), bf16, at each T:
 every candidate of mlp_fuser.kernels.moe.CONFIGS for the kernels of that M bucket, alone (the down kernel also with
 its combine, and at T <= 32 both kernels with every pair its own block); then each path of moe.PATHS end to end
-with the fastest ones (routing included; the fused paths also as their "_nomemset" and "_pdl" variants), beside transformers' grouped_mm and batched_mm experts forwards on a
-Qwen3MoeExperts module holding the same weights. CUDA-graph medians (``do_bench_cudagraph``); floor = max(bytes of
-the distinct experts the routing touches + x + y at 4.3 TB/s, FLOPs at 790 TFLOP/s). Errors: ‖out − ref‖∞ / ‖ref‖∞
-against float64. Results go to $OUT/bench_moe_kernels.json when OUT is set; the summary table is printed last.
+with the fastest ones (routing included; the fused paths also as their "_nomemset" and "_pdl" variants), beside
+transformers' grouped_mm and batched_mm experts forwards on a Qwen3MoeExperts module holding the same weights.
+CUDA-graph medians (``do_bench_cudagraph``); floor = max(bytes of the distinct experts the routing touches + x + y
+at 4.3 TB/s, FLOPs at 790 TFLOP/s). Errors: ‖out − ref‖∞ / ‖ref‖∞ against float64. Results go to
+$OUT/bench_moe_kernels.json when OUT is set; the summary table is printed last.
 ``--tiny``: small shapes on the CPU under the Triton interpreter (fp32, one wall-clock call): a smoke test.
 """
 
