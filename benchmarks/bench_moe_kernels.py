@@ -5,10 +5,11 @@
 For Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8) and Mixtral-8x7B's (4096, 14336, 8, 2), bf16, at each T:
 every candidate of mlp_fuser.kernels.moe.CONFIGS for the kernels of that M bucket, alone (the down kernel also with
 its combine, and at T <= 32 both kernels with every pair its own block); then each path of moe.PATHS end to end
-with the fastest ones (routing included), beside transformers' grouped_mm and batched_mm experts forwards on a
-Qwen3MoeExperts module holding the same weights. CUDA-graph medians (``do_bench_cudagraph``); floor = max(bytes of
-the distinct experts the routing touches + x + y at 4.3 TB/s, FLOPs at 790 TFLOP/s). Errors: ‖out − ref‖∞ / ‖ref‖∞
-against float64. Results go to $OUT/bench_moe_kernels.json when OUT is set; the summary table is printed last.
+with the fastest ones (routing included; the fused paths also as their "_nomemset" and "_pdl" variants), beside
+transformers' grouped_mm and batched_mm experts forwards on a Qwen3MoeExperts module holding the same weights.
+CUDA-graph medians (``do_bench_cudagraph``); floor = max(bytes of the distinct experts the routing touches + x + y
+at 4.3 TB/s, FLOPs at 790 TFLOP/s). Errors: ‖out − ref‖∞ / ‖ref‖∞ against float64. Results go to
+$OUT/bench_moe_kernels.json when OUT is set; the summary table is printed last.
 ``--tiny``: small shapes on the CPU under the Triton interpreter (fp32, one wall-clock call): a smoke test.
 """
 
@@ -167,7 +168,7 @@ def run_tokens(name, H, I, E, k, T, w_gu, w_d, mod, g):
 
     # -- each path end to end with the fastest configs --------------------------------------------
     cfgs = {kind: c for kind, (_, c) in best.items()}
-    for path in moe.PATHS:  # "pairs" and "unsorted" read an expert once per pair: slow beyond a few tokens
+    for path in moe.PATHS:  # "pairs" and "unsorted*" read an expert once per pair: slow beyond a few tokens
         fn = partial(moe.moe_experts, x, ids, wts, w_gu, None, w_d, None, act, False, path, cfgs)
         row["paths"][path] = (timed(fn), check(fn(), path))
     row["best_configs"] = cfgs
@@ -213,20 +214,18 @@ def main():
 
     print(f"\n{DTYPE}, {'interpreter wall clock' if TINY else 'CUDA-graph medians'}, µs (% of floor); "
           f"err = ‖y − y64‖∞ / ‖y64‖∞ ({time.time() - t0:.0f} s)")
-    print("| size | T | floor | ours: best path | sorted | sorted_fused | unsorted | pairs | grouped_mm | batched_mm "
+    print("| size | T | floor | ours: best path | " + " | ".join(moe.PATHS) + " | grouped_mm | batched_mm "
           "| ours / grouped_mm | err ours, grouped_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (8 + len(moe.PATHS)) + "|")
     for r in rows:
         cell = partial(_cell, r["floor_us"])
         name, best = min(r["paths"].items(), key=lambda kv: kv[1][0])
         gm = r["hf"].get("grouped_mm")
         speed = f"{gm[0] / best[0]:.2f}×" if gm and gm[0] == gm[0] else "–"
         gerr = f"{gm[1]:.2g}" if gm and isinstance(gm[1], float) else "–"
-        print(f"| {r['size']} | {r['T']} | {r['floor_us']:.1f} | {name} {cell(best)} | "
-              f"{cell(r['paths'].get('sorted'))} | {cell(r['paths'].get('sorted_fused'))} | "
-              f"{cell(r['paths'].get('unsorted'))} | {cell(r['paths'].get('pairs'))} | {cell(gm)} | "
-              f"{cell(r['hf'].get('batched_mm'))} | {speed} | "
-              f"{best[1]:.2g}, {gerr} |")
+        paths = " | ".join(cell(r["paths"].get(p)) for p in moe.PATHS)
+        print(f"| {r['size']} | {r['T']} | {r['floor_us']:.1f} | {name} {cell(best)} | {paths} | {cell(gm)} | "
+              f"{cell(r['hf'].get('batched_mm'))} | {speed} | {best[1]:.2g}, {gerr} |")
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def test_experts_against_float64(case, path):
     assert rel_err(moe.moe_reference(*args, act=act, interleaved=interleaved).cpu(), expected, math.inf) < bar
 
 
-FUSED = ("sorted_fused", "unsorted")  # the down kernel combines the k rows itself
+FUSED = tuple(p for p in moe.PATHS if p.startswith(("sorted_fused", "unsorted")))  # down combines the k rows
 
 
 def drop_token(ids_pair, t, E):
@@ -224,6 +224,64 @@ def test_fused_combine_deterministic():
     for path in FUSED:
         assert torch.equal(moe.moe_experts(*args, path=path), moe.moe_experts(*args, path=path)), path
     assert torch.equal(moe.moe_experts(*args, path="sorted_fused"), moe.moe_experts(*args, path="sorted"))
+    assert torch.equal(moe.moe_experts(*args, path="unsorted_pdl"), moe.moe_experts(*args, path="unsorted"))
+
+
+@pytest.mark.parametrize("sorted_routing", [False, True], ids=["per-pair", "sorted"])
+@pytest.mark.parametrize("T,k,H", [(1, 8, 40), (5, 2, 200), (17, 4, 72)])
+def test_gate_up_zeroes_poisoned_counts(sorted_routing, T, k, H):
+    """The memset-free combine: counters full of random ints, zeroed by the gate/up kernel alone (more counters
+    than its programs where H is wide), give the float64 y; the combine's own rows still checked per token."""
+    E, I = 8, 24
+    ref_args, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(T, k, E, H, I, torch.float32, bias=True, seed=T + H)
+    down = moe.default_config("down", T, k, E, H, I, x.dtype)
+    up = moe.default_config("gate_up", T, k, E, H, I, x.dtype)
+    routing = moe.moe_align(ids, E, up["BLOCK_M"]) if sorted_routing else None
+    counts = moe.combine_counts(T, H, down, x.device)
+    per_pair_ids = ids if routing is None else None
+
+    def poison():
+        counts.copy_(torch.randint(-2**31, 2**31 - 1, counts.shape, dtype=torch.int32))
+
+    poison()
+    moe.moe_gate_up(x, routing, w_gu, b_gu, ExpertAct(), I, False, up, per_pair_ids, counts)
+    assert (counts == 0).all()
+    poison()
+    with poisoned_empty():  # back to back, as the PDL down launch needs
+        h = moe.moe_gate_up(x, routing, w_gu, b_gu, ExpertAct(), I, False, up, per_pair_ids, counts, pdl=True)
+        y = moe.moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl=True)
+    expected = reference64(*ref_args, ExpertAct(), False)
+    assert expected.abs().max() > 0.1 and rel_err(y.cpu(), expected, ord=math.inf) < 1e-5
+
+
+@requires_cuda
+def test_pdl_paths_launch_with_pdl():
+    """On Hopper the _pdl paths' down kernel waits (griddepcontrol) and is compiled with launch_pdl, the flag our
+    direct launcher hands the driver; the other paths' kernels have neither."""
+    from mlp_fuser import compat
+    from mlp_fuser.kernels.common import _LAUNCHERS
+
+    if not moe.has_pdl(torch.device(KERNEL_DEVICE)) or not compat.PRIVATE:
+        pytest.skip("needs an sm90+ GPU and the direct launcher")
+    _, args = make_case(1, 8, 16, 64, 48, torch.bfloat16, seed=2)
+    for path in ("unsorted", "unsorted_pdl", "sorted_fused_pdl"):
+        moe.moe_experts(*args, path=path)
+    for kernel, asm in ((moe._moe_down_kernel, "griddepcontrol.wait"),
+                        (moe._moe_gate_up_kernel, "griddepcontrol.launch_dependents")):
+        compiled = [c for c, _, _ in _LAUNCHERS[kernel].cache.values()]
+        flagged = {asm in c.asm["ptx"] for c in compiled}
+        assert flagged == {True, False}, kernel
+        if kernel is moe._moe_down_kernel:
+            assert all(c.metadata.launch_pdl == (asm in c.asm["ptx"]) for c in compiled)
+
+
+def test_down_combine_counts_checked():
+    _, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(3, 2, 4, 32, 24, torch.float32)
+    h = moe.moe_gate_up(x, None, w_gu, b_gu, ExpertAct(), 24, ids=ids)
+    with pytest.raises(ValueError, match="counts must be int32 of shape"):
+        moe.moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, counts=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counts must be a contiguous int32"):
+        moe.moe_gate_up(x, None, w_gu, b_gu, ExpertAct(), 24, ids=ids, counts=torch.zeros(3, 2))
 
 
 def test_down_and_combine_parts():

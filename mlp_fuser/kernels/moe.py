@@ -12,6 +12,9 @@ copied. The ways through it (PATHS), each without host syncs (CUDA-graph safe):
 - unsorted (one token): the same two kernels with every pair its own block (``routing`` None), so no moe_align.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
+- sorted_fused and unsorted also as "<path>_nomemset" (the gate/up kernel zeroes the combine's counters: no memset
+  launch) and "<path>_pdl" (that, with the down kernel launched by programmatic dependent launch on Hopper: its
+  prologue overlaps gate/up's tail, ``gdc_wait`` before it reads h or the counters).
 
 All accumulation is fp32; h is rounded to x's dtype once, y once. Results are deterministic: the counters only pick
 which program sums a token's rows, never the order of the sum.
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..activations import get_activation
 from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
@@ -33,7 +37,8 @@ from .gemm import gate_up_acc
 from .moe_routing import Routing, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
-           "moe_down_tokens", "moe_experts", "moe_reference", "default_config", "CONFIGS", "PATHS", "Routing"]
+           "moe_down_tokens", "moe_experts", "moe_reference", "default_config", "combine_counts", "has_pdl", "CONFIGS",
+           "PATHS", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -115,15 +120,22 @@ def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    ids_ptr, E, stride_it, stride_ij,
+    ids_ptr, E, stride_it, stride_ij, count_ptr, N_COUNTS,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+    ZERO_COUNTS: tl.constexpr, BLOCK_C: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if ZERO_COUNTS:  # the down kernel's combine counters, BLOCK_C per program, before any early return
+        n_programs = tl.num_programs(0) * tl.num_programs(1)
+        offs_c = pid_b * tl.num_programs(1) + pid_n + n_programs * tl.arange(0, BLOCK_C)
+        tl.store(count_ptr + offs_c, tl.zeros((BLOCK_C,), dtype=tl.int32), mask=offs_c < N_COUNTS)
+    if LAUNCH_DEPENDENTS:  # the down kernel may start its prologue now; its gdc_wait waits for all of this one
+        gdc_launch_dependents()
     if PER_PAIR:  # no routing: program b is pair b alone, the tile's other rows masked off
         e = tl.load(ids_ptr + (pid_b // K_TOP) * stride_it + (pid_b % K_TOP) * stride_ij).to(tl.int64)
         if (e < 0) | (e >= E):
@@ -170,6 +182,7 @@ def _moe_down_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PER_PAIR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of the output ---------------
     pid_b = tl.program_id(0)
@@ -195,6 +208,11 @@ def _moe_down_kernel(
     mask_m = pairs < S
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    if USE_PDL:  # launched while gate_up runs: what it does not write is loaded before waiting for all of it
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
+        wts = tl.load(wts_ptr + (pairs // K_TOP) * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+        gdc_wait()  # h and the counters (zeroed by gate_up) only after this
 
     # -- h rows of the pairs (K = I columns) times Wd[e]ᵀ -------------------------------------------
     w_e = w_ptr + e * stride_we
@@ -206,8 +224,11 @@ def _moe_down_kernel(
 
     # -- epilogue: bias, routing weight; one fp32 row per pair --------------------------------------
     if HAS_BIAS:
-        acc += tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    wts = tl.load(wts_ptr + (pairs // K_TOP) * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+        if not USE_PDL:
+            bias = tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    if not USE_PDL:
+        wts = tl.load(wts_ptr + (pairs // K_TOP) * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
     acc = acc * wts.to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
@@ -346,10 +367,13 @@ def _launch_opts(config: dict) -> dict:
 
 
 def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
-                interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None) -> Tensor:
+                interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None,
+                counts: Tensor | None = None, pdl: bool = False) -> Tensor:
     """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
     pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's).
-    ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k)."""
+    ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k).
+    ``counts``: an int32 buffer (``combine_counts``) that the kernel zeroes for ``moe_down_combine``, which then
+    needs no memset launch; ``pdl``: the kernel lets a down kernel launched with ``pdl`` start early (Hopper)."""
     T, H = x.shape
     k = routing.k if routing is not None else ids.shape[1]
     S = T * k
@@ -359,29 +383,54 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     h = torch.empty((S, I), dtype=x.dtype, device=x.device)
     n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or I == 0:
+        if counts is not None:  # no kernel to zero them
+            counts.zero_()
         return h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     per_pair = (ids, E, ids.stride(0), ids.stride(1)) if routing is None else (None,) * 4
     grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
+    zeroing = (counts, counts.numel()) if counts is not None else (None, None)
+    if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
+        raise ValueError(f"moe_gate_up: counts must be a contiguous int32 tensor, not {counts.dtype} {counts.stride()}")
     launch(
         _moe_gate_up_kernel, grid,
         x, w_gu, b, h, *blocks,
         S, k, I, H, up_row,
-        x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1), *per_pair,
+        x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1), *per_pair, *zeroing,
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m if routing is not None else PER_PAIR_BLOCK_M,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, **_launch_opts(cfg),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, ZERO_COUNTS=counts is not None,
+        BLOCK_C=next_power_of_2(cdiv(counts.numel(), grid[0] * grid[1])) if counts is not None else 1,
+        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg),
     )
     return h
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch: a Hopper or newer GPU, not the
+    interpreter (gdc_wait and gdc_launch_dependents are inline PTX)."""
+    return not INTERPRET and device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def combine_counts(T: int, H: int, down_config: dict, device: torch.device) -> Tensor:
+    """The (T, n-blocks) int32 counters of ``moe_down_combine`` under ``down_config``, uninitialised: for
+    ``moe_gate_up(counts=...)`` to zero."""
+    return torch.empty((T, cdiv(H, down_config["BLOCK_N"])), dtype=torch.int32, device=device)
 
 
 PER_PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: one live row in it
 
 
 def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-          y: Tensor | None, config: dict | None) -> Tensor:
-    """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well."""
+          y: Tensor | None, config: dict | None, counts: Tensor | None = None, pdl: bool = False) -> Tensor:
+    """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well (its
+    counters ``counts`` where the gate/up kernel zeroed them, else a memset's)."""
     S, I = h.shape
     E, H = w_d.shape[0], w_d.shape[1]
     k = routing.k if routing is not None else ids.shape[1]
@@ -396,7 +445,11 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     combine = (None,) * 7
     if y is not None:  # a counter per (token, n-block): its k_valid-th arriver sums the token's rows
-        counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
+        if counts is None:
+            counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
+        elif counts.shape != (S // k, grid[1]) or counts.dtype != torch.int32:
+            raise ValueError(f"moe_down_combine: counts must be int32 of shape {(S // k, grid[1])} (combine_counts "
+                             f"with this down config), not {counts.dtype} {tuple(counts.shape)}")
         combine = (ids, y, counts, E, ids.stride(0), ids.stride(1), y.stride(0))
     elif routing is None:
         combine = (ids, None, None, E, ids.stride(0), ids.stride(1), None)
@@ -409,9 +462,15 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
         BLOCK_M=routing.block_m if routing is not None else PER_PAIR_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, COMBINE=y is not None,
         BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if y is not None else 1,
-        BLOCK_J=next_power_of_2(k) if y is not None else 1, **_launch_opts(cfg),
+        BLOCK_J=next_power_of_2(k) if y is not None else 1, **_pdl_opts(pdl and has_pdl(h.device)),
+        **_launch_opts(cfg),
     )
     return out
+
+
+def _pdl_opts(pdl: bool) -> dict:
+    """The down kernel's gdc_wait and Triton's launch option, or nothing new (an unchanged launch) without PDL."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
 
 
 def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
@@ -421,14 +480,19 @@ def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor 
 
 
 def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-                     dtype: torch.dtype, config: dict | None = None) -> Tensor:
+                     dtype: torch.dtype, config: dict | None = None, counts: Tensor | None = None,
+                     pdl: bool = False) -> Tensor:
     """y (T, H) in ``dtype``, as ``moe_combine(moe_down(...))`` computes it bit for bit, in one launch: each
     program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
-    n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``."""
+    n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``.
+    ``counts``: the counters as ``moe_gate_up(counts=...)`` zeroed them, under this ``config`` (else a memset
+    zeroes new ones); ``pdl``: launched to overlap the tail of the kernel before it on the stream, which must be
+    ``moe_gate_up(pdl=True)`` launched without PDL (Hopper): h and the counters are read after its end, the ids,
+    weights and routing before it (complete, as everything before that gate/up kernel is)."""
     T, k = ids.shape
     y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
     if T > 0:
-        _down(h, routing, ids, wts, w_d, b_d, y, config)
+        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl)
     return y
 
 
@@ -493,7 +557,11 @@ def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
     return y
 
 
-PATHS = ("sorted", "sorted_fused", "unsorted", "pairs")
+PATHS = ("sorted", "sorted_fused", "sorted_fused_nomemset", "sorted_fused_pdl", "unsorted", "unsorted_nomemset",
+         "unsorted_pdl", "pairs")
+# the fused paths: (counters zeroed by the gate/up kernel rather than a memset, PDL between the kernels)
+_FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
+          for variant, flags in (("", (False, False)), ("_nomemset", (True, False)), ("_pdl", (True, True)))}
 
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
@@ -502,6 +570,8 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches),
     "sorted_fused" (routing, gate_up, down with the combine: 3), "unsorted" (gate_up and down+combine with every
     pair its own block, no routing: 2, for one token), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
+    The fused ones also as "<path>_nomemset" (the combine's counters zeroed by gate_up: one launch fewer) and
+    "<path>_pdl" (that, and down launched with programmatic dependent launch, overlapping gate_up's tail).
     ``configs``: a config per kind of CONFIGS, else default_config's."""
     T, k = ids.shape
     E, H, I = w_d.shape
@@ -512,17 +582,20 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     if path == "pairs":
         h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"))
         return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
-    if path == "unsorted":
-        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids)
-        return moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, cfg("down"))
     if path not in PATHS:
         raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
+    no_memset, pdl = _FUSED.get(path, (False, False))
+    down = cfg("down")
+    counts = combine_counts(T, H, down, x.device) if no_memset else None
+    if path.startswith("unsorted"):
+        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids, counts, pdl)
+        return moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, down, counts, pdl)
     up = cfg("gate_up")
     routing = moe_align(ids, E, up["BLOCK_M"])
-    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up)
-    if path == "sorted_fused":
-        return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, cfg("down"))
-    return moe_combine(moe_down(h, routing, wts, w_d, b_d, cfg("down")), ids, E, x.dtype)
+    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up, counts=counts, pdl=pdl)
+    if path in _FUSED:
+        return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl)
+    return moe_combine(moe_down(h, routing, wts, w_d, b_d, down), ids, E, x.dtype)
 
 
 def moe_reference(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
