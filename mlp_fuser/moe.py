@@ -18,7 +18,8 @@ and A = act(gu) for plain experts.
 Kernels, top of the dispatcher down: autocast (like nn.Linear: floating inputs cast to the autocast dtype);
 autograd (with gradients needed: the grouped aten path below, which autograd differentiates, dx, d weights and
 d routing weights); every device: ``_forward`` runs what ``choose`` picked from ``IMPLS`` (the Triton paths on CUDA,
-timed once per shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere); fake:
+timed once per shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere; a call
+whose signature, ``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake:
 shapes only. ``eager_moe_mlp`` is the entry for eager callers: plain calls skip those layers.
 """
 
