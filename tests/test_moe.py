@@ -655,6 +655,9 @@ def test_cached_calls_take_the_graph_choice_while_capturing(monkeypatch):
     monkeypatch.setattr(moe, "_time", lambda candidates, args, p: moe.Choice(plain, graph))
     moe.reset()
     args = [a.cuda() if a is not None else None for a in make(3, 2, 4)]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    moe.eager_moe_mlp(*args, "silu")  # captured before any choice: the aten path, and no entry kept
+    assert ran == [] and not moe._EAGER
     for capturing, expected in ((False, "plain"), (False, "plain"), (True, "graph"), (False, "plain")):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
         ran.clear()
