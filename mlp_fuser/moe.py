@@ -18,7 +18,8 @@ and A = act(gu) for plain experts.
 Kernels, top of the dispatcher down: autocast (like nn.Linear: floating inputs cast to the autocast dtype);
 autograd (with gradients needed: the grouped aten path below, which autograd differentiates, dx, d weights and
 d routing weights); every device: ``_forward`` runs what ``choose`` picked from ``IMPLS`` (the Triton paths on CUDA,
-timed once per shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere); fake:
+timed once per shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere; a call
+whose signature, ``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake:
 shapes only. ``eager_moe_mlp`` is the entry for eager callers: plain calls skip those layers.
 """
 
@@ -172,7 +173,8 @@ def _problem(x, ids, wts, wgu, bgu, wd, bd, activation):
 
 def _check_ids(ids: Tensor) -> None:
     """Ids below zero are no expert and no sentinel: an error, where reading them costs no host sync."""
-    if ids.numel() and (not ids.is_cuda or CHECK_ROUTING) and not torch.compiler.is_compiling() and not is_fake(ids):
+    if (ids.numel() and (not ids.is_cuda or CHECK_ROUTING) and not torch.compiler.is_compiling()
+            and (type(ids) is Tensor or not is_fake(ids))):  # a plain tensor is never fake: no is_fake call
         low = int(ids.min())
         if low < 0:
             raise ValueError(f"mlp_fuser::moe_mlp: topk_ids holds {low}; expert ids are 0..E-1, and ids >= E "
@@ -263,6 +265,15 @@ class Impl:
     triton: bool = False
     why: Callable[[Problem], str | None] | None = None  # any further constraint, as a reason
     worth: Callable[[Problem], str | None] | None = None  # where it runs but is not worth timing (forcing runs it)
+    # args -> a function of the seven tensors computing fn(*args) for any call with args' signature (``_signature``)
+    plan: Callable[[tuple], Callable[..., Tensor]] | None = None
+
+    def runner(self, args: tuple) -> Callable[..., Tensor]:
+        """``fn`` for calls with ``args``' signature, as a function of (x2, ids2, wts2, wgu, bgu, wd, bd)."""
+        if self.plan is not None:
+            return self.plan(args)
+        fn, gate = self.fn, args[-1]
+        return lambda x, ids, wts, wgu, bgu, wd, bd: fn(x, ids, wts, wgu, bgu, wd, bd, gate)
 
     def why_not(self, p: Problem) -> str | None:
         devices = None if self.devices is None else set(self.devices) | (
@@ -281,6 +292,16 @@ def _triton(path: str) -> ImplFn:
 
         return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, _expert_act(gate), gate.interleaved, path)
     return impl
+
+
+def _triton_plan(path: str) -> Callable[[tuple], Callable[..., Tensor]]:
+    """``kernels.moe.experts_plan`` for one of the paths: the launches' integer arguments worked out once."""
+    def plan(args):
+        from .kernels import moe as kmoe
+
+        gate = args[-1]
+        return kmoe.experts_plan(*args[:-1], _expert_act(gate), gate.interleaved, path)
+    return plan
 
 
 @functools.lru_cache(maxsize=256)
@@ -311,10 +332,14 @@ def _grouped_mm_ok(p: Problem) -> str | None:
 
 
 IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0) the first eligible runs
-    Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True),
-    Impl("triton_moe_sorted_fused", _triton("sorted_fused"), frozenset({"cuda"}), triton=True),
-    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True, worth=_few_pairs),
-    Impl("triton_moe_unsorted", _triton("unsorted"), frozenset({"cuda"}), triton=True, worth=_one_token),
+    Impl("triton_moe_sorted", _triton("sorted"), frozenset({"cuda"}), triton=True,
+         plan=_triton_plan("sorted")),
+    Impl("triton_moe_sorted_fused", _triton("sorted_fused"), frozenset({"cuda"}), triton=True,
+         plan=_triton_plan("sorted_fused")),
+    Impl("triton_moe_pairs", _triton("pairs"), frozenset({"cuda"}), triton=True,
+         plan=_triton_plan("pairs"), worth=_few_pairs),
+    Impl("triton_moe_unsorted", _triton("unsorted"), frozenset({"cuda"}), triton=True,
+         plan=_triton_plan("unsorted"), worth=_one_token),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
 ]
@@ -345,12 +370,16 @@ def eligible(p: Problem) -> list[Impl]:
     return [i for i in IMPLS if i.why_not(p) is None and (i.worth is None or i.worth(p) is None)]
 
 
+def _choice_key(p: Problem) -> tuple:
+    return (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases, config.force_impl, config.triton_on_cpu,
+            config.autotune)
+
+
 def choose(p: Problem, args: tuple) -> Impl:
     """The implementation for ``p``: the only eligible one, or on CUDA the fastest of them, timed once per bucket of
     T on the call's own routing, both with the host's time and on the GPU alone; a call being captured in a CUDA graph
     takes the latter (before any warm-up call chose: the aten path, as timing cannot run inside a capture)."""
-    key = (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases, config.force_impl, config.triton_on_cpu,
-           config.autotune)
+    key = _choice_key(p)
     capturing = p.device == "cuda" and torch.cuda.is_current_stream_capturing()
     choice = _chosen.get(key)
     if choice is not None:
@@ -422,6 +451,7 @@ def chosen(p: Problem) -> str | None:
 
 def reset() -> None:
     _chosen.clear()
+    _EAGER.clear()
 
 
 # ---- the op's kernels ------------------------------------------------------------------------------------------
@@ -432,8 +462,47 @@ def _gate(w_gate_up: Tensor, w_down: Tensor, activation, interleaved, limit, cla
                 None if limit is None else float(limit), bool(clamp_after), float(up_offset))
 
 
+_EAGER: dict[tuple, tuple] = {}  # _signature -> (plain runner, graph runner, on CUDA, check ids, flatten, T, k, H)
+_MAX_EAGER = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
+
+
+def _signature(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset) -> tuple:
+    """The key of a call: everything ``_problem`` checks and ``choose`` keys on, and what the kernels' integer
+    arguments are built from: each tensor's shape, strides, dtype and device, the activation and its options, the
+    settings. Equal signatures: the full path would accept both calls and run the same kernels with the same integers
+    (the data pointers' alignment, which Triton also specialises on, is the launches' own key)."""
+    return (activation, interleaved, limit, clamp_after, up_offset, config.force_impl, config.autotune,
+            config.triton_on_cpu, x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+            x.shape, x.stride(), x.dtype, x.device, ids.shape, ids.stride(), ids.dtype, ids.device,
+            wts.shape, wts.stride(), wts.dtype, wts.device, wgu.shape, wgu.stride(), wgu.dtype, wgu.device,
+            wd.shape, wd.stride(), wd.dtype, wd.device,
+            None if bgu is None else (bgu.shape, bgu.stride(), bgu.dtype, bgu.device),
+            None if bd is None else (bd.shape, bd.stride(), bd.dtype, bd.device))
+
+
 def _forward(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
              up_offset=0.0):
+    """The op on real tensors: a signature seen before runs what the full path (``_forward_full``) derived for it,
+    skipping validation, the choice's key and the kernels' argument building; only the ids' check is per call."""
+    try:
+        key = _signature(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
+        hit = _EAGER.get(key)
+    except TypeError:  # an unhashable argument, of a wrong type: the full path names it
+        key = hit = None
+    if hit is None:
+        return _forward_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after,
+                             up_offset)
+    plain, graph, cuda, check, flat, T, k, H = hit
+    if check or CHECK_ROUTING:
+        _check_ids(ids)
+    run = graph if cuda and torch.cuda.is_current_stream_capturing() else plain
+    if not flat:
+        return run(x, ids, wts, wgu, bgu, wd, bd)
+    return run(x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd).view(x.shape)
+
+
+def _forward_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset):
+    """Validation, the choice, the implementation; then, once the choice is made, the signature's entry."""
     check_args(x, ids, wts, wgu, bgu, wd, bd, activation)
     _check_ids(ids)
     H = x.shape[-1]
@@ -446,6 +515,14 @@ def _forward(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit
     p = Problem(x.device.type, x.dtype, T, k, wgu.shape[0], H, wd.shape[2], gate, bgu is not None or bd is not None)
     args = (x2, ids2, wts2, wgu, bgu, wd, bd, gate)
     y = choose(p, args).fn(*args)
+    choice = _chosen.get(_choice_key(p))
+    if key is not None and choice is not None:  # none while a capture ran the aten path before any choice
+        plain = choice.plain.runner(args)
+        graph = plain if choice.graph is choice.plain else choice.graph.runner(args)
+        if len(_EAGER) >= _MAX_EAGER:
+            _EAGER.clear()
+        _EAGER[key] = (plain, graph, x.is_cuda, not x.is_cuda and ids.numel() > 0, x.dim() != 2 or ids.dim() != 2,
+                       T, k, H)
     return y.view(*x.shape[:-1], H)
 
 

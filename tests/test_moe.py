@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import requires_cuda
 
 import mlp_fuser
 from mlp_fuser import config
@@ -500,3 +501,166 @@ def test_eager_entry_skips_the_dispatcher_only_where_nothing_needs_it(monkeypatc
     with torch.autocast("cpu", dtype=torch.bfloat16):
         moe.eager_moe_mlp(*args, "silu")
     assert direct == []  # both through the registered op (whose kernel is the _forward registered at import)
+
+
+# ---- 6. the per-signature entries of plain calls ---------------------------------------------------------------
+
+
+def _calls(*args, act="silu", **kw):
+    """The op through its eager entry and through the dispatcher."""
+    from mlp_fuser import moe
+
+    return [lambda: moe.eager_moe_mlp(*args, act, **kw), lambda: mlp_fuser.moe_mlp(*args, act, **kw)]
+
+
+def test_bad_calls_after_good_ones_still_raise():
+    """A call that breaks a rule raises its named error on its first and every later call, after good calls of the
+    same shapes and of others (the cache of plain calls never admits it)."""
+    from mlp_fuser import moe
+
+    moe.reset()
+    x, ids, *rest = make(5, 2, 4)
+    args = (x, ids.contiguous(), *rest)  # so that the ids below, with a negative one, have the same signature
+    for good in (args, make(3, 2, 4, H=32), args):
+        for call in _calls(*good):
+            call()
+    x, ids, wts, wgu, bgu, wd, bd = args
+    neg = ids.clone()
+    neg[1, 0] = -1
+    bad = [
+        ((x.to(torch.int32), ids, wts, wgu, bgu, wd, bd), {}, TypeError, "x has dtype"),
+        ((x, ids.float(), wts, wgu, bgu, wd, bd), {}, TypeError, "topk_ids"),
+        ((x, ids, wts.to(torch.int64), wgu, bgu, wd, bd), {}, TypeError, "topk_weights"),
+        ((x, ids, wts, wgu.double(), bgu, wd, bd), {}, TypeError, "w_gate_up"),
+        ((x, ids, wts, wgu, bgu, torch.randn(4, 17, 8), bd), {}, ValueError, "w_down"),
+        ((x, ids[:, :1], wts, wgu, bgu, wd, bd), {}, ValueError, "topk_weights"),
+        ((x, ids, wts, wgu, torch.randn(4, 3), wd, bd), {}, ValueError, "b_gate_up"),
+        ((x, neg, wts, wgu, bgu, wd, bd), {}, ValueError, "topk_ids holds -1"),
+        ((x, ids, wts, wgu, bgu, wd, bd), {"act": "no_such_act"}, ValueError, "activation"),
+    ]
+    for bad_args, kw, exc, msg in bad:
+        for _ in range(2):
+            for call in _calls(*bad_args, **kw):
+                with pytest.raises(exc, match=msg):
+                    call()
+    for call in _calls(*args):  # the good signature still runs
+        torch.testing.assert_close(call().double(), naive(*args, "silu"), atol=1e-5, rtol=1e-4)
+    moe.reset()
+
+
+def test_cache_misses_on_a_changed_config(monkeypatch):
+    """The settings are part of a call's signature: forcing another implementation, turning Triton on CPU tensors
+    off, or autotuning off takes the full path again (which raises where the forced implementation cannot run)."""
+    from mlp_fuser import moe
+    from mlp_fuser.kernels import moe as kmoe
+
+    launches = []
+    real = kmoe.launch
+    monkeypatch.setattr(kmoe, "launch", lambda *a, **kw: launches.append(a[0]) or real(*a, **kw))
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "force_impl", "triton_moe_pairs")
+    moe.reset()
+    args = make(3, 2, 4, H=32, I=16)
+    ref = naive(*args, "silu")
+    for _ in range(2):
+        torch.testing.assert_close(moe.eager_moe_mlp(*args, "silu").double(), ref, atol=1e-5, rtol=1e-4)
+    assert len(launches) == 4 and len(moe._EAGER) == 1
+    monkeypatch.setattr(config, "triton_on_cpu", False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="triton_moe_pairs"):
+            moe.eager_moe_mlp(*args, "silu")
+    monkeypatch.setattr(config, "force_impl", "reference")
+    for _ in range(2):
+        torch.testing.assert_close(moe.eager_moe_mlp(*args, "silu").double(), ref, atol=1e-5, rtol=1e-4)
+    assert len(launches) == 4  # the reference launches no Triton kernel
+    monkeypatch.setattr(config, "autotune", not config.autotune)
+    moe.eager_moe_mlp(*args, "silu")
+    assert len(moe._EAGER) == 3
+    moe.reset()
+    assert not moe._EAGER
+
+
+@pytest.mark.parametrize("impl", TRITON + ["reference"])
+def test_cached_calls_equal_the_full_path(impl, monkeypatch):
+    """Later calls of a signature (fresh values each time) give what the full path gives, bit for bit; a call that
+    differs only in its weights' strides, or in its leading dimensions, is a signature of its own."""
+    from conftest import poisoned_empty
+
+    from mlp_fuser import moe
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "force_impl", impl)
+    moe.reset()
+    gpt_oss = dict(interleaved=True, limit=7.0, up_offset=1.0)
+    def w_gate_up_transposed(args):  # only w_gate_up's strides differ from the case before
+        x, ids, wts, wgu, *rest = args
+        return (x, ids, wts, wgu.transpose(1, 2).contiguous().transpose(1, 2), *rest)
+
+    cases = [(dict(lead=(2, 2)), "silu", {}), (dict(biases=True), "quick_gelu", gpt_oss),
+             (dict(biases=True, change=w_gate_up_transposed), "quick_gelu", gpt_oss),
+             (dict(biases=True, transposed=True), "quick_gelu", gpt_oss), (dict(gated=False), "gelu_tanh", {})]
+    with poisoned_empty():
+        for i, (make_kw, act, kw) in enumerate(cases):
+            for _ in range(2):
+                make_kw = dict(make_kw)
+                change = make_kw.pop("change", lambda args: args)
+                args = change(make(4, 2, 4, H=32, I=16, **make_kw))
+                y = moe.eager_moe_mlp(*args, act, **kw)
+                assert len(moe._EAGER) == i + 1
+                full = moe._forward_full(None, *args, act, kw.get("interleaved", False), kw.get("limit"), False,
+                                         kw.get("up_offset", 0.0))
+                torch.testing.assert_close(y, full, atol=0, rtol=0)
+                torch.testing.assert_close(y.double(), naive(*args, act, **kw), atol=1e-4, rtol=1e-4)
+    moe.reset()
+
+
+def test_pairs_plan_launches_what_moe_experts_launches(monkeypatch):
+    """``experts_plan``'s pairs function hands the kernels the very arguments ``moe_experts`` does."""
+    from mlp_fuser.kernels import moe as kmoe
+
+    def record(fn, *args):
+        seen, inputs = [], {id(a): i for i, a in enumerate(args) if a is not None}
+
+        def rec(kernel, grid, *a, **kw):
+            seen.append((kernel, tuple(grid), [("input", inputs[id(t)]) if id(t) in inputs else
+                                               (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor)
+                                               else t for t in a], kw))
+        monkeypatch.setattr(kmoe, "launch", rec)
+        fn(*args)
+        return seen
+
+    for make_kw, act, inter in ((dict(), kmoe.ExpertAct(), False),
+                                (dict(biases=True, transposed=True), kmoe.ExpertAct("quick_gelu", 0.0, 7.0, False, 1.0),
+                                 True), (dict(gated=False, biases=True), kmoe.ExpertAct("gelu"), False)):
+        args = make(3, 2, 4, H=32, I=16, **make_kw)
+        plan = kmoe.experts_plan(*args, act, inter, "pairs")
+        expected = record(lambda *a, act=act, inter=inter: kmoe.moe_experts(*a, act, inter, "pairs"), *args)
+        assert len(expected) == 2 and record(plan, *args) == expected
+
+
+@requires_cuda
+def test_cached_calls_take_the_graph_choice_while_capturing(monkeypatch):
+    """A signature's later calls run the choice for plain calls, and the one for CUDA graphs while capturing."""
+    from mlp_fuser import moe
+
+    ran = []
+
+    def spy(name):
+        return moe.Impl(name, lambda *a: ran.append(name) or moe.reference(*a), None, moe._FLOAT)
+
+    plain, graph = spy("plain"), spy("graph")
+    monkeypatch.setattr(config, "force_impl", None)
+    monkeypatch.setattr(config, "autotune", True)
+    monkeypatch.setattr(moe, "eligible", lambda p: [plain, graph])
+    monkeypatch.setattr(moe, "_time", lambda candidates, args, p: moe.Choice(plain, graph))
+    moe.reset()
+    args = [a.cuda() if a is not None else None for a in make(3, 2, 4)]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    moe.eager_moe_mlp(*args, "silu")  # captured before any choice: the aten path, and no entry kept
+    assert ran == [] and not moe._EAGER
+    for capturing, expected in ((False, "plain"), (False, "plain"), (True, "graph"), (False, "plain")):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        ran.clear()
+        moe.eager_moe_mlp(*args, "silu")
+        assert ran == [expected]
+    moe.reset()

@@ -171,6 +171,7 @@ def launch(kernel, grid: Sequence[int], *args, **constexprs) -> None:
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
-    key = (*grid, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args],
-           *constexprs.items())
+    # ints first: most arguments are, and an isinstance check against torch.Tensor costs more than the class test
+    key = (*grid, *[a if a.__class__ is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                    else a for a in args], *constexprs.items())
     launcher(key, grid, *args, **constexprs)

@@ -37,8 +37,8 @@ from .gemm import gate_up_acc
 from .moe_routing import Routing, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
-           "moe_down_tokens", "moe_experts", "moe_reference", "default_config", "combine_counts", "has_pdl", "CONFIGS",
-           "PATHS", "Routing"]
+           "moe_down_tokens", "moe_experts", "experts_plan", "moe_reference", "default_config", "combine_counts",
+           "has_pdl", "CONFIGS", "PATHS", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -514,47 +514,57 @@ def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype) -> Tensor:
 def moe_gate_up_pairs(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                       interleaved: bool = False, config: dict | None = None) -> Tensor:
     """h (S, I) as ``moe_gate_up`` computes it, with no routing: one GEMV program per (pair, BLOCK_N columns)."""
+    T, k = x.shape[0], ids.shape[1]
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    if T * k == 0 or I == 0:
+        return h
+    grid, ints, constexprs = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved, config)
+    launch(_moe_gate_up_pairs_kernel, grid, x, ids, w_gu, b_gu if b_gu is not None else w_gu, h, *ints, **constexprs)
+    return h
+
+
+def _gate_up_pairs_args(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
+                        interleaved: bool, config: dict | None) -> tuple[tuple, tuple, dict]:
+    """The gate_up_pairs launch but its tensors: grid, integer arguments, constexprs (for h contiguous)."""
     T, H = x.shape
     k = ids.shape[1]
     E = w_gu.shape[0]
     gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
     cfg = config or default_config("gate_up_pairs", T, k, E, H, I, x.dtype)
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    if T * k == 0 or I == 0:
-        return h
-    b = b_gu if b_gu is not None else w_gu
-    launch(
-        _moe_gate_up_pairs_kernel, (T * k, cdiv(I, cfg["BLOCK_N"])),
-        x, ids, w_gu, b, h,
-        E, k, I, H, up_row,
-        x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
+    b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
+    ints = (E, k, I, H, up_row, x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), *w_gu.stride(), b.stride(0),
+            b.stride(-1))
+    return (T * k, cdiv(I, cfg["BLOCK_N"])), ints, dict(
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
-    )
-    return h
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg))
 
 
 def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None, dtype: torch.dtype,
                     config: dict | None = None) -> Tensor:
     """y (T, H) in ``dtype``: y[t] = Σ_j w[t, j] · (h[t·k + j] @ Wd[e]ᵀ + bd[e]) over valid j, in j order, summed in
     registers (no (S, H) buffer). h may come from either gate/up kernel."""
-    T, k = ids.shape
-    E, H, I = w_d.shape
-    cfg = config or default_config("down_tokens", T, k, E, H, I, h.dtype)
+    T = ids.shape[0]
+    H = w_d.shape[1]
     y = torch.empty((T, H), dtype=dtype, device=h.device)
     if T == 0 or H == 0:
         return y
     h = h.contiguous()
-    b = b_d if b_d is not None else w_d
-    launch(
-        _moe_down_tokens_kernel, (T, cdiv(H, cfg["BLOCK_N"])),
-        h, ids, wts, w_d, b, y,
-        E, H, I,
-        ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0), b.stride(-1),
-        y.stride(0),
-        HAS_BIAS=b_d is not None, K_TOP=k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg),
-    )
+    grid, ints, constexprs = _down_tokens_args(h.dtype, ids, wts, w_d, b_d, config)
+    launch(_moe_down_tokens_kernel, grid, h, ids, wts, w_d, b_d if b_d is not None else w_d, y, *ints, **constexprs)
     return y
+
+
+def _down_tokens_args(h_dtype: torch.dtype, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
+                      config: dict | None) -> tuple[tuple, tuple, dict]:
+    """The down_tokens launch but its tensors: grid, integer arguments, constexprs (for h and y contiguous)."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    cfg = config or default_config("down_tokens", T, k, E, H, I, h_dtype)
+    b = b_d if b_d is not None else w_d
+    ints = (E, H, I, ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0),
+            b.stride(-1), H)
+    return (T, cdiv(H, cfg["BLOCK_N"])), ints, dict(
+        HAS_BIAS=b_d is not None, K_TOP=k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg))
 
 
 PATHS = ("sorted", "sorted_fused", "sorted_fused_nomemset", "sorted_fused_pdl", "unsorted", "unsorted_nomemset",
@@ -596,6 +606,33 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     if path in _FUSED:
         return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl)
     return moe_combine(moe_down(h, routing, wts, w_d, b_d, down), ids, E, x.dtype)
+
+
+def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
+                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
+                 configs: dict | None = None):
+    """``moe_experts`` as a function of the seven tensors, for calls whose tensors have these ones' shapes, strides,
+    dtypes and devices: the pairs path with its launches' grids, integers and constexprs worked out here, once (a
+    decode step's host time is the launches' argument building); the other paths call ``moe_experts``."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    if path != "pairs" or T * k == 0 or I == 0 or H == 0:
+        return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
+                                                                     interleaved, path, configs)
+    cfgs = configs or {}
+    dtype, device = x.dtype, x.device
+    grid_gu, ints_gu, const_gu = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved,
+                                                     cfgs.get("gate_up_pairs"))
+    grid_d, ints_d, const_d = _down_tokens_args(dtype, ids, wts, w_d, b_d, cfgs.get("down_tokens"))
+    gu_kernel, down_kernel = _moe_gate_up_pairs_kernel, _moe_down_tokens_kernel
+
+    def pairs(x, ids, wts, w_gu, b_gu, w_d, b_d):
+        h = torch.empty((T * k, I), dtype=dtype, device=device)
+        launch(gu_kernel, grid_gu, x, ids, w_gu, w_gu if b_gu is None else b_gu, h, *ints_gu, **const_gu)
+        y = torch.empty((T, H), dtype=dtype, device=device)
+        launch(down_kernel, grid_d, h, ids, wts, w_d, w_d if b_d is None else b_d, y, *ints_d, **const_d)
+        return y
+    return pairs
 
 
 def moe_reference(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
