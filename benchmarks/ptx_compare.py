@@ -63,6 +63,9 @@ VARIANTS = {
                                              "k.moe.ExpertAct(alpha=1.702, limit=7.0, up_offset=1.0), True)",
     "moe pairs SwiGLU": "k.moe.moe_experts(randn(4, 512), ids(4, 2, 8), randn(4, 2), randn(8, 512, 512), None, "
                         "randn(8, 512, 256), None, path='pairs')",
+    **{f"moe {path} SwiGLU": "k.moe.moe_experts(randn(1, 512), ids(1, 2, 8), randn(1, 2), randn(8, 512, 512), None, "
+                              f"randn(8, 512, 256), None, path='{path}')"
+       for path in ("unsorted", "unsorted_nomemset", "sorted_fused", "sorted_fused_nomemset")},
     "moe backward SwiGLU + biases": "k.moe_backward.moe_backward(randn(16, 512), ids(16, 2, 8), randn(16, 2), "
                                     "randn(8, 512, 512), randn(8, 512), randn(8, 512, 256), randn(8, 512), "
                                     "k.moe.ExpertAct(), False, randn(16, 512))",
