@@ -3,6 +3,7 @@ reference (mlp_fuser.moe.reference), every gradient, on every layout it supports
 
 import pytest
 import torch
+from _moe_cases import expert_tensors, stored_transposed
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.kernels.moe import ExpertAct
@@ -17,20 +18,14 @@ NAMES = ("dx", "dwts", "dw_gu", "db_gu", "dw_d", "db_d")
 def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, empty_expert=True, seed=0):
     """Fresh random inputs; about 15% sentinel ids (>= E); the last expert gets no tokens with ``empty_expert``."""
     gen = torch.Generator().manual_seed(seed)
-    rows = 2 * I if gated else I
-    x = torch.randn((T, H), generator=gen)
-    w_gu = torch.randn((E, rows, H), generator=gen) / H ** 0.5 * 2
-    w_d = torch.randn((E, H, I), generator=gen) / I ** 0.5
-    b_gu = torch.randn((E, rows), generator=gen) if bias else None
-    b_d = torch.randn((E, H), generator=gen) if bias else None
+    x, w_gu, b_gu, w_d, b_d = expert_tensors(gen, T, E, H, I, gated, bias)
     ids = torch.randint(0, E - 1 if empty_expert else E, (T, k), generator=gen)
     ids = torch.where(torch.rand((T, k), generator=gen) < 0.15, E + torch.randint(0, 3, (T, k), generator=gen), ids)
     wts = torch.rand((T, k), generator=gen)
     dy = torch.randn((T, H), generator=gen)
     x, w_gu, b_gu, w_d, b_d, dy = (t.to(dtype) if t is not None else None for t in (x, w_gu, b_gu, w_d, b_d, dy))
-    if transposed:  # stored (E, H, 2I) and (E, I, H) as GPT-OSS keeps them: the kernels get transposed views
-        w_gu = w_gu.transpose(1, 2).contiguous().transpose(1, 2)
-        w_d = w_d.transpose(1, 2).contiguous().transpose(1, 2)
+    if transposed:
+        w_gu, w_d = stored_transposed(w_gu, w_d)
     dev = KERNEL_DEVICE
     return [t.to(dev) if t is not None else None for t in (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d, dy)]
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from _moe_cases import expert_tensors, stored_transposed
 from conftest import KERNEL_DEVICE, poisoned_empty, requires_cuda
 
 from mlp_fuser.kernels import moe
@@ -118,21 +119,15 @@ def reference64(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved):
 
 def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    rows = 2 * I if gated else I
-    x = torch.randn((T, H), generator=gen)
-    w_gu = torch.randn((E, rows, H), generator=gen) / H ** 0.5 * 2
-    w_d = torch.randn((E, H, I), generator=gen) / I ** 0.5
-    b_gu = torch.randn((E, rows), generator=gen) if bias else None
-    b_d = torch.randn((E, H), generator=gen) if bias else None
+    x, w_gu, b_gu, w_d, b_d = expert_tensors(gen, T, E, H, I, gated, bias)
     ids = random_ids(gen, T, k, E)
     wts = torch.rand((T, k), generator=gen)
     dev = KERNEL_DEVICE
     ts = [t.to(dtype) if t is not None else None for t in (x, w_gu, b_gu, w_d, b_d)]
     x, w_gu, b_gu, w_d, b_d = ts
     ref = (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d)
-    if transposed:  # stored (E, H, 2I) and (E, I, H) as GPT-OSS keeps them; the kernels get transposed views
-        w_gu = w_gu.transpose(1, 2).contiguous().transpose(1, 2)
-        w_d = w_d.transpose(1, 2).contiguous().transpose(1, 2)
+    if transposed:
+        w_gu, w_d = stored_transposed(w_gu, w_d)
     on_dev = [t.to(dev) if t is not None else None for t in (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d)]
     return ref, on_dev
 
