@@ -614,28 +614,44 @@ def test_cached_calls_equal_the_full_path(impl, monkeypatch):
     moe.reset()
 
 
-def test_pairs_plan_launches_what_moe_experts_launches(monkeypatch):
-    """``experts_plan``'s pairs function hands the kernels the very arguments ``moe_experts`` does."""
+@pytest.mark.parametrize("path, n_launches", [
+    ("pairs", 2), ("unsorted", 2), ("unsorted_nomemset", 2), ("unsorted_pdl", 2), ("sorted", 4), ("sorted_fused", 3),
+    ("sorted_fused_nomemset", 3), ("sorted_fused_pdl", 3)])
+def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
+    """``experts_plan``'s function hands the kernels (the routing's too) the very arguments ``moe_experts`` does: the
+    inputs where they were, every buffer in the same place with its shape, strides, dtype and (ints) contents."""
+    from conftest import poisoned_empty
+
     from mlp_fuser.kernels import moe as kmoe
+    from mlp_fuser.kernels import moe_routing
 
     def record(fn, *args):
-        seen, inputs = [], {id(a): i for i, a in enumerate(args) if a is not None}
+        seen, inputs, buffers, alive = [], {id(a): i for i, a in enumerate(args) if a is not None}, {}, []
+
+        def describe(t):
+            if id(t) in inputs:
+                return "input", inputs[id(t)]
+            if not isinstance(t, torch.Tensor):
+                return t
+            alive.append(t)  # kept until the call ends, so that no buffer's address is reused
+            place = buffers.setdefault(t.data_ptr(), len(buffers))
+            return place, tuple(t.shape), t.stride(), t.dtype, None if t.is_floating_point() else t.tolist()
 
         def rec(kernel, grid, *a, **kw):
-            seen.append((kernel, tuple(grid), [("input", inputs[id(t)]) if id(t) in inputs else
-                                               (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor)
-                                               else t for t in a], kw))
+            seen.append((kernel, tuple(grid), [describe(t) for t in a], kw))
         monkeypatch.setattr(kmoe, "launch", rec)
-        fn(*args)
+        monkeypatch.setattr(moe_routing, "launch", rec)
+        with poisoned_empty():  # empty buffers hold a fill, zeroed ones zeros: the contents compare
+            fn(*args)
         return seen
 
     for make_kw, act, inter in ((dict(), kmoe.ExpertAct(), False),
                                 (dict(biases=True, transposed=True), kmoe.ExpertAct("quick_gelu", 0.0, 7.0, False, 1.0),
                                  True), (dict(gated=False, biases=True), kmoe.ExpertAct("gelu"), False)):
         args = make(3, 2, 4, H=32, I=16, **make_kw)
-        plan = kmoe.experts_plan(*args, act, inter, "pairs")
-        expected = record(lambda *a, act=act, inter=inter: kmoe.moe_experts(*a, act, inter, "pairs"), *args)
-        assert len(expected) == 2 and record(plan, *args) == expected
+        plan = kmoe.experts_plan(*args, act, inter, path)
+        expected = record(lambda *a, act=act, inter=inter: kmoe.moe_experts(*a, act, inter, path), *args)
+        assert len(expected) == n_launches and record(plan, *args) == expected
 
 
 @requires_cuda

@@ -23,6 +23,7 @@ which program sums a token's rows, never the order of the sum.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..activations import get_activation
 from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
 from .gemm import gate_up_acc
-from .moe_routing import Routing, moe_align
+from .moe_routing import Routing, align_plan, max_blocks, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
            "moe_down_tokens", "moe_experts", "experts_plan", "moe_reference", "default_config", "combine_counts",
@@ -378,7 +379,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     k = routing.k if routing is not None else ids.shape[1]
     S = T * k
     E = w_gu.shape[0]
-    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
+    _gate_up_layout(w_gu, I, interleaved)  # its shape check, before any early return
     cfg = config or default_config("gate_up", T, k, E, H, I, x.dtype)
     h = torch.empty((S, I), dtype=x.dtype, device=x.device)
     n_blocks = routing.block_expert.shape[0] if routing is not None else S
@@ -386,25 +387,38 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
         if counts is not None:  # no kernel to zero them
             counts.zero_()
         return h
-    b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
-    blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
-    per_pair = (ids, E, ids.stride(0), ids.stride(1)) if routing is None else (None,) * 4
-    grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
-    zeroing = (counts, counts.numel()) if counts is not None else (None, None)
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
         raise ValueError(f"moe_gate_up: counts must be a contiguous int32 tensor, not {counts.dtype} {counts.stride()}")
-    launch(
-        _moe_gate_up_kernel, grid,
-        x, w_gu, b, h, *blocks,
-        S, k, I, H, up_row,
-        x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1), *per_pair, *zeroing,
-        GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
-        PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m if routing is not None else PER_PAIR_BLOCK_M,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, ZERO_COUNTS=counts is not None,
-        BLOCK_C=next_power_of_2(cdiv(counts.numel(), grid[0] * grid[1])) if counts is not None else 1,
-        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg),
-    )
+    b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
+    blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
+    grid, ints, ints_ids, n_counts, constexprs = _gate_up_args(
+        x, ids, k, (n_blocks, routing.block_m) if routing is not None else None, w_gu, b_gu, act, I, interleaved, cfg,
+        counts.numel() if counts is not None else None, pdl)
+    launch(_moe_gate_up_kernel, grid, x, w_gu, b, h, *blocks, *ints, ids if routing is None else None, *ints_ids,
+           counts, n_counts, **constexprs)
     return h
+
+
+def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int] | None, w_gu: Tensor,
+                  b_gu: Tensor | None, act: ExpertAct, I: int, interleaved: bool, cfg: dict, n_counts: int | None,
+                  pdl: bool) -> tuple[tuple, tuple, tuple, int | None, dict]:
+    """The gate_up launch but its tensors (for h contiguous): grid, the integers before ids and after it, the
+    counters' size, constexprs. ``blocks``: the routing's (blocks, BLOCK_M), None for every pair its own block."""
+    T, H = x.shape
+    S = T * k
+    E = w_gu.shape[0]
+    gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
+    b = b_gu if b_gu is not None else w_gu
+    n_blocks, block_m = blocks if blocks is not None else (S, PER_PAIR_BLOCK_M)
+    grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
+    ints = (S, k, I, H, up_row, x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1))
+    ints_ids = (E, ids.stride(0), ids.stride(1)) if blocks is None else (None,) * 3
+    return grid, ints, ints_ids, n_counts, dict(
+        GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
+        PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        PER_PAIR=blocks is None, ZERO_COUNTS=n_counts is not None,
+        BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
+        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg))
 
 
 def has_pdl(device: torch.device) -> bool:
@@ -441,31 +455,45 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
         return out
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
-    grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
-    combine = (None,) * 7
+    grid, ints, ints_ids, constexprs = _down_args(
+        S, k, (n_blocks, routing.block_m) if routing is not None else None, h.dtype, ids, wts, w_d, b_d, cfg,
+        y is not None, pdl and has_pdl(h.device))
     if y is not None:  # a counter per (token, n-block): its k_valid-th arriver sums the token's rows
         if counts is None:
             counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
         elif counts.shape != (S // k, grid[1]) or counts.dtype != torch.int32:
             raise ValueError(f"moe_down_combine: counts must be int32 of shape {(S // k, grid[1])} (combine_counts "
                              f"with this down config), not {counts.dtype} {tuple(counts.shape)}")
-        combine = (ids, y, counts, E, ids.stride(0), ids.stride(1), y.stride(0))
-    elif routing is None:
-        combine = (ids, None, None, E, ids.stride(0), ids.stride(1), None)
-    launch(
-        _moe_down_kernel, grid,
-        h, w_d, b, wts, out, *blocks,
-        S, k, H, I,
-        *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *combine,
-        HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype),
-        BLOCK_M=routing.block_m if routing is not None else PER_PAIR_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], PER_PAIR=routing is None, COMBINE=y is not None,
-        BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if y is not None else 1,
-        BLOCK_J=next_power_of_2(k) if y is not None else 1, **_pdl_opts(pdl and has_pdl(h.device)),
-        **_launch_opts(cfg),
-    )
+    else:
+        counts = None
+    launch(_moe_down_kernel, grid, h, w_d, b, wts, out, *blocks, *ints,
+           ids if y is not None or routing is None else None, y, counts, *ints_ids, **constexprs)
     return out
+
+
+def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dtype, ids: Tensor | None,
+               wts: Tensor, w_d: Tensor, b_d: Tensor | None, cfg: dict, combine: bool,
+               pdl: bool) -> tuple[tuple, tuple, tuple, dict]:
+    """The down launch but its tensors (for h, out and y contiguous): grid, the integers before ids and after the
+    counters, constexprs. ``blocks`` as in ``_gate_up_args``; ``combine``: the sum into y as well; ``pdl``: launched
+    by PDL (``has_pdl`` checked)."""
+    E, H, I = w_d.shape
+    b = b_d if b_d is not None else w_d
+    n_blocks, block_m = blocks if blocks is not None else (S, PER_PAIR_BLOCK_M)
+    grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
+    ints = (S, k, H, I, *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1))
+    if combine:
+        ints_ids = (E, ids.stride(0), ids.stride(1), H)
+    elif blocks is None:
+        ints_ids = (E, ids.stride(0), ids.stride(1), None)
+    else:
+        ints_ids = (None,) * 4
+    return grid, ints, ints_ids, dict(
+        HAS_BIAS=b_d is not None, PRECISION=dot_precision(h_dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], PER_PAIR=blocks is None, COMBINE=combine,
+        BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if combine else 1,
+        BLOCK_J=next_power_of_2(k) if combine else 1, **_pdl_opts(pdl), **_launch_opts(cfg))
 
 
 def _pdl_opts(pdl: bool) -> dict:
@@ -503,12 +531,17 @@ def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype) -> Tensor:
     y = torch.empty((T, H), dtype=dtype, device=out.device)
     if T == 0 or H == 0:
         return y
-    block_n = min(1024, triton.next_power_of_2(H))
-    launch(
-        _moe_combine_kernel, (T, cdiv(H, block_n)),
-        out, ids, y, E, H, ids.stride(0), ids.stride(1), y.stride(0), K_TOP=k, BLOCK_N=block_n, num_warps=4,
-    )
+    grid, ints, constexprs = _combine_args(ids, E, H)
+    launch(_moe_combine_kernel, grid, out, ids, y, *ints, **constexprs)
     return y
+
+
+def _combine_args(ids: Tensor, E: int, H: int) -> tuple[tuple, tuple, dict]:
+    """The combine launch but its tensors (for y contiguous): grid, integer arguments, constexprs."""
+    T, k = ids.shape
+    block_n = min(1024, triton.next_power_of_2(H))
+    return (T, cdiv(H, block_n)), (E, H, ids.stride(0), ids.stride(1), H), dict(K_TOP=k, BLOCK_N=block_n,
+                                                                               num_warps=4)
 
 
 def moe_gate_up_pairs(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
@@ -612,13 +645,15 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
                  b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
                  configs: dict | None = None):
     """``moe_experts`` as a function of the seven tensors, for calls whose tensors have these ones' shapes, strides,
-    dtypes and devices: the pairs path with its launches' grids, integers and constexprs worked out here, once (a
-    decode step's host time is the launches' argument building); the other paths call ``moe_experts``."""
+    dtypes and devices: each path with its launches' grids, integers and constexprs worked out here, once (a
+    decode step's host time is the launches' argument building); empty problems call ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    if path != "pairs" or T * k == 0 or I == 0 or H == 0:
+    if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0:
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
                                                                      interleaved, path, configs)
+    if path != "pairs":
+        return _grouped_plan(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs or {})
     cfgs = configs or {}
     dtype, device = x.dtype, x.device
     grid_gu, ints_gu, const_gu = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved,
@@ -633,6 +668,50 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         launch(down_kernel, grid_d, h, ids, wts, w_d, w_d if b_d is None else b_d, y, *ints_d, **const_d)
         return y
     return pairs
+
+
+def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
+                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, path: str, cfgs: dict):
+    """``experts_plan`` for the sorted and unsorted paths: ``moe_experts``' launches, their arguments built here."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    S, dtype, device = T * k, x.dtype, x.device
+    up = cfgs.get("gate_up") or default_config("gate_up", T, k, E, H, I, dtype)
+    down = cfgs.get("down") or default_config("down", T, k, E, H, I, dtype)
+    no_memset, pdl = _FUSED.get(path, (False, False))
+    unsorted, combine = path.startswith("unsorted"), path in _FUSED
+    blocks = None if unsorted else (max_blocks(S, E, up["BLOCK_M"]), up["BLOCK_M"])
+    align = None if unsorted else align_plan(ids, E, up["BLOCK_M"])
+    counts_shape = (T, cdiv(H, down["BLOCK_N"]))
+    grid_gu, ints_gu, ids_gu, n_counts, const_gu = _gate_up_args(
+        x, ids, k, blocks, w_gu, b_gu, act, I, interleaved, up, math.prod(counts_shape) if no_memset else None, pdl)
+    grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, dtype, ids, wts, w_d, b_d, down, combine,
+                                                pdl and has_pdl(device))
+    grid_c, ints_c, const_c = _combine_args(ids, E, H)
+    gu_kernel, down_kernel, combine_kernel, f32, i32 = (_moe_gate_up_kernel, _moe_down_kernel, _moe_combine_kernel,
+                                                        torch.float32, torch.int32)
+
+    def grouped(x, ids, wts, w_gu, b_gu, w_d, b_d):
+        routing = (None,) * 3 if unsorted else align(ids)[:3]
+        counts = torch.empty(counts_shape, dtype=i32, device=device) if no_memset else None
+        h = torch.empty((S, I), dtype=dtype, device=device)
+        launch(gu_kernel, grid_gu, x, w_gu, w_gu if b_gu is None else b_gu, h, *routing, *ints_gu,
+               ids if unsorted else None, *ids_gu, counts, n_counts, **const_gu)
+        if combine:
+            y = torch.empty((T, H), dtype=dtype, device=device)
+            out = torch.empty((S, H), dtype=f32, device=device)
+            if counts is None:
+                counts = torch.zeros(counts_shape, dtype=i32, device=device)
+            launch(down_kernel, grid_d, h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, ids, y,
+                   counts, *ids_d, **const_d)
+            return y
+        out = torch.empty((S, H), dtype=f32, device=device)
+        launch(down_kernel, grid_d, h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, None, None,
+               None, *ids_d, **const_d)
+        y = torch.empty((T, H), dtype=dtype, device=device)
+        launch(combine_kernel, grid_c, out, ids, y, *ints_c, **const_c)
+        return y
+    return grouped
 
 
 def moe_reference(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,

@@ -11,6 +11,7 @@ device) says how many are used, and block_expert is E past it, so that programs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -112,14 +113,21 @@ def moe_align_triton(ids: Tensor, E: int, block_m: int) -> Routing:
     if S == 0:
         return Routing(sorted_pairs, block_expert, num_blocks.zero_(), block_m, k)
     flat = ids.reshape(-1)  # a copy only where ids is not contiguous
-    block_s = max(16, next_power_of_2(S))
-    launch(
-        _moe_align_kernel, (1,),
-        flat, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m, n_blocks,
-        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=max(16, next_power_of_2(E + 1)), FILL=1024,
-        num_warps=4 if S <= 1024 else 8,
-    )
+    launch(_moe_align_kernel, (1,), flat, sorted_pairs, block_expert, num_blocks, *_align_args(S, E, block_m),
+           **_align_constexprs(S, E, block_m))
     return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+
+
+def _align_args(S: int, E: int, block_m: int) -> tuple:
+    """The sorting program's integer arguments."""
+    n_blocks = max_blocks(S, E, block_m)
+    return S, E, n_blocks * block_m, n_blocks
+
+
+def _align_constexprs(S: int, E: int, block_m: int) -> dict:
+    """The sorting program's constexprs and launch options."""
+    return dict(BLOCK_M=block_m, BLOCK_S=max(16, next_power_of_2(S)), BLOCK_E=max(16, next_power_of_2(E + 1)),
+                FILL=1024, num_warps=4 if S <= 1024 else 8)
 
 
 # ---- many pairs: counts and ranks by atomics over many programs, then starts, then placement -------------------
@@ -190,12 +198,36 @@ def moe_align_atomic(ids: Tensor, E: int, block_m: int) -> Routing:
 SORT_MAX_PAIRS = 1024  # up to here one program sorting every pair is quickest; beyond, the atomics' four launches
 
 
+def _sorts_in_one_program(ids: Tensor) -> bool:
+    return (ids.is_cuda or INTERPRET) and ids.dtype in (torch.int32, torch.int64) and ids.numel() <= SORT_MAX_PAIRS
+
+
 def moe_align(ids: Tensor, E: int, block_m: int) -> Routing:
     """Pairs sorted by expert and padded to BLOCK_M, on the device: one sorting program for few pairs, the atomic
     version for many (and torch ops where Triton does not run)."""
     on_triton = (ids.is_cuda or INTERPRET) and ids.dtype in (torch.int32, torch.int64)
-    if on_triton and ids.numel() <= SORT_MAX_PAIRS:
+    if _sorts_in_one_program(ids):
         return moe_align_triton(ids, E, block_m)
     if on_triton and ids.numel() > 0:
         return moe_align_atomic(ids, E, block_m)
     return moe_align_torch(ids, E, block_m)
+
+
+def align_plan(ids: Tensor, E: int, block_m: int) -> Callable[[Tensor], Routing]:
+    """``moe_align`` as a function of the ids, for ids of this one's shape, strides, dtype and device: the sorting
+    program's arguments worked out here, once (the other versions run ``moe_align``)."""
+    T, k = ids.shape
+    S, dev = T * k, ids.device
+    if S == 0 or not _sorts_in_one_program(ids):
+        return lambda ids: moe_align(ids, E, block_m)
+    n_blocks = max_blocks(S, E, block_m)
+    ints, constexprs = _align_args(S, E, block_m), _align_constexprs(S, E, block_m)
+    kernel, int32 = _moe_align_kernel, torch.int32
+
+    def align(ids: Tensor) -> Routing:
+        sorted_pairs = torch.empty(n_blocks * block_m, dtype=int32, device=dev)
+        block_expert = torch.empty(n_blocks, dtype=int32, device=dev)
+        num_blocks = torch.empty(1, dtype=int32, device=dev)
+        launch(kernel, (1,), ids.reshape(-1), sorted_pairs, block_expert, num_blocks, *ints, **constexprs)
+        return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+    return align
