@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -306,12 +307,15 @@ def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_pa
 
     bench_generate = _bench_generate()
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,static", "--batches", "1", "--step",
-                                "--out", str(tmp_path)]) == 0
+                                "--step-profile", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [r["path"] for r in rows] == ["eager", "static"]
     assert "step_host_ms" not in rows[0] and rows[1]["step_host_ms"] > 0 and rows[1]["step_back_ms"] > 0
     assert rows[1]["diverges_at"] is None
-    assert "step alone, 1b (tiny) b=1 static: GPU nan ms" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step alone, 1b (tiny) b=1 static: GPU nan ms" in err
+    # --step-profile: the title, then pstats rows (calls, times, function)
+    assert re.search(r"step alone, 1b \(tiny\) b=1 static: Python by own time over \d+ calls \(cProfile\)\n\s+\d+", err)
 
 
 def test_generate_benchmark_backend_nodirect_calls_the_registered_op(monkeypatch):
