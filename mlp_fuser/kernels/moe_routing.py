@@ -198,17 +198,20 @@ def moe_align_atomic(ids: Tensor, E: int, block_m: int) -> Routing:
 SORT_MAX_PAIRS = 1024  # up to here one program sorting every pair is quickest; beyond, the atomics' four launches
 
 
+def _on_triton(ids: Tensor) -> bool:
+    return (ids.is_cuda or INTERPRET) and ids.dtype in (torch.int32, torch.int64)
+
+
 def _sorts_in_one_program(ids: Tensor) -> bool:
-    return (ids.is_cuda or INTERPRET) and ids.dtype in (torch.int32, torch.int64) and ids.numel() <= SORT_MAX_PAIRS
+    return _on_triton(ids) and ids.numel() <= SORT_MAX_PAIRS
 
 
 def moe_align(ids: Tensor, E: int, block_m: int) -> Routing:
     """Pairs sorted by expert and padded to BLOCK_M, on the device: one sorting program for few pairs, the atomic
     version for many (and torch ops where Triton does not run)."""
-    on_triton = (ids.is_cuda or INTERPRET) and ids.dtype in (torch.int32, torch.int64)
     if _sorts_in_one_program(ids):
         return moe_align_triton(ids, E, block_m)
-    if on_triton and ids.numel() > 0:
+    if _on_triton(ids) and ids.numel() > 0:
         return moe_align_atomic(ids, E, block_m)
     return moe_align_torch(ids, E, block_m)
 
