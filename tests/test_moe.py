@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import requires_cuda
+from conftest import KERNEL_DEVICE, requires_cuda
 
 import mlp_fuser
 from mlp_fuser import config
@@ -78,6 +78,11 @@ def make(T, k, E, H=16, I=8, gated=True, biases=False, dtype=torch.float32, tran
     bgu = torch.randn(E, N, dtype=dtype) * 0.5 if biases else None
     bd = torch.randn(E, H, dtype=dtype) * 0.5 if biases else None
     return x, ids, wts, wgu, bgu, wd, bd
+
+
+def on(args, device):
+    """The case's tensors on ``device`` (the kernels' device: CPU tensors reach Triton only under the interpreter)."""
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def check(args, act="silu", atol=1e-5, rtol=1e-4, **kw):
@@ -560,18 +565,19 @@ def test_cache_misses_on_a_changed_config(monkeypatch):
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "force_impl", "triton_moe_pairs")
     moe.reset()
-    args = make(3, 2, 4, H=32, I=16)
-    ref = naive(*args, "silu")
+    cpu_args = make(3, 2, 4, H=32, I=16)
+    args, ref = on(cpu_args, KERNEL_DEVICE), naive(*cpu_args, "silu")
     for _ in range(2):
-        torch.testing.assert_close(moe.eager_moe_mlp(*args, "silu").double(), ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(moe.eager_moe_mlp(*args, "silu").double().cpu(), ref, atol=1e-5, rtol=1e-4)
     assert len(launches) == 4 and len(moe._EAGER) == 1
-    monkeypatch.setattr(config, "triton_on_cpu", False)
-    for _ in range(2):
-        with pytest.raises(ValueError, match="triton_moe_pairs"):
-            moe.eager_moe_mlp(*args, "silu")
+    if KERNEL_DEVICE == "cpu":  # the switch governs CPU tensors only
+        monkeypatch.setattr(config, "triton_on_cpu", False)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="triton_moe_pairs"):
+                moe.eager_moe_mlp(*args, "silu")
     monkeypatch.setattr(config, "force_impl", "reference")
     for _ in range(2):
-        torch.testing.assert_close(moe.eager_moe_mlp(*args, "silu").double(), ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(moe.eager_moe_mlp(*args, "silu").double().cpu(), ref, atol=1e-5, rtol=1e-4)
     assert len(launches) == 4  # the reference launches no Triton kernel
     monkeypatch.setattr(config, "autotune", not config.autotune)
     moe.eager_moe_mlp(*args, "silu")
@@ -604,13 +610,14 @@ def test_cached_calls_equal_the_full_path(impl, monkeypatch):
             for _ in range(2):
                 make_kw = dict(make_kw)
                 change = make_kw.pop("change", lambda args: args)
-                args = change(make(4, 2, 4, H=32, I=16, **make_kw))
+                cpu_args = change(make(4, 2, 4, H=32, I=16, **make_kw))
+                args = on(cpu_args, KERNEL_DEVICE)
                 y = moe.eager_moe_mlp(*args, act, **kw)
                 assert len(moe._EAGER) == i + 1
                 full = moe._forward_full(None, *args, act, kw.get("interleaved", False), kw.get("limit"), False,
                                          kw.get("up_offset", 0.0))
                 torch.testing.assert_close(y, full, atol=0, rtol=0)
-                torch.testing.assert_close(y.double(), naive(*args, act, **kw), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(y.double().cpu(), naive(*cpu_args, act, **kw), atol=1e-4, rtol=1e-4)
     moe.reset()
 
 
@@ -648,7 +655,7 @@ def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
     for make_kw, act, inter in ((dict(), kmoe.ExpertAct(), False),
                                 (dict(biases=True, transposed=True), kmoe.ExpertAct("quick_gelu", 0.0, 7.0, False, 1.0),
                                  True), (dict(gated=False, biases=True), kmoe.ExpertAct("gelu"), False)):
-        args = make(3, 2, 4, H=32, I=16, **make_kw)
+        args = on(make(3, 2, 4, H=32, I=16, **make_kw), KERNEL_DEVICE)  # where the routing's kernels run too
         plan = kmoe.experts_plan(*args, act, inter, path)
         expected = record(lambda *a, act=act, inter=inter: kmoe.moe_experts(*a, act, inter, path), *args)
         assert len(expected) == n_launches and record(plan, *args) == expected
