@@ -340,6 +340,8 @@ IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0
          plan=_triton_plan("pairs"), worth=_few_pairs),
     Impl("triton_moe_unsorted", _triton("unsorted"), frozenset({"cuda"}), triton=True,
          plan=_triton_plan("unsorted"), worth=_one_token),
+    Impl("triton_moe_unsorted_pdl", _triton("unsorted_pdl"), frozenset({"cuda"}), triton=True,  # Hopper: down overlaps
+         plan=_triton_plan("unsorted_pdl"), worth=_one_token),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
 ]

@@ -406,7 +406,7 @@ def test_opcheck(biases):
 
 # ---- 5. the Triton implementations, under the interpreter ---------------------------------------------------------
 
-TRITON = ["triton_moe_pairs", "triton_moe_sorted", "triton_moe_sorted_fused", "triton_moe_unsorted"]
+TRITON = [i.name for i in mlp_fuser.moe.IMPLS if i.triton]
 
 
 @pytest.fixture
