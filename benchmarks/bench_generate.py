@@ -517,7 +517,8 @@ def rel(a, b):
 
 
 def profile_cpu(label, fn, iters=3):
-    """The CPU side of ``fn``: ops and CUDA runtime calls by self CPU time, per call."""
+    """``fn`` under the profiler: ops and CUDA runtime calls by self CPU time, kernels by GPU time, and the GPU's
+    timeline (its idle gaps), per call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -533,8 +534,9 @@ def profile_cpu(label, fn, iters=3):
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     log(f"  GPU side of {label}, per call: {sum(e.self_device_time_total for e in kernels) / iters:.0f} µs of "
         f"kernels, {sum(e.count for e in kernels) / iters:.0f} kernels; µs, count, kernel")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
         log(f"    {e.self_device_time_total / iters:9.1f} {e.count / iters:7.1f}x  {e.key[:90]}")
+    gpu_gaps(prof.events(), iters, per="call")  # whether the GPU waited for the host, and before which kernels
 
 
 class GcClock:
@@ -762,7 +764,7 @@ def time_step(label, model, gen, device, new_tokens, calls=20, profile=False):
 PROFILED = {(1, "eager"), (1, "patch"), (8, "static"), (8, "static_backend"), (1, "static"), (1, "static_backend")}
 
 
-def gpu_gaps(events, tokens, stall_us=50.0):
+def gpu_gaps(events, tokens, stall_us=50.0, per="token"):
     """The GPU's idle time between its kernels (and memsets, copies), per token: gaps up to ``stall_us`` (the
     scheduling between one kernel and the next, also inside a CUDA graph) summed by the kernel that follows them,
     longer ones (the GPU waiting for the host) apart. Where a path's kernels add up to less than another's but its
@@ -782,9 +784,9 @@ def gpu_gaps(events, tokens, stall_us=50.0):
             by_next[name[:60]] = (n + gap, c + 1)
         busy += stop - max(start, end) if stop > end else 0.0
         end = max(end, stop)
-    log(f"  GPU timeline per token: span {(end - work[0][0]) / tokens:.0f} µs, busy {busy / tokens:.0f}, gaps "
+    log(f"  GPU timeline per {per}: span {(end - work[0][0]) / tokens:.0f} µs, busy {busy / tokens:.0f}, gaps "
         f"<= {stall_us:.0f} µs {small / tokens:.0f}, longer gaps (waiting for the host) {stalls / tokens:.0f}; "
-        f"short gaps by the kernel after them, per token: µs, count, kernel")
+        f"short gaps by the kernel after them, per {per}: µs, count, kernel")
     for name, (g, c) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:10]:
         log(f"    {g / tokens:9.1f} {c / tokens:6.1f}  {name}")
 
@@ -926,7 +928,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet-timing", action="store_true", help="with --gpus: a worker's timed rounds wait until no "
                     "other worker warms up (compiles) or times (see host_phase)")
     ap.add_argument("--units", default="", help="only these units, e.g. d0:1,d2:8,p1 (set by --gpus for its workers)")
-    ap.add_argument("--profile-cpu", action="store_true", help="the prefill's CPU side, every path")
+    ap.add_argument("--profile-cpu", action="store_true", help="the prefill under the profiler, every path: CPU "
+                    "ops, kernels, the GPU's idle gaps")
     ap.add_argument("--profile", action="store_true", help="profile the decode paths in PROFILED (kernels, CPU)")
     ap.add_argument("--profile-at", default="", help="profile these decode paths instead, e.g. 1:compile,1:backend")
     ap.add_argument("--host-split", action="store_true", help="decode paths but static: host time inside forward, the "
