@@ -19,6 +19,8 @@ EXPECT = {
     "training_step.py": ([], ["gradients match the unfused model", "mlp_fuser.patch(backward='save')"], False),
     "merge_gate_up.py": ([], ["gate and up stored as one: True", "round trip keeps the weights: True",
                               "merge_gate_up: OK"], False),
+    "moe_experts.py": ([], ["generate with the mlp_fuser experts: the same 8 tokens", "mlp_fuser.patch: max",
+                        "routed experts through mlp_fuser: OK"], False),
     "explain_models.py": ([], ["llama", "gpt2", "qwen3", "summary"], True),
     "generate_smollm2.py": (["--tokens", "12"], ["all variants generated the same 12 tokens", "ms/token"], True),
 }
