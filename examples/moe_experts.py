@@ -26,9 +26,9 @@ with torch.no_grad():
 
 
 def check(name, logits):
-    err = (logits - expected).abs().max().item()
-    print(f"{name}: max |logits - transformers'| = {err:.2e}")
-    assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4), (name, err)
+    err = ((logits - expected).abs().max() / expected.abs().max()).item()
+    print(f"{name}: max |logits - transformers'| / max |logits| = {err:.1e}")
+    assert err < 2e-6, (name, err)  # fp32 rounding (≈ 3e-7 here); an expert output 0.1% off reads ≈ 2e-5
 
 
 # 1. transformers' experts switch (or from_pretrained(..., experts_implementation="mlp_fuser"))
