@@ -597,7 +597,7 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
 
     # a patched MLP's launch plans: the host time of each callee (cuBLAS's F.linear, torch.empty, a Triton launch)
     from mlp_fuser import plans
-    plan_globals = [plan.__globals__ for plan in plans._PLANS.values()]
+    plan_globals = [plan.__globals__ for plan in plans.PLANS.values()]
     saved = [dict(g) for g in plan_globals]
     for g in plan_globals:
         for n in [n for n in g if n in ("_linear", "_empty", "_zeros") or n.endswith("_launch")]:

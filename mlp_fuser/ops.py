@@ -131,8 +131,8 @@ def _forward(op: str, a: MLPArgs, eager: bool = False):
     planned = x.is_cuda and config.plans and compat.PRIVATE  # plans launch through Triton's private API
     if planned:
         key = plans.signature(a, eager)
-        plan = plans.get(key)
-        if plan is not None:
+        plan = plans.PLANS.get(key)
+        if plan is not None and not compat.launch_hooks():  # plans.get, without its frame
             return plan(*a[:7])
     if _problem(a) is not None:
         check_args(op, a)  # raises, naming the argument and every shape
@@ -199,13 +199,9 @@ def gated_mlp(x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_
 
 
 # ---- eager entry: the op without the dispatcher's hop, for calls that need none of its layers ---------
+# (compat.plain_call: computing the call right here is exactly what the dispatcher would do)
 
 _PLAIN = compat.PLAIN_TYPES
-
-
-def _plain_call(a: MLPArgs) -> bool:
-    """Whether computing the op right here is exactly what the dispatcher would do (``compat.plain_call``)."""
-    return compat.plain_call(a.x, a[1:7])
 
 
 def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
@@ -213,7 +209,7 @@ def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     where nothing needs it, and with the implementation chosen for calls made without CUDA graphs. ``save_preact``
     matters only under autograd, which the registered op handles."""
     a = _args((x, w1, b1, None, None, w2, b2, activation))
-    if _plain_call(a):
+    if compat.plain_call(x, a[1:7]):
         return _forward("mlp", a, True)
     return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
@@ -221,7 +217,7 @@ def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
 def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` for a caller that runs eagerly: see ``eager_mlp``."""
     a = _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
-    if _plain_call(a):
+    if compat.plain_call(x, a[1:7]):
         return _forward("gated_mlp", a, True)
     return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
                                                  save_preact)
@@ -238,7 +234,7 @@ def inductor_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     layers, with the choice the registered op makes (``calls.eager``, set around graphs run without CUDA graphs);
     otherwise the registered op."""
     a = _args((x, w1, b1, None, None, w2, b2, activation))
-    if _plain_call(a):
+    if compat.plain_call(x, a[1:7]):
         return _forward("mlp", a, calls.eager)
     return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
@@ -246,7 +242,7 @@ def inductor_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
 def inductor_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` as Inductor's generated code calls it: see ``inductor_mlp``."""
     a = _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
-    if _plain_call(a):
+    if compat.plain_call(x, a[1:7]):
         return _forward("gated_mlp", a, calls.eager)
     return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
                                                  save_preact)

@@ -30,7 +30,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import compat, config
@@ -41,7 +40,7 @@ from .kernels.common import Launcher, stored_as_one
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
 PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), "triton_small_m": ("zeros", ""),
            "triton_gemm": ("empty", "down"), "cublas_act_mul": ("empty", "all")}
-_PLANS: dict[tuple, Callable[..., Tensor]] = {}
+PLANS: dict[tuple, Callable[..., Tensor]] = {}  # signature -> plan (read by ops._forward without a call)
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
 _INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # the tensors of dispatch.MLPArgs: what a plan takes
@@ -70,7 +69,7 @@ def signature(a: tuple, eager: bool) -> tuple:
 
 def get(key: tuple) -> Callable[..., Tensor] | None:
     """The plan for a signature, or None (none yet, or a launch hook is set: calls then take the full path)."""
-    plan = _PLANS.get(key)
+    plan = PLANS.get(key)
     return plan if plan is None or not compat.launch_hooks() else None
 
 
@@ -89,15 +88,15 @@ def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, ar
     """``fn(*args)``, keeping the plan ``record`` builds from it for ``key``."""
     y, plan = record(name, fn, x, args)
     if plan is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        if len(PLANS) >= _MAX_PLANS:
+            PLANS.clear()
+        PLANS[key] = plan
     return y
 
 
 def clear() -> None:
     """Forget every plan (after the dispatcher's choices are reset)."""
-    _PLANS.clear()
+    PLANS.clear()
 
 
 def source(plan: Callable[..., Tensor]) -> str:
@@ -156,7 +155,7 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
         if [p[1:] for p in pieces.values()] != [(0, math.prod(h_shape) * x.element_size())]:
             return None  # not exactly one intermediate of h's size
         lines += [f"    h = _{start}({h_shape}, dtype=_dtype, device=_device)", "    w = h.data_ptr()"]
-        lines += calls + [f"    return {_unflatten('_linear(h, wd, bd)', x, out_shape)}"]
+        lines += calls + [f"    return {_unflatten(_gemm('h', 'wd', 'bd', args.bd), x, out_shape)}"]
     else:
         if not y.is_contiguous() or y.dtype != x.dtype or any(id(y) == k for k in pieces):
             return None
@@ -184,7 +183,8 @@ def _launch_line(i: int, launcher: Launcher, hit: tuple, exprs: list[str], const
 def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[..., Tensor]:
     """The plan function from its source lines; ``consts`` the compiled kernels' launchers and handles it calls."""
     text = "\n".join(lines) + "\n"
-    namespace = dict(consts, _stream=compat.current_stream, _empty=torch.empty, _zeros=torch.zeros, _linear=F.linear,
+    namespace = dict(consts, _stream=compat.current_stream, _empty=torch.empty, _zeros=torch.zeros, _mm=torch.mm,
+                     _addmm=torch.addmm,
                      _dtype=x.dtype, _device=x.device, _u8=torch.uint8)
     exec(compile(text, f"<mlp_fuser plan: {name}>", "exec"), namespace)  # noqa: S102 (source built above)
     plan = namespace["plan"]
@@ -225,16 +225,24 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     lines = [_HEAD, f"    s = _stream({hit[2]})",
              f"    x2 = x.view({tuple(x2.shape)})" if x.dim() != 2 else "    x2 = x"]
     if one:  # the signature says the weights are stored as one: their (2I, K) view, as gate_up_as_one takes it
-        lines += [f"    gu = _linear(x2, wg.as_strided({(2 * wg.shape[0], wg.shape[1])}, {wg.stride()}))",
+        lines += [f"    gu = _mm(x2, wg.as_strided({(2 * wg.shape[0], wg.shape[1])}, {wg.stride()}).t())",
                   "    p_g = gu.data_ptr()", f"    p_u = p_g + {u.data_ptr() - g.data_ptr()}"]
     else:
-        lines += ["    g = _linear(x2, wg, bg)", "    p_g = g.data_ptr()"]
+        lines += [f"    g = {_gemm('x2', 'wg', 'bg', args.bg)}", "    p_g = g.data_ptr()"]
         # u held in a name until the launch is queued: freed earlier, its memory could become h's
-        lines += ["    u = _linear(x2, wu, bu)", "    p_u = u.data_ptr()"] if wu is not None else ["    p_u = p_g"]
+        up = [f"    u = {_gemm('x2', 'wu', 'bu', args.bu)}", "    p_u = u.data_ptr()"]
+        lines += up if wu is not None else ["    p_u = p_g"]
     lines += [f"    h = _empty({h_shape}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
               _launch_line(0, launcher, hit, exprs, consts),
-              f"    return {_unflatten('_linear(h, wd, bd)', x, out_shape)}"]
+              f"    return {_unflatten(_gemm('h', 'wd', 'bd', args.bd), x, out_shape)}"]
     return _compile(name, lines, consts, x)
+
+
+def _gemm(a: str, w: str, b: str, bias: Tensor | None) -> str:
+    """Source of ``F.linear(a, w, b)`` for a 2-D ``a`` (``bias``: b's tensor in the recorded call) as the very aten
+    call F.linear makes of it, addmm with a bias and mm without, minus the linear and matmul layers around it: the
+    same cuBLAS call for less host time."""
+    return f"_mm({a}, {w}.t())" if bias is None else f"_addmm({b}, {a}, {w}.t())"
 
 
 def _unflatten(expr: str, x: Tensor, out_shape: tuple) -> str:

@@ -87,10 +87,10 @@ def test_inductor_code_calls_the_ops_entry_directly_and_the_dispatcher_where_nee
     # off. Inductor's cache is off: a graph compiled earlier with the other setting must not answer.
     from torch._inductor.utils import run_and_get_code
 
-    from mlp_fuser import config, ops
+    from mlp_fuser import compat, config
 
-    plain, real = [], ops._plain_call
-    monkeypatch.setattr(ops, "_plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
+    plain, real = [], compat.plain_call
+    monkeypatch.setattr(compat, "plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
     model = _tiny_llama(layers=2)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
@@ -256,11 +256,11 @@ def test_gpu_inductor_code_calls_the_ops_entry_directly(monkeypatch):
     # unfused model's error against float64.
     from torch._inductor.utils import run_and_get_code
 
-    from mlp_fuser import ops
+    from mlp_fuser import compat
     from mlp_fuser.reference import rel_err
 
-    plain, real = [], ops._plain_call
-    monkeypatch.setattr(ops, "_plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
+    plain, real = [], compat.plain_call
+    monkeypatch.setattr(compat, "plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
     torch._dynamo.reset()
     model = _tiny_llama("cuda", layers=2).to(torch.bfloat16)
     ids = torch.randint(0, 128, (2, 6), device="cuda")

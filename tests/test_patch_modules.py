@@ -150,10 +150,10 @@ def test_not_an_mlp_module():
 def test_per_module_false_runs_the_whole_forward_through_dynamo(monkeypatch):
     # The captured graph runs op by op, each op through its eager entry: computed right there (no dispatcher hop)
     # where nothing needs the dispatcher, through it under the profiler.
-    from mlp_fuser import ops
+    from mlp_fuser import compat
 
-    plain, real = [], ops._plain_call
-    monkeypatch.setattr(ops, "_plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
+    plain, real = [], compat.plain_call
+    monkeypatch.setattr(compat, "plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
     model = _llama(2)
     ids = torch.randint(1, 128, (1, 5))
     with torch.no_grad():

@@ -50,6 +50,25 @@ def recorded(monkeypatch):
     return log
 
 
+def recording_gemms(monkeypatch) -> list:
+    """The (input, weight as (out, in), output) of every torch.mm / torch.addmm a plan built from now on runs: the
+    aten calls F.linear makes of a 2-D input, which plans call directly."""
+    made = []
+    mm, addmm = torch.mm, torch.addmm
+
+    def recording_mm(a, w_t):
+        made.append((a, w_t.t(), mm(a, w_t)))
+        return made[-1][2]
+
+    def recording_addmm(b, a, w_t):
+        made.append((a, w_t.t(), addmm(b, a, w_t)))
+        return made[-1][2]
+
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    monkeypatch.setattr(torch, "addmm", recording_addmm)
+    return made
+
+
 CASES = [  # (M, K, I, O, gated, bias, lead)
     (1, 64, 96, 48, True, False, (1,)),
     (5, 40, 72, 24, True, True, ()),
@@ -120,15 +139,8 @@ def test_the_dispatchers_callable_records_a_plan_as_the_op_calls_it(recorded, mo
 def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorded, monkeypatch, gated):
     """Its launch reads tensors the plan itself makes with cuBLAS (g, u) and writes h, which the down projection then
     reads: the pointers in the launch must be those of this call's g, u and of the h that goes down."""
-    made = []  # (input, weight, output) of every F.linear, in order
+    made = recording_gemms(monkeypatch)  # (input, weight, output) of every GEMM the plan runs, in order
     linear = F.linear
-
-    def recording_linear(x, w, b=None):
-        y = linear(x, w, b)
-        made.append((x, w, y))
-        return y
-
-    monkeypatch.setattr(F, "linear", recording_linear)
     c = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
     impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
     plans.clear()
@@ -140,7 +152,8 @@ def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorde
     recorded.clear()
     y = plan(d.x, d.wg, d.bg, d.wu, d.bu, d.wd, d.bd)
     [(_, _, largs)] = recorded
-    assert [w for _, w, _ in made] == ([d.wg, d.wu, d.wd] if gated else [d.wg, d.wd])
+    weights = [d.wg, d.wu, d.wd] if gated else [d.wg, d.wd]
+    assert len(made) == len(weights) and all(w._base is t for (_, w, _), t in zip(made, weights))
     g = made[0][2]
     u = made[1][2] if gated else g
     h, _, out = made[-1]
@@ -148,19 +161,13 @@ def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorde
     assert largs[:3] == (g.data_ptr(), u.data_ptr(), h.data_ptr()) and largs[3] == g.numel()
     assert h.shape == (6, 48) and y.shape == (2, 3, 16) and y._base is out
     assert all(a.dim() == 2 for a, _, _ in made), "cuBLAS is handed 2-D tensors (no flattening inside F.linear)"
+    assert "linear" not in plans.source(plan), "the aten GEMM itself, not F.linear's layers around it"
 
 
 def test_the_cublas_act_mul_plan_runs_one_gemm_where_gate_and_up_are_stored_as_one(recorded, monkeypatch):
     """Gate and up as halves of one weight: the plan's one GEMM reads their (2I, K) view of this call's weight, and
     act·mul reads its result's two halves (u at g + I elements, rows 2I apart)."""
-    made = []  # (input, weight, output) of every F.linear
-    linear = F.linear
-
-    def recording_linear(x, w, b=None):
-        made.append((x, w, linear(x, w, b)))
-        return made[-1][2]
-
-    monkeypatch.setattr(F, "linear", recording_linear)
+    made = recording_gemms(monkeypatch)
 
     def merged_case():
         c = make_case(3, 32, 48, 16, bias=(False, False, False), lead=(2,), dtype=torch.float16)
@@ -179,7 +186,7 @@ def test_the_cublas_act_mul_plan_runs_one_gemm_where_gate_and_up_are_stored_as_o
     y = plan(*args)
     [(_, _, largs)] = recorded
     (x2, wgu, gu), (h, wd, out) = made
-    assert wgu.shape == (96, 32) and wgu.data_ptr() == w.data_ptr() and wd is args[5] and x2.dim() == 2
+    assert wgu.shape == (96, 32) and wgu.data_ptr() == w.data_ptr() and wd._base is args[5] and x2.dim() == 2
     assert gu.shape == (6, 96) and largs[0] == gu.data_ptr() and largs[1] == gu.data_ptr() + 48 * 2
     assert largs[2] == h.data_ptr() and largs[3:9] == (6, 48, 96, 1, 96, 1)  # M, I, the halves' strides
     assert y.shape == (2, 3, 16) and y._base is out
