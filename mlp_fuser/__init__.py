@@ -2,10 +2,11 @@
 
 __version__ = "0.1.0"
 
-from . import moe, ops  # noqa: F401  (register the mlp_fuser:: op family)
+from . import moe, ops, router  # noqa: F401  (register the mlp_fuser:: op family)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
 from .moe import moe_mlp  # noqa: F401
 from .ops import gated_mlp, mlp  # noqa: F401
+from .router import moe_router_topk  # noqa: F401
 
 
 def _register_backend() -> None:
@@ -28,5 +29,5 @@ experts.install()  # transformers' experts implementation "mlp_fuser", registere
 
 __all__ = [
     "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "is_patched", "make_backend",
-    "merge_gate_up", "mlp", "moe_mlp", "patch", "split_gate_up", "unpatch",
+    "merge_gate_up", "mlp", "moe_mlp", "moe_router_topk", "patch", "split_gate_up", "unpatch",
 ]

@@ -72,7 +72,15 @@ class Report(PassReport):
         if self.near_misses:
             groups = _groups(self.near_misses, lambda m: (m.pattern, m.check, _relative(m.reason, m.path)))
             lines += ["", "Not fused:", *_table(None, groups)]
+        lines += self._routers(verbose=False)
         return "\n".join(lines + self._tail())
+
+    def _routers(self, verbose: bool) -> list[str]:
+        """The MoE routers whose softmax → top-k → renorm runs as one op (``mlp_fuser::moe_router_topk``)."""
+        if not self.routers:
+            return []
+        paths = self.routers if verbose else [p if n == 1 else f"{p}  ×{n}" for p, n in fold(self.routers)]
+        return ["", "Router top-k fused (softmax → top-k → renorm as one op):", *(f"  {p}" for p in paths)]
 
     def details(self) -> str:
         """The report with one row per block (``str(report)`` folds identical blocks into one line)."""
@@ -83,6 +91,7 @@ class Report(PassReport):
         if self.near_misses:
             rows = [(m.path or "<root>", m.pattern, m.check, m.reason) for m in self.near_misses]
             lines += ["", "Not fused:", *_table(("module", "resembles", "failed check", "reason"), rows)]
+        lines += self._routers(verbose=True)
         return "\n".join(lines + self._tail())
 
     __repr__ = __str__
@@ -193,6 +202,7 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
         report.fused += r.fused
         report.near_misses += r.near_misses
         report.projections += r.projections
+        report.routers += r.routers
     if isinstance(model, torch.nn.Module):
         seen = {s.path for s in report.fused} | {m.path for m in report.near_misses}
         memo: dict = {}

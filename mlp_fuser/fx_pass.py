@@ -33,6 +33,7 @@ from mlp_fuser import patterns as P
 from mlp_fuser import sharding
 from mlp_fuser.ops import _PLAIN
 from mlp_fuser.patterns import experts as routed
+from mlp_fuser.patterns import router_topk
 from mlp_fuser.patterns.common import dropout_active, input_name, is_dropout, same, same_shape, val
 
 log = logging.getLogger("mlp_fuser")
@@ -64,6 +65,7 @@ class PassReport:
     fused: list[Site] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     projections: int = 0  # projections seen (to say why nothing was found)
+    routers: list[str] = field(default_factory=list)  # module paths of the MoE routers whose top-k became one op
 
     def checks_failed(self) -> set[str]:
         return {m.check for m in self.near_misses}
@@ -77,6 +79,8 @@ class PassReport:
         text = f"fused {len(self.fused)} MLP(s)" + (f" ({what})" if what else "")
         if self.near_misses:
             text += f"; {len(self.near_misses)} near miss(es), failed: {', '.join(sorted(self.checks_failed()))}"
+        if self.routers:
+            text += f"; {len(self.routers)} router top-k fused"
         return text
 
 
@@ -332,6 +336,22 @@ def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_r
     return report
 
 
+def _fuse_routers(gm: GraphModule, patterns, filter_fn, root, dry_run: bool) -> list[str]:
+    """MoE routers' softmax → top-k → renorm → cast (``patterns/router_topk.py``), each rewritten to one
+    ``moe_router_topk`` call; returns their module paths."""
+    if patterns is not None and router_topk.PATTERN not in patterns:
+        return []
+    paths = []
+    for c in router_topk.find(gm.graph):
+        path = clean_path(module_path(c.nodes[-1]))
+        if filter_fn is not None and not filter_fn(_module_at(root, path), path):
+            continue
+        paths.append(path)
+        if not dry_run:
+            router_topk.rewrite(gm.graph, c)
+    return paths
+
+
 def fuse_mlps(
     gm: GraphModule,
     *,
@@ -350,6 +370,7 @@ def fuse_mlps(
     gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
     report.near_misses += [NearMiss(*m) for m in lowered]
     experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run)
+    report.routers = _fuse_routers(gm, patterns, filter_fn, root, dry_run)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[Node] = set()
     for n in reversed(list(order)):
@@ -377,7 +398,7 @@ def fuse_mlps(
     report.near_misses.reverse()
     report.fused += experts.fused
     report.near_misses += experts.near_misses
-    if report.fused and not dry_run:
+    if (report.fused or report.routers) and not dry_run:
         gm.graph.lint()
         gm.recompile()
     # The bodies of higher-order ops (torch.utils.checkpoint's tag_activation_checkpoint, which HF's
@@ -389,4 +410,5 @@ def fuse_mlps(
             report.fused += inner.fused
             report.near_misses += inner.near_misses
             report.projections += inner.projections
+            report.routers += inner.routers
     return report

@@ -15,8 +15,9 @@ PATTERNS = {
     "gated": gated.match,
     "plain": plain.match,
 }
-# Routed experts are found per experts module, not per projection (``experts.py``): a name the options accept too.
-NAMES = (*PATTERNS, "routed_experts")
+# Routed experts are found per experts module and routers' top-k per softmax, not per projection (``experts.py``,
+# ``router_topk.py``): names the options accept too.
+NAMES = (*PATTERNS, "routed_experts", "router_topk")
 
 
 def find(down: Proj) -> Candidate | None:
