@@ -31,6 +31,7 @@ from .experts import FusedExpertsForward, fuse_experts, spec
 from .kernels.common import stored_as_one
 from .ops import _PLAIN
 from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
+from .patch_router import FusedRouterForward, fuse_router
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
@@ -40,7 +41,7 @@ _SETTINGS = "_mlp_fuser_settings"  # what patch was called with
 _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weight paths it stored as one
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
-_FORWARDS = (FusedModuleForward, FusedExpertsForward)  # what patch installs on a module
+_FORWARDS = (FusedModuleForward, FusedExpertsForward, FusedRouterForward)  # what patch installs on a module
 
 
 def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | None:
@@ -50,6 +51,12 @@ def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | 
     if forward is None or (pats is not None and "routed_experts" not in pats):
         return None
     return forward if acts is None or spec(module).gate.activation in acts else None
+
+
+def _router_forward(module: nn.Module, allowed: dict, memo: dict) -> FusedRouterForward | None:
+    """The fused forward of a top-k router module (``patch_router``), where the pass's options allow it."""
+    pats = allowed.get("patterns")
+    return None if pats is not None and "router_topk" not in pats else fuse_router(module, memo)
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -73,7 +80,8 @@ def original_forward(model: nn.Module):
 
 def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
           per_module: bool = True, merge_gate_up: bool = False, **options) -> nn.Module:
-    """Fuse ``model``'s MLP blocks in place (eager mode); return ``model``. Idempotent; undone by ``unpatch``.
+    """Fuse ``model``'s MLP blocks in place (eager mode), routed experts and MoE routers' top-k too; return ``model``.
+    Idempotent; undone by ``unpatch``.
 
     ``filter_fn(module, fqn) -> bool`` picks the sites to fuse, as torchao's ``quantize_`` takes it: ``fqn`` is the
     site's module path (the common ancestor of its projections, e.g. ``model.layers.0.mlp``), ``module`` the module
@@ -92,9 +100,10 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
         return model
     unpatch(model)  # patched with other options, or unpickled from a patched model: drop the entries, patch afresh
     if per_module:
-        fused, allowed, misses, memo = {}, pass_options(**options), [], {}
+        fused, allowed, misses, memo, routers = {}, pass_options(**options), [], {}, {}
         for path, module in model.named_modules():
-            forward = fuse_module(module, **allowed) or _experts_forward(module, allowed)
+            forward = fuse_module(module, **allowed) or _experts_forward(module, allowed) or _router_forward(
+                module, allowed, routers)
             if forward is None and (miss := weight_near_miss(module, path, allowed, memo)) is not None:
                 misses.append(miss)
             if forward is not None and (filter_fn is None or filter_fn(module, path)):
@@ -163,7 +172,8 @@ def _gate_up_paths(fused: dict[str, FusedModuleForward]) -> dict[str, tuple[str,
     """Module path -> the names of its gate and up weights, from its proof (the first mode that names them)."""
     pairs = {}
     for path, forward in fused.items():
-        names = next((g[3] for g in forward.graphs.values() if g[3] is not None), None)
+        graphs = getattr(forward, "graphs", {})  # experts and routers hold no gate and up weights
+        names = next((g[3] for g in graphs.values() if g[3] is not None), None)
         if names is not None:
             pairs[path] = names
     return pairs

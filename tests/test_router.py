@@ -1,6 +1,7 @@
 """The MoE router's top-k as one op (``mlp_fuser::moe_router_topk``): its kernel against float64, the op against
 transformers' routers, the graph pattern that finds the chain, and the backend end to end."""
 
+import copy
 import operator
 
 import pytest
@@ -13,6 +14,7 @@ from mlp_fuser.patterns import router_topk
 import mlp_fuser
 from mlp_fuser import _hf, config, router
 from mlp_fuser.kernels import router as kernel
+from mlp_fuser.patch_router import FusedRouterForward, fuse_router
 
 ROUTER_OP = frozenset({"mlp_fuser::moe_router_topk"})
 
@@ -224,3 +226,66 @@ def test_backend_without_the_pattern_leaves_routers_alone():
         compiled = torch.compile(model, backend=backend)
         compiled(*inputs)
         assert count_ops(lambda: compiled(*inputs), ROUTER_OP) == 0
+
+
+# ---- patch ---------------------------------------------------------------------------------------------------------
+
+
+def _routers(model):
+    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), FusedRouterForward)]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_patch_fuses_every_router_and_unpatch_restores_it(model_type):
+    model = _hf.tiny_model(model_type)
+    inputs = _hf.example_inputs(model, seq_len=6, batch=2)
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        ref = model(*inputs).logits
+    mlp_fuser.patch(model)
+    assert _routers(model) == [f"model.layers.{i}.mlp.gate" for i in range(layers)]
+    out = {}
+    with torch.no_grad():
+        assert count_ops(lambda: out.setdefault("y", model(*inputs).logits), ROUTER_OP) == layers
+    torch.testing.assert_close(out["y"], ref, rtol=1e-4, atol=2e-5)
+    assert mlp_fuser.is_patched(copy.deepcopy(model))
+    mlp_fuser.unpatch(model)
+    assert _routers(model) == [] and not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_patched_routers_leave_gradients_and_training_to_their_own_forward():
+    model = _hf.tiny_model("qwen3_moe")
+    inputs = _hf.example_inputs(model, seq_len=5, batch=1)
+    mlp_fuser.patch(model)
+    assert count_ops(lambda: model(*inputs).logits.sum().backward(), ROUTER_OP) == 0
+    assert model.model.layers[0].mlp.gate.weight.grad is not None
+    model.train()
+    with torch.no_grad():
+        assert count_ops(lambda: model(*inputs), ROUTER_OP) == 0
+
+
+def test_patch_without_the_pattern_and_routers_that_are_not_top_k_softmax():
+    model = _hf.tiny_model("qwen3_moe")
+    mlp_fuser.patch(model, patterns=("routed_experts", "gated"))
+    assert _routers(model) == []
+    for model_type in ("deepseek_v3", "gpt_oss"):  # sigmoid with groups; top-k before the softmax
+        model = _hf.tiny_model(model_type)
+        mlp_fuser.patch(model)
+        assert _routers(model) == [], model_type
+
+
+class _BakedRouter(torch.nn.Module):
+    """A top-k router whose forward bakes the token count into a view: its captured graph holds for 3 tokens only."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        logits = F.linear(x.view(3, 16), self.weight) if x.shape[0] == 3 else F.linear(x, self.weight)
+        top, ids = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), 2, dim=-1)
+        return logits, top, ids
+
+
+def test_a_router_whose_graph_holds_for_its_sample_only_is_left_alone():
+    assert fuse_router(_BakedRouter(), {}) is None

@@ -1,0 +1,116 @@
+"""``patch`` for MoE routers: a top-k router module's forward with its softmax → top-k → renorm as one op.
+
+A module qualifies when it holds one 2-D ``weight`` (and at most a 1-D ``bias``), has no children, and its forward,
+captured on its own in eval mode without gradients, is a graph over its input and those tensors whose top-k chain
+``patterns/router_topk.py`` rewrites to ``mlp_fuser::moe_router_topk`` (transformers' ``Qwen3MoeTopKRouter`` and the
+routers that copy it). The installed forward runs that graph for a tensor input in eval mode with no gradient
+needed, and the module's own forward otherwise (training: the op has no backward, and some routers add noise).
+Modules alike (type, weight shape, dtype, device, their plain attributes) share one proof.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ._dynamo_utils import fresh_code
+from .patterns import router_topk
+
+_PLAIN_ATTRS = (bool, int, float, str, type(None))
+
+
+class FusedRouterForward:
+    def __init__(self, module: nn.Module, graph, names: list[str | None]):
+        self.module, self.graph, self.names = module, graph, names  # names[i]: the placeholder's tensor, None for x
+
+    def original(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        if (len(args) != 1 or kwargs or type(args[0]) is not Tensor or m.training
+                or (torch.is_grad_enabled() and (args[0].requires_grad or m.weight.requires_grad))):
+            return self.original(*args, **kwargs)
+        x = args[0]
+        return self.graph(*[x if n is None else m._parameters[n] for n in self.names])
+
+    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
+        return _plain_forward, (self.module,)
+
+    def __deepcopy__(self, memo):
+        twin = memo.get(id(self.module))
+        return FusedRouterForward(twin, self.graph, self.names) if twin is not None else _plain_forward(self.module)
+
+
+def _plain_forward(module):
+    return type(module).forward.__get__(module)
+
+
+def _key(module: nn.Module) -> tuple | None:
+    w = module._parameters.get("weight")
+    if (not isinstance(w, Tensor) or type(w) not in (Tensor, nn.Parameter) or w.dim() != 2 or module._modules
+            or not w.is_floating_point() or w.is_meta or "forward" in module.__dict__):
+        return None
+    b = module._parameters.get("bias")
+    if set(module._parameters) - {"weight", "bias"} or module._buffers or (b is not None and b.dim() != 1):
+        return None
+    attrs = tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) in _PLAIN_ATTRS))
+    return type(module), tuple(w.shape), w.dtype, w.device, b is not None, attrs
+
+
+def _prove(module: nn.Module):
+    """(graph forward, placeholder names) where the module's forward is a top-k router, else None."""
+    w = module.weight
+    x = torch.randn(3, w.shape[1], dtype=w.dtype, device=w.device)
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            torch.compile(fresh_code(type(module).forward), backend=capture, fullgraph=True)(module, x)
+    except Exception:
+        return None
+    finally:
+        module.train(training)
+    if len(captured) != 1:
+        return None
+    gm, inputs = captured[0]
+    chains = router_topk.find(gm.graph)
+    if len(chains) != 1 or any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    params = {id(t): n for n, t in module._parameters.items() if t is not None}
+    names = [None if t is x else params.get(id(t), False) for t in inputs]
+    if False in names or names.count(None) != 1:
+        return None  # a placeholder that is neither the input nor the module's own tensor
+    router_topk.rewrite(gm.graph, chains[0])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    # the rewritten graph against the forward at another token count: a size baked into the graph, or an output
+    # structure other than a flat tuple of tensors, rules it out
+    x5 = torch.randn(5, w.shape[1], dtype=w.dtype, device=w.device)
+    try:
+        with torch.no_grad():
+            ours = gm.forward(*[x5 if n is None else module._parameters[n] for n in names])
+            ref = type(module).forward(module, x5)
+    except Exception:
+        return None
+    if (type(ref) is not tuple or len(ref) != len(ours) or not all(isinstance(r, Tensor) for r in ref)
+            or any((a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(ours, ref))):
+        return None
+    return gm.forward, names
+
+
+def fuse_router(module: nn.Module, memo: dict) -> FusedRouterForward | None:
+    """The fused forward for a top-k router module, else None; ``memo`` shares proofs among modules alike."""
+    key = _key(module)
+    if key is None:
+        return None
+    if key not in memo:
+        memo[key] = _prove(module)
+    proof = memo[key]
+    return None if proof is None else FusedRouterForward(module, *proof)
