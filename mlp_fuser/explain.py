@@ -77,10 +77,16 @@ class Report(PassReport):
 
     def _routers(self, verbose: bool) -> list[str]:
         """The MoE routers whose softmax → top-k → renorm runs as one op (``mlp_fuser::moe_router_topk``)."""
-        if not self.routers:
-            return []
-        paths = self.routers if verbose else [p if n == 1 else f"{p}  ×{n}" for p, n in fold(self.routers)]
-        return ["", "Router top-k fused (softmax → top-k → renorm as one op):", *(f"  {p}" for p in paths)]
+        def listed(paths):
+            return [f"  {p}" for p in paths] if verbose else [f"  {p}" + (f"  ×{n}" if n > 1 else "")
+                                                              for p, n in fold(paths)]
+        lines = []
+        if self.routers:
+            lines += ["", "Router top-k fused (softmax → top-k → renorm as one op):", *listed(self.routers)]
+        if self.routers_with_grad:
+            lines += ["", "Router top-k left to aten, its logits needing gradients (under torch.no_grad() or "
+                      "inference_mode it is fused):", *listed(self.routers_with_grad)]
+        return lines
 
     def details(self) -> str:
         """The report with one row per block (``str(report)`` folds identical blocks into one line)."""
@@ -203,6 +209,7 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
         report.near_misses += r.near_misses
         report.projections += r.projections
         report.routers += r.routers
+        report.routers_with_grad += r.routers_with_grad
     if isinstance(model, torch.nn.Module):
         seen = {s.path for s in report.fused} | {m.path for m in report.near_misses}
         memo: dict = {}

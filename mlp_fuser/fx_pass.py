@@ -66,6 +66,7 @@ class PassReport:
     near_misses: list[NearMiss] = field(default_factory=list)
     projections: int = 0  # projections seen (to say why nothing was found)
     routers: list[str] = field(default_factory=list)  # module paths of the MoE routers whose top-k became one op
+    routers_with_grad: list[str] = field(default_factory=list)  # routers left alone: their logits need gradients
 
     def checks_failed(self) -> set[str]:
         return {m.check for m in self.near_misses}
@@ -336,20 +337,23 @@ def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_r
     return report
 
 
-def _fuse_routers(gm: GraphModule, patterns, filter_fn, root, dry_run: bool) -> list[str]:
+def _fuse_routers(gm: GraphModule, patterns, filter_fn, root, dry_run: bool) -> tuple[list[str], list[str]]:
     """MoE routers' softmax → top-k → renorm → cast (``patterns/router_topk.py``), each rewritten to one
-    ``moe_router_topk`` call; returns their module paths."""
+    ``moe_router_topk`` call; returns their module paths, and those of the chains left alone for needing gradients."""
     if patterns is not None and router_topk.PATTERN not in patterns:
-        return []
+        return [], []
     paths = []
-    for c in router_topk.find(gm.graph):
+    chains = router_topk.find(gm.graph)
+    with_grad = [clean_path(module_path(c.nodes[-1])) for c in router_topk.find(gm.graph, grad_ok=True)
+                 if not any(c.nodes[0] is d.nodes[0] for d in chains)]
+    for c in chains:
         path = clean_path(module_path(c.nodes[-1]))
         if filter_fn is not None and not filter_fn(_module_at(root, path), path):
             continue
         paths.append(path)
         if not dry_run:
             router_topk.rewrite(gm.graph, c)
-    return paths
+    return paths, with_grad
 
 
 def fuse_mlps(
@@ -370,7 +374,7 @@ def fuse_mlps(
     gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
     report.near_misses += [NearMiss(*m) for m in lowered]
     experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run)
-    report.routers = _fuse_routers(gm, patterns, filter_fn, root, dry_run)
+    report.routers, report.routers_with_grad = _fuse_routers(gm, patterns, filter_fn, root, dry_run)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[Node] = set()
     for n in reversed(list(order)):
@@ -411,4 +415,5 @@ def fuse_mlps(
             report.near_misses += inner.near_misses
             report.projections += inner.projections
             report.routers += inner.routers
+            report.routers_with_grad += inner.routers_with_grad
     return report

@@ -51,13 +51,14 @@ def _only_user(n: Node) -> Node | None:
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
-def match(softmax: Node) -> RouterCandidate | None:
+def match(softmax: Node, grad_ok: bool = False) -> RouterCandidate | None:
+    """The chain starting at ``softmax``, or None; ``grad_ok``: also where the logits need gradients (for reports)."""
     if not _is(softmax, _SOFTMAX, "softmax"):
         return None
     x, v = softmax.args[0], val(softmax)
     if not isinstance(x, Node) or not isinstance(val(x), torch.Tensor) or not isinstance(v, torch.Tensor):
         return None
-    if val(x).dim() != 2 or v.dtype != torch.float32 or val(x).requires_grad:
+    if val(x).dim() != 2 or v.dtype != torch.float32 or (val(x).requires_grad and not grad_ok):
         return None
     if not _last_dim(_arg(softmax, 1, "dim"), 2):
         return None
@@ -109,8 +110,8 @@ def match(softmax: Node) -> RouterCandidate | None:
     return RouterCandidate(x, k, renorm, out_dtype, weights, ids, nodes)
 
 
-def find(graph: Graph) -> list[RouterCandidate]:
-    return [c for n in list(graph.nodes) if (c := match(n)) is not None]
+def find(graph: Graph, grad_ok: bool = False) -> list[RouterCandidate]:
+    return [c for n in list(graph.nodes) if (c := match(n, grad_ok)) is not None]
 
 
 def rewrite(graph: Graph, c: RouterCandidate) -> Node:

@@ -289,3 +289,15 @@ class _BakedRouter(torch.nn.Module):
 
 def test_a_router_whose_graph_holds_for_its_sample_only_is_left_alone():
     assert fuse_router(_BakedRouter(), {}) is None
+
+
+def test_explain_names_the_routers_left_to_aten_for_their_gradients():
+    model = _hf.tiny_model("olmoe")
+    inputs = _hf.example_inputs(model, seq_len=4, batch=1)
+    report = mlp_fuser.explain(model, *inputs)  # gradients on: the training path
+    layers = model.config.num_hidden_layers
+    assert report.routers == [] and len(report.routers_with_grad) == layers
+    assert "left to aten, its logits needing gradients" in str(report)
+    with torch.no_grad():
+        report = mlp_fuser.explain(model, *inputs)
+    assert len(report.routers) == layers and report.routers_with_grad == []
