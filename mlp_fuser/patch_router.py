@@ -28,11 +28,12 @@ class FusedRouterForward:
 
     def __call__(self, *args, **kwargs):
         m = self.module
+        params = m._parameters
         if (len(args) != 1 or kwargs or type(args[0]) is not Tensor or m.training
-                or (torch.is_grad_enabled() and (args[0].requires_grad or m.weight.requires_grad))):
+                or (torch.is_grad_enabled() and (args[0].requires_grad or params["weight"].requires_grad))):
             return self.original(*args, **kwargs)
         x = args[0]
-        return self.graph(*[x if n is None else m._parameters[n] for n in self.names])
+        return self.graph(*[x if n is None else params[n] for n in self.names])
 
     def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
         return _plain_forward, (self.module,)
