@@ -342,16 +342,13 @@ def _fuse_routers(gm: GraphModule, patterns, filter_fn, root, dry_run: bool) -> 
     ``moe_router_topk`` call; returns their module paths, and those of the chains left alone for needing gradients."""
     if patterns is not None and router_topk.PATTERN not in patterns:
         return [], []
-    paths = []
-    chains = router_topk.find(gm.graph)
-    with_grad = [clean_path(module_path(c.nodes[-1])) for c in router_topk.find(gm.graph, grad_ok=True)
-                 if not any(c.nodes[0] is d.nodes[0] for d in chains)]
-    for c in chains:
+    paths, with_grad = [], []
+    for c in router_topk.find(gm.graph):
         path = clean_path(module_path(c.nodes[-1]))
         if filter_fn is not None and not filter_fn(_module_at(root, path), path):
             continue
-        paths.append(path)
-        if not dry_run:
+        (with_grad if c.needs_grad else paths).append(path)
+        if not dry_run and not c.needs_grad:
             router_topk.rewrite(gm.graph, c)
     return paths, with_grad
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ._dynamo_utils import fresh_code
+from .experts import _plain_forward
 from .patterns import router_topk
 
 _PLAIN_ATTRS = (bool, int, float, str, type(None))
@@ -41,10 +42,6 @@ class FusedRouterForward:
     def __deepcopy__(self, memo):
         twin = memo.get(id(self.module))
         return FusedRouterForward(twin, self.graph, self.names) if twin is not None else _plain_forward(self.module)
-
-
-def _plain_forward(module):
-    return type(module).forward.__get__(module)
 
 
 def _key(module: nn.Module) -> tuple | None:
@@ -81,7 +78,7 @@ def _prove(module: nn.Module):
     if len(captured) != 1:
         return None
     gm, inputs = captured[0]
-    chains = router_topk.find(gm.graph)
+    chains = [c for c in router_topk.find(gm.graph) if not c.needs_grad]
     if len(chains) != 1 or any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
     params = {id(t): n for n, t in module._parameters.items() if t is not None}

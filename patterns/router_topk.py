@@ -33,6 +33,7 @@ class RouterCandidate:
     weights: Node  # the chain's last node on the weights' side
     ids: Node | None
     nodes: list[Node]  # the chain, to erase once unused
+    needs_grad: bool  # the logits need gradients: the op has no backward, so the chain is only reported
 
 
 def _is(n: Node, fns: set, method: str) -> bool:
@@ -51,14 +52,14 @@ def _only_user(n: Node) -> Node | None:
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
-def match(softmax: Node, grad_ok: bool = False) -> RouterCandidate | None:
-    """The chain starting at ``softmax``, or None; ``grad_ok``: also where the logits need gradients (for reports)."""
+def match(softmax: Node) -> RouterCandidate | None:
+    """The chain starting at ``softmax``, or None (``needs_grad`` says whether it may be rewritten)."""
     if not _is(softmax, _SOFTMAX, "softmax"):
         return None
     x, v = softmax.args[0], val(softmax)
     if not isinstance(x, Node) or not isinstance(val(x), torch.Tensor) or not isinstance(v, torch.Tensor):
         return None
-    if val(x).dim() != 2 or v.dtype != torch.float32 or (val(x).requires_grad and not grad_ok):
+    if val(x).dim() != 2 or v.dtype != torch.float32:
         return None
     if not _last_dim(_arg(softmax, 1, "dim"), 2):
         return None
@@ -107,11 +108,12 @@ def match(softmax: Node, grad_ok: bool = False) -> RouterCandidate | None:
         return None
     if ids is not None:
         nodes.append(ids)
-    return RouterCandidate(x, k, renorm, out_dtype, weights, ids, nodes)
+    return RouterCandidate(x, k, renorm, out_dtype, weights, ids, nodes, bool(val(softmax.args[0]).requires_grad))
 
 
-def find(graph: Graph, grad_ok: bool = False) -> list[RouterCandidate]:
-    return [c for n in list(graph.nodes) if (c := match(n, grad_ok)) is not None]
+def find(graph: Graph) -> list[RouterCandidate]:
+    """Every chain, those whose logits need gradients included (``needs_grad``)."""
+    return [c for n in list(graph.nodes) if (c := match(n)) is not None]
 
 
 def rewrite(graph: Graph, c: RouterCandidate) -> Node:

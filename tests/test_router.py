@@ -12,7 +12,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 from mlp_fuser.patterns import router_topk
 
 import mlp_fuser
-from mlp_fuser import _hf, config, router
+from mlp_fuser import _hf, config, fx_pass, router
 from mlp_fuser.kernels import router as kernel
 from mlp_fuser.patch_router import FusedRouterForward, fuse_router
 
@@ -193,7 +193,12 @@ def test_values_read_elsewhere_too_stay_the_ops_plain_top_k():
 
 def test_logits_that_need_gradients_are_left_to_aten():
     w = torch.randn(8, 16, requires_grad=True)
-    assert router_topk.find(_graph(lambda x: _qwen_router(F.linear(x, w)), torch.randn(4, 16)).graph) == []
+    gm = _graph(lambda x: _qwen_router(F.linear(x, w)), torch.randn(4, 16))
+    assert [c.needs_grad for c in router_topk.find(gm.graph)] == [True]
+    report = fx_pass.fuse_mlps(gm)
+    assert report.routers == [] and len(report.routers_with_grad) == 1
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.topk in targets and torch.ops.mlp_fuser.moe_router_topk.default not in targets
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
