@@ -90,14 +90,20 @@ PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
 def plain_call(x, tensors) -> bool:
     """Whether an op's eager entry may compute a call right there, as the dispatcher would: x and ``tensors`` (the
     op's other floating operands, None allowed) plain CPU/CUDA tensors, no gradient, no autocast (on any device), no
-    torch function or dispatch mode (fake tensors, functionalization), no tracing; and no profiler, which then sees
-    the op's own event. Never on the public path."""
+    torch function or dispatch mode (fake tensors, functionalization), no functorch transform, no tracing; and no
+    profiler, which then sees the op's own event. Never on the public path."""
+    return plain_operands(x, tensors) and not (torch.is_grad_enabled() and any_requires_grad(x, *tensors))
+
+
+def plain_operands(x, tensors) -> bool:
+    """``plain_call`` but for gradients: the call may need them (its entry then applies the op's autograd.Function
+    itself, as the op's autograd kernel would)."""
     # cheapest first; x.is_cuda / x.is_cpu, not x.device.type (which builds a device object, then a string)
     return (type(x) is torch.Tensor and PRIVATE and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
             and not profiler_enabled()
-            and not (torch.is_grad_enabled() and any_requires_grad(x, *tensors))
             and not any_autocast_enabled()  # any device: asking for x's builds its device's name
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
             and PLAIN_TYPES.issuperset(map(type, tensors)))
 
 

@@ -206,19 +206,24 @@ _PLAIN = compat.PLAIN_TYPES
 
 def eager_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
     """``mlp`` for a caller that runs eagerly (``patch``): what the op computes, minus the dispatcher's host time
-    where nothing needs it, and with the implementation chosen for calls made without CUDA graphs. ``save_preact``
-    matters only under autograd, which the registered op handles."""
+    where nothing needs it, and with the implementation chosen for calls made without CUDA graphs. Under autograd
+    on plain tensors it applies the op's autograd.Function itself, as the op's autograd kernel would."""
     a = _args((x, w1, b1, None, None, w2, b2, activation))
-    if compat.plain_call(x, a[1:7]):
-        return _forward("mlp", a, True)
+    if compat.plain_operands(x, a[1:7]):
+        if not (torch.is_grad_enabled() and compat.any_requires_grad(x, *a[1:7])):
+            return _forward("mlp", a, True)
+        return _MLPFunction.apply(None, torch.ops.mlp_fuser.mlp.default, save_preact, x, w1, b1, w2, b2, activation)
     return torch.ops.mlp_fuser.mlp.default(x, w1, b1, w2, b2, activation, save_preact)
 
 
 def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, save_preact=False):
     """``gated_mlp`` for a caller that runs eagerly: see ``eager_mlp``."""
     a = _args((x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
-    if compat.plain_call(x, a[1:7]):
-        return _forward("gated_mlp", a, True)
+    if compat.plain_operands(x, a[1:7]):
+        if not (torch.is_grad_enabled() and compat.any_requires_grad(x, *a[1:7])):
+            return _forward("gated_mlp", a, True)
+        return _MLPFunction.apply(None, torch.ops.mlp_fuser.gated_mlp.default, save_preact,
+                                  x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
     return torch.ops.mlp_fuser.gated_mlp.default(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
                                                  save_preact)
 
@@ -297,7 +302,9 @@ def _forward_saving(op: str, a: MLPArgs):
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     g = F.linear(x2, a.wg, a.bg)
     u = F.linear(x2, a.wu, a.bu) if a.wu is not None else None
-    y = F.linear(torch.ops.mlp_fuser.act_mul.default(g, u, a.activation), a.wd, a.bd)
+    h = _act_mul(g, u, a.activation) if compat.plain_call(g, (u,)) else torch.ops.mlp_fuser.act_mul.default(
+        g, u, a.activation)  # the op only where a mode or a tracer must see it
+    y = F.linear(h, a.wd, a.bd)
     return y.view(*x.shape[:-1], a.wd.shape[0]).detach(), g, u  # detach(): a tensor of its own, as _forward's
 
 
@@ -313,6 +320,8 @@ def _backward_core(need, dy, a: MLPArgs, g=None, u=None):
         u = F.linear(x2, wu, bu) if wu is not None else None
     if torch.is_grad_enabled():  # create_graph=True: aten ops, which autograd differentiates again
         dgu, h = reference_mlp_backward(dy2, wd, g, u, activation, need[5])
+    elif compat.plain_call(dy2, (wd, g, u)):
+        dgu, h = _mlp_backward(dy2, wd, g, u, activation, need[5])
     else:
         dgu, h = torch.ops.mlp_fuser.mlp_backward.default(dy2, wd, g, u, activation, need[5])
     del g, u  # recomputed ones are freed before the GEMMs below allocate
@@ -341,7 +350,8 @@ def _backward_core(need, dy, a: MLPArgs, g=None, u=None):
 
 
 class _MLPFunction(torch.autograd.Function):
-    """Both ops under autograd: ``apply(keyset, op, save_preact, *op_args)``, op_args without save_preact."""
+    """Both ops under autograd: ``apply(keyset, op, save_preact, *op_args)``, op_args without save_preact; keyset
+    None from the eager entries (plain tensors: the forward is computed right here)."""
 
     @staticmethod
     def forward(ctx, keyset, op, save_preact, *args):
@@ -351,6 +361,9 @@ class _MLPFunction(torch.autograd.Function):
         if save_preact:
             y, g, u = _forward_saving("gated_mlp" if ctx.gated else "mlp", a)
             ctx.save_for_backward(*a[:7], g, u)
+        elif keyset is None:
+            y = _forward("gated_mlp" if ctx.gated else "mlp", a, True)
+            ctx.save_for_backward(*a[:7])
         else:
             with torch._C._AutoDispatchBelowAutograd():
                 y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)

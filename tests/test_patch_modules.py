@@ -152,8 +152,8 @@ def test_per_module_false_runs_the_whole_forward_through_dynamo(monkeypatch):
     # where nothing needs the dispatcher, through it under the profiler.
     from mlp_fuser import compat
 
-    plain, real = [], compat.plain_call
-    monkeypatch.setattr(compat, "plain_call", lambda *a: plain.append(real(*a)) or plain[-1])
+    plain, real = [], compat.plain_operands
+    monkeypatch.setattr(compat, "plain_operands", lambda *a: plain.append(real(*a)) or plain[-1])
     model = _llama(2)
     ids = torch.randint(1, 128, (1, 5))
     with torch.no_grad():
@@ -193,8 +193,8 @@ def test_deepcopy_and_pickle_of_a_model_patched_per_module():
 
 def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypatch):
     """A patched MLP computes the op right in its forward (no dispatcher hop, the implementation chosen for eager
-    calls) for plain tensors without gradients; gradients, autocast, a dispatch mode and torch.compile all get the
-    registered op, and every route gives the module's own result."""
+    calls) for plain tensors, with gradients through the op's autograd.Function applied right there; autocast, a
+    dispatch mode and torch.compile all get the registered op, and every route gives the module's own result."""
     from mlp_fuser import ops
 
     model = _llama(1)
@@ -213,9 +213,9 @@ def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypat
     with torch.no_grad():
         torch.testing.assert_close(mlp(x), ref)
     assert routes == [True]
-    y = mlp(x)  # the weights require grad: the op's autograd
+    y = mlp(x)  # the weights require grad: the op's autograd.Function, its forward the eager choice
     y.sum().backward()
-    assert routes == [True, False] and mlp.down_proj.weight.grad is not None
+    assert routes == [True, True] and mlp.down_proj.weight.grad is not None
     torch.testing.assert_close(y, ref)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert mlp(x).dtype == torch.bfloat16

@@ -26,7 +26,7 @@ from conftest import KERNEL_DEVICE, poisoned_empty
 from torch._dynamo.backends.debugging import aot_eager
 
 import mlp_fuser
-from mlp_fuser import config, dispatch, fx_pass
+from mlp_fuser import compat, config, dispatch, fx_pass, ops
 from mlp_fuser.backend import pass_options
 from mlp_fuser.kernels import backward as kernels_backward
 from mlp_fuser.reference import reference_mlp, rel_err
@@ -99,6 +99,54 @@ def test_every_gradient_within_unfused_error(path, backward, dtype, monkeypatch)
             err, bar = rel_err(g, r), 1.25 * rel_err(u, r) + 1e-6
             assert err <= bar, f"{case.act} {'gated' if gated else 'plain'} d{name}: {err:.3g} > {bar:.3g}"
     assert len(launches) == (0 if path == "reference" else len(CASES))
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("gated", [True, False])
+def test_eager_entry_applies_the_autograd_function_itself(gated, save, monkeypatch):
+    """``patch``'s entry with gradients on plain tensors applies the op's autograd.Function right there (key set None:
+    no hop down the dispatcher and back); under autocast, a dispatch mode or vmap it calls the registered op. The
+    gradients either way within 1.25x the unfused module's error against float64."""
+    applied, real = [], ops._MLPFunction.apply
+    monkeypatch.setattr(ops._MLPFunction, "apply", lambda *a: applied.append(a[0]) or real(*a))
+    case = make_case(17, 24, 40, 16, gated=gated, act="gelu_tanh", dtype=torch.float32, bias=(True, False, True),
+                     lead=(2,))
+    tensors = (case.x, case.wg, case.bg, case.wu, case.bu, case.wd, case.bd)
+    dy = torch.randn(*case.x.shape[:-1], 16)
+
+    def entry(x, wg, bg, wu, bu, wd, bd):
+        if gated:
+            return ops.eager_gated_mlp(x, wg, bg, wu, bu, wd, bd, case.act, save)
+        return ops.eager_mlp(x, wg, bg, wd, bd, case.act, save)
+
+    def registered(x, wg, bg, wu, bu, wd, bd):
+        if gated:
+            return mlp_fuser.gated_mlp(x, wg, bg, wu, bu, wd, bd, case.act, save)
+        return mlp_fuser.mlp(x, wg, bg, wd, bd, case.act, save)
+
+    with poisoned_empty():
+        direct = _grads(entry, tensors, dy)
+    assert applied == [None]
+    with poisoned_empty():
+        dispatched = _grads(registered, tensors, dy)
+    assert len(applied) == 2 and applied[1] is not None  # the op's autograd kernel passes its key set
+    unfused = _grads(lambda *ts: reference_mlp(*ts, case.act), tensors, dy)
+    ref = _grads(lambda *ts: reference_mlp(*ts, case.act), [None if t is None else t.double() for t in tensors],
+                 dy.double())
+    for name, d, o, u, r in zip(NAMES, direct, dispatched, unfused, ref):
+        if r is None:
+            assert d is None and o is None, name
+            continue
+        bar = 1.25 * rel_err(u, r) + 1e-6
+        assert rel_err(d, r) <= bar and rel_err(o, r) <= bar, name
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _grads(entry, tensors, dy.bfloat16())
+    assert len(applied) == 3 and applied[2] is not None
+    seen, plain = [], compat.plain_operands
+    monkeypatch.setattr(compat, "plain_operands", lambda *a: seen.append(plain(*a)) or seen[-1])
+    torch.func.vmap(lambda x: entry(x, *tensors[1:]))(case.x)
+    assert seen and not any(seen)  # under vmap the registered op, whose batching fallback runs it per slice
 
 
 @pytest.mark.parametrize("save", [False, True])
