@@ -302,8 +302,10 @@ def _forward_saving(op: str, a: MLPArgs):
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     g = F.linear(x2, a.wg, a.bg)
     u = F.linear(x2, a.wu, a.bu) if a.wu is not None else None
-    h = _act_mul(g, u, a.activation) if compat.plain_call(g, (u,)) else torch.ops.mlp_fuser.act_mul.default(
-        g, u, a.activation)  # the op only where a mode or a tracer must see it
+    if compat.plain_call(g, (u,)):
+        h = _act_mul(g, u, a.activation)
+    else:  # the op where a mode or a tracer must see it
+        h = torch.ops.mlp_fuser.act_mul.default(g, u, a.activation)
     y = F.linear(h, a.wd, a.bd)
     return y.view(*x.shape[:-1], a.wd.shape[0]).detach(), g, u  # detach(): a tensor of its own, as _forward's
 
