@@ -50,6 +50,7 @@ from .activations import ACTIVATIONS, ALIASES, get_activation
 from .dispatch import MLPArgs
 from .dispatch import new_args as _args
 from .kernels import act_mul as act_mul_kernel
+from .kernels.common import Launcher
 from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
@@ -122,15 +123,17 @@ def check_args(op: str, a: MLPArgs) -> None:
 # ---- forward: every device ----------------------------------------------------------------------
 
 
-def _forward(op: str, a: MLPArgs, eager: bool = False):
+def _forward(op: str, a: MLPArgs, eager: bool = False, key: tuple | None = None):
     """Validate, then run what ``dispatch`` gives for the call (``eager``: its choice for calls made without CUDA
     graphs, where the host's time per call counts too). On CUDA, a signature seen before runs its launch plan
     (``plans``, kept by the dispatcher's callable on the first call): the same kernels with the same arguments,
-    without the path that found them. ``a``: the call's operands, x as given."""
+    without the path that found them. ``a``: the call's operands, x as given; ``key``: its signature where the
+    caller has it."""
     x = a.x
     planned = x.is_cuda and config.plans and compat.PRIVATE  # plans launch through Triton's private API
     if planned:
-        key = plans.signature(a, eager)
+        if key is None:
+            key = plans.signature(a, eager)
         plan = plans.PLANS.get(key)
         if plan is not None and not compat.launch_hooks():  # plans.get, without its frame
             return plan(*a[:7])
@@ -351,20 +354,56 @@ def _backward_core(need, dy, a: MLPArgs, g=None, u=None):
     return dx, dwg, dbg, dwu, dbu, dwd, dbd
 
 
+def _planned_saving(op: str, a: MLPArgs, key: tuple):
+    """``_forward_saving`` through its plan for ``key``, recorded and kept on the signature's first call."""
+    plan = plans.SAVING_PLANS.get(key)
+    if plan is not None and not compat.launch_hooks():
+        return plan(*a[:7])
+    Launcher.recording.launches = launches = []
+    try:
+        y, g, u = _forward_saving(op, a)
+    finally:
+        Launcher.recording.launches = None
+    x = a.x
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    plans.keep(plans.SAVING_PLANS, key, plans.build_saving(x, _args((x2, *a[1:])), launches))
+    return y, g, u
+
+
+def _planned_backward(key: tuple, need: tuple, dy: Tensor, a: MLPArgs, g=None, u=None):
+    """``_backward_core`` through its plan for ``key``, recorded and kept on the signature's first call."""
+    plan = plans.BACKWARD_PLANS.get(key)
+    if plan is not None and not compat.launch_hooks():
+        return plan(dy, *a[:7], g, u)
+    Launcher.recording.launches = launches = []
+    try:
+        grads = _backward_core(need, dy, a, g, u)
+    finally:
+        Launcher.recording.launches = None
+    plans.keep(plans.BACKWARD_PLANS, key, plans.build_backward(need, dy, a, g, u, launches))
+    return grads
+
+
 class _MLPFunction(torch.autograd.Function):
     """Both ops under autograd: ``apply(keyset, op, save_preact, *op_args)``, op_args without save_preact; keyset
-    None from the eager entries (plain tensors: the forward is computed right here)."""
+    None from the eager entries (plain tensors: the forward is computed right here). There, on CUDA, the forward and
+    the backward run launch plans (``plans``) for signatures seen before."""
 
     @staticmethod
     def forward(ctx, keyset, op, save_preact, *args):
         ctx.activation = args[-1]
         ctx.gated = len(args) == 8
+        name = "gated_mlp" if ctx.gated else "mlp"
         a = _args(args if ctx.gated else (*args[:3], None, None, *args[3:]))
+        key = None
+        if keyset is None and a.x.is_cuda and config.plans and compat.PRIVATE:
+            key = plans.signature(a, "save" if save_preact else True)
+        ctx.plan_key = key
         if save_preact:
-            y, g, u = _forward_saving("gated_mlp" if ctx.gated else "mlp", a)
+            y, g, u = _forward_saving(name, a) if key is None else _planned_saving(name, a, key)
             ctx.save_for_backward(*a[:7], g, u)
         elif keyset is None:
-            y = _forward("gated_mlp" if ctx.gated else "mlp", a, True)
+            y = _forward(name, a, True, key)
             ctx.save_for_backward(*a[:7])
         else:
             with torch._C._AutoDispatchBelowAutograd():
@@ -379,7 +418,14 @@ class _MLPFunction(torch.autograd.Function):
         n = ctx.needs_input_grad[3:]
         need = n[:7] if ctx.gated else (n[0], n[1], n[2], False, False, n[3], n[4])
         saved = ctx.saved_tensors
-        grads = _backward_core(need, dy, _args((*saved[:7], ctx.activation)), *saved[7:])
+        a = _args((*saved[:7], ctx.activation))
+        key = ctx.plan_key
+        if key is not None and not torch.is_grad_enabled() and compat.plain_call(dy, ()):
+            # the backward's signature: the forward's, the gradients asked for, dy's metadata, the choice's setting
+            bkey = (key, need, dy.shape, dy.stride(), dy.dtype, dy.device, dy.data_ptr() & 15, config.triton_backward)
+            grads = _planned_backward(bkey, need, dy, a, *saved[7:])
+        else:
+            grads = _backward_core(need, dy, a, *saved[7:])
         if not ctx.gated:
             grads = grads[:3] + grads[5:]
         return (None, None, None, *grads, None)

@@ -22,6 +22,12 @@ small_m's fp32 calls without b_down, which return its accumulator, are not plann
 up, the act·mul launch, cuBLAS for down: the choice at prefill sizes, where a patched model's host time can still
 decide). The reference takes the full path on every call, and so does every call while a Triton launch hook (a
 profiler) is set: those must go through Triton.
+
+Training through ``patch`` has two plans of its own, kept per signature beside the forward's: ``SAVING_PLANS``, the
+save-mode forward (cuBLAS gate and up, act·mul, cuBLAS down, returning g and u for the backward: ``build_saving``),
+and ``BACKWARD_PLANS``, the backward with the default implementation (cuBLAS dh, the act'·mul epilogue as one
+launch, the weight and input gradients as cuBLAS calls: ``build_backward``). The backward's signature is the
+forward's, the gradients asked for and dy's metadata; the opt-in Triton dh GEMM and the reference take the full path.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch import Tensor
 
 from . import compat, config
 from .compat import launch_source
+from .kernels.backward import act_mul_backward_launcher
 from .kernels.common import Launcher, stored_as_one
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
@@ -41,6 +48,8 @@ from .kernels.common import Launcher, stored_as_one
 PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), "triton_small_m": ("zeros", ""),
            "triton_gemm": ("empty", "down"), "cublas_act_mul": ("empty", "all")}
 PLANS: dict[tuple, Callable[..., Tensor]] = {}  # signature -> plan (read by ops._forward without a call)
+SAVING_PLANS: dict[tuple, Callable[..., tuple]] = {}  # signature -> the save-mode forward's plan: (y, g, u)
+BACKWARD_PLANS: dict[tuple, Callable[..., tuple]] = {}  # backward signature -> plan: the seven gradients
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
 _INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # the tensors of dispatch.MLPArgs: what a plan takes
@@ -87,16 +96,23 @@ def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tupl
 def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> Tensor:
     """``fn(*args)``, keeping the plan ``record`` builds from it for ``key``."""
     y, plan = record(name, fn, x, args)
-    if plan is not None:
-        if len(PLANS) >= _MAX_PLANS:
-            PLANS.clear()
-        PLANS[key] = plan
+    keep(PLANS, key, plan)
     return y
+
+
+def keep(plans: dict, key: tuple, plan: Callable | None) -> None:
+    """``plans[key] = plan`` where there is a plan, the dict started afresh when full."""
+    if plan is not None:
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
 
 
 def clear() -> None:
     """Forget every plan (after the dispatcher's choices are reset)."""
     PLANS.clear()
+    SAVING_PLANS.clear()
+    BACKWARD_PLANS.clear()
 
 
 def source(plan: Callable[..., Tensor]) -> str:
@@ -166,6 +182,95 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
     return _compile(name, lines, consts, x)
 
 
+def build_saving(x: Tensor, args: tuple, launches: list) -> Callable[..., tuple] | None:
+    """The save-mode forward's plan from one call of ``ops._forward_saving`` (``args`` its ``dispatch.MLPArgs``, x
+    flattened to 2-D; ``launches`` its act·mul launch): ``plan(x, wg, bg, wu, bu, wd, bd) -> (y, g, u)``."""
+    if not launches or compat.launch_hooks() or args.x.data_ptr() != x.data_ptr():
+        return None
+    return _build_cublas_act_mul("save", x, args, launches, keep_preact=True)
+
+
+_BACKWARD_HEAD = "def plan(dy, x, wg, bg, wu, bu, wd, bd, g=None, u=None):"
+
+
+def build_backward(need: tuple, dy: Tensor, a: tuple, g: Tensor | None, u: Tensor | None,
+                   launches: list) -> Callable[..., tuple] | None:
+    """The backward's plan from one call of ``ops._backward_core`` (``need``, ``dy``, ``a`` and the saved g, u it was
+    given, None where it recomputed them; ``launches`` what it launched): ``plan(dy, *a[:7], g, u)`` returns the
+    same seven gradients from the same aten calls and the same launch, minus the checks, the dispatcher's lookup and
+    the launch keys. None unless the record is the default implementation's one launch (``cublas_backward_act``:
+    cuBLAS dh, then the act'·mul epilogue over the contiguous g and u)."""
+    x, wg, bg, wu, bu, wd, bd = a[:7]
+    gated, need_h = wu is not None, need[5]
+    K, I, O = x.shape[-1], wg.shape[0], wd.shape[0]
+    M = math.prod(x.shape[:-1])
+    if len(launches) != 1 or compat.launch_hooks() or M == 0 or I == 0:
+        return None
+    launcher, key, largs = launches[0]
+    hit = launcher.cache.get(key)
+    if launcher is not act_mul_backward_launcher or hit is None or len(largs) != 7 or largs[5:] != (M * I, I):
+        return None
+    dh, lg, lu, dgu, h = largs[:5]
+    if (g is not None and (lg is not g or lu is not (u if gated else g))) or dh.shape != (M, I) \
+            or dgu.shape != (M, 2 * I if gated else I) or (h is dgu) == need_h:
+        return None
+    s = "    "
+    flat = {"dy": dy.dim() != 2, "x": x.dim() != 2}
+    lines = [_BACKWARD_HEAD, f"{s}s = _stream({hit[2]})",
+             f"{s}dy2 = dy.reshape({(M, O)})" if flat["dy"] else f"{s}dy2 = dy",
+             f"{s}x2 = x.reshape({(M, K)})" if flat["x"] else f"{s}x2 = x"]
+    if g is None:  # recomputed, as the full path does
+        lines.append(f"{s}g = {_gemm('x2', 'wg', 'bg', bg)}")
+        if gated:
+            lines.append(f"{s}u = {_gemm('x2', 'wu', 'bu', bu)}")
+    lines += [f"{s}dh = _mm(dy2, wd)",
+              f"{s}dgu = _empty({tuple(dgu.shape)}, dtype=_dtype, device=_device)",
+              f"{s}h = _empty({(M, I)}, dtype=_dtype, device=_device)" if need_h else f"{s}h = dgu"]
+    exprs = ["dh.data_ptr()", "g.data_ptr()", ("u" if gated else "g") + ".data_ptr()", "dgu.data_ptr()",
+             "h.data_ptr()", repr(M * I), repr(I)]
+    consts: dict = {}
+    lines.append(_launch_line(0, launcher, hit, exprs, consts))
+    lines.append(f"{s}del dh, g, u")  # recomputed ones are freed before the GEMMs below allocate
+    grads = dict.fromkeys(("dx", "dwg", "dbg", "dwu", "dbu", "dwd", "dbd"), "None")
+    if need_h:
+        lines.append(f"{s}dwd = _mm(dy2.t(), h)")
+        grads["dwd"] = "dwd"
+    lines.append(f"{s}del h")
+    if bd is not None and need[6]:
+        lines.append(f"{s}dbd = dy2.sum(0)")
+        grads["dbd"] = "dbd"
+    lines.append(f"{s}dg = dgu.narrow(1, 0, {I})")
+    if gated:
+        lines.append(f"{s}du = dgu.narrow(1, {I}, {I})")
+    if need[0]:
+        dx = "_addmm(_mm(dg, wg), du, wu)" if gated else "_mm(dg, wg)"
+        lines.append(f"{s}dx = {dx}.view({tuple(x.shape)})")
+        grads["dx"] = "dx"
+    if gated and need[1] and need[3]:  # d(w_gate | w_up) in one GEMM over the packed gradient
+        lines += [f"{s}dwgu = _mm(dgu.t(), x2)", f"{s}dwg = dwgu.narrow(0, 0, {I})",
+                  f"{s}dwu = dwgu.narrow(0, {I}, {I})"]
+        grads.update(dwg="dwg", dwu="dwu")
+    else:
+        if need[1]:
+            lines.append(f"{s}dwg = _mm(dg.t(), x2)")
+            grads["dwg"] = "dwg"
+        if gated and need[3]:
+            lines.append(f"{s}dwu = _mm(du.t(), x2)")
+            grads["dwu"] = "dwu"
+    if bg is not None and bu is not None and need[2] and need[4]:
+        lines += [f"{s}dbgu = dgu.sum(0)", f"{s}dbg = dbgu.narrow(0, 0, {I})", f"{s}dbu = dbgu.narrow(0, {I}, {I})"]
+        grads.update(dbg="dbg", dbu="dbu")
+    else:
+        if bg is not None and need[2]:
+            lines.append(f"{s}dbg = dg.sum(0)")
+            grads["dbg"] = "dbg"
+        if gated and bu is not None and need[4]:
+            lines.append(f"{s}dbu = du.sum(0)")
+            grads["dbu"] = "dbu"
+    lines.append(f"{s}return {', '.join(grads.values())}")
+    return _compile("backward", lines, consts, dy)
+
+
 def _literal(a) -> str | None:
     """Source that evaluates back to ``a``, a launch's argument that is not a tensor; None where there is none."""
     if a is None or type(a) in (int, bool) or (type(a) is float and math.isfinite(a)):
@@ -192,11 +297,13 @@ def _compile(name: str, lines: list[str], consts: dict, x: Tensor) -> Callable[.
     return plan
 
 
-def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> Callable[..., Tensor] | None:
+def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list,
+                          keep_preact: bool = False) -> Callable[..., Tensor] | None:
     """The plan of ``cublas_act_mul``: g = x @ w_gateᵀ + b_gate and u (cuBLAS, tensors of the call's own; where gate
     and up are stored as one weight, one GEMM gives gu = [g, u] and g, u are its halves), then its one launch,
     act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for the down
-    projection of h. None where the record is not that one launch."""
+    projection of h. None where the record is not that one launch. ``keep_preact``: the plan returns (y, g, u), g
+    and u as two tensors of their own (u None without up), as ``ops._forward_saving`` does."""
     x2, wg, wu, wd = args.x, args.wg, args.wu, args.wd
     if len(launches) != 1:
         return None
@@ -212,7 +319,7 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
     one = (wu is not None and gu is not None and gu is u._base and gu.is_contiguous()
            and gu.shape == (h_shape[0], 2 * h_shape[1]) and g.data_ptr() == gu.data_ptr()
            and u.data_ptr() - g.data_ptr() == h_shape[1] * g.element_size())
-    if not (one or (g.is_contiguous() and u.is_contiguous())) or not h.is_contiguous():
+    if not (one or (g.is_contiguous() and u.is_contiguous())) or not h.is_contiguous() or (one and keep_preact):
         return None
     if (u is g) != (wu is None) or h is g or h is u:
         return None
@@ -232,9 +339,10 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list) -> 
         # u held in a name until the launch is queued: freed earlier, its memory could become h's
         up = [f"    u = {_gemm('x2', 'wu', 'bu', args.bu)}", "    p_u = u.data_ptr()"]
         lines += up if wu is not None else ["    p_u = p_g"]
+    y = _unflatten(_gemm('h', 'wd', 'bd', args.bd), x, out_shape)
     lines += [f"    h = _empty({h_shape}, dtype=_dtype, device=_device)", "    p_h = h.data_ptr()",
               _launch_line(0, launcher, hit, exprs, consts),
-              f"    return {_unflatten(_gemm('h', 'wd', 'bd', args.bd), x, out_shape)}"]
+              f"    return {y}, g, {'u' if wu is not None else 'None'}" if keep_preact else f"    return {y}"]
     return _compile(name, lines, consts, x)
 
 

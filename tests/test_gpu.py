@@ -531,3 +531,71 @@ def test_gpu_bench_times_the_variants_of_a_row_in_turns():
     assert set(errs) == set(times) == {"fused", "eager"}
     assert errs["fused"] <= 1.25 * errs["eager"]
     assert all(0 < g < 1e4 and 0 < p < 1e4 for g, p in times.values())
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self, H, I, bias):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(H, I, bias=bias), torch.nn.Linear(H, I, bias=bias)
+        self.down_proj = torch.nn.Linear(I, H, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _PlainMLP(torch.nn.Module):
+    def __init__(self, H, I, bias):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(H, I, bias=bias), torch.nn.Linear(I, H, bias=bias)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("backward", ["save", "recompute"])
+@pytest.mark.parametrize("kind", ["gated", "plain-bias", "gated-frozen-input"])
+def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backward, monkeypatch):
+    """Patched, bf16: from the second step on, the save-mode forward and the backward run their launch plans (the
+    full path not called again), and every step's output and gradients equal the full path's (plans off) exactly,
+    with freed memory poisoned with NaN before each step."""
+    import mlp_fuser
+    from mlp_fuser import ops
+
+    torch.manual_seed(0)
+    make = _GatedMLP if kind.startswith("gated") else _PlainMLP
+    base = make(256, 704, "bias" in kind).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 96, 256, device="cuda", dtype=torch.bfloat16)
+    dys = [torch.randn(2, 96, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    full = {"backward": 0, "saving": 0}
+    for name, attr in (("backward", "_backward_core"), ("saving", "_forward_saving")):
+        real = getattr(ops, attr)
+        monkeypatch.setattr(ops, attr, lambda *a, real=real, name=name: full.__setitem__(name, full[name] + 1)
+                            or real(*a))
+
+    def steps(planned):
+        import copy
+        monkeypatch.setattr(config, "plans", planned)
+        plans.clear()
+        full.update(backward=0, saving=0)
+        model = mlp_fuser.patch(copy.deepcopy(base), backward=backward)
+        out = []
+        for dy in dys:
+            model.zero_grad(set_to_none=True)
+            xi = x.detach().requires_grad_(kind != "gated-frozen-input")
+            torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+            y = model(xi)
+            y.backward(dy)
+            out.append([y.detach(), xi.grad] + [p.grad for p in model.parameters()])
+        return out, dict(full)
+
+    steps(True)  # the dispatcher's first call of a shape times its candidates (those launches build no plan)
+    with_plans, calls = steps(True)
+    assert plans.BACKWARD_PLANS and (bool(plans.SAVING_PLANS) == (backward == "save"))
+    assert calls == {"backward": 1, "saving": 1 if backward == "save" else 0}, calls
+    without, calls = steps(False)
+    assert calls == {"backward": 3, "saving": 3 if backward == "save" else 0}, calls
+    for step, (p, w) in enumerate(zip(with_plans, without)):
+        for i, (a, b) in enumerate(zip(p, w)):
+            assert (a is None) == (b is None), (step, i)
+            if a is not None:
+                assert torch.isfinite(a).all() and torch.equal(a, b), (step, i)

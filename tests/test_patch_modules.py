@@ -205,9 +205,9 @@ def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypat
     mlp_fuser.patch(model, backward="recompute")  # whose autograd forward is ops._forward, below the dispatcher
     routes = []
     forward = ops._forward
-    def recorded(op, a, eager=False):
+    def recorded(op, a, eager=False, key=None):
         routes.append(eager)
-        return forward(op, a, eager)
+        return forward(op, a, eager, key)
 
     monkeypatch.setattr(ops, "_forward", recorded)
     with torch.no_grad():

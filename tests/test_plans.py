@@ -6,13 +6,17 @@ on the CPU: the same kernels, the same integers, each input's own pointer read p
 separate piece of one workspace, the output the tensor returned.
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from _mlp_cases import make_case
 
-from mlp_fuser import compat, config, dispatch, plans
-from mlp_fuser.kernels import common
+from mlp_fuser import activations, compat, config, dispatch, ops, plans, reference
+from mlp_fuser.kernels import backward, common
+
+act_mul_kernels = importlib.import_module("mlp_fuser.kernels.act_mul")  # the package exports a function of that name
 
 
 class Recorder:
@@ -249,3 +253,184 @@ def test_small_m_in_fp32_without_b_down_is_not_planned(recorded):
     c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, True))
     plans.run_and_plan("fp32 b", impl.name, impl.fn, c.x, c.record())
     assert plans.get("fp32 b") is not None  # with b_down a finish kernel writes the output
+
+
+# ---- training's plans: the save-mode forward and the backward, computed by stand-in kernels ------------------
+
+
+class Computing:
+    """A stand-in compiled kernel that computes what its kernel would, in aten ops, on the tensors behind its
+    arguments (tensors from the full path, integer pointers from a plan: looked up among the tensors made so far)."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, compute, made):
+        self.compute, self.made, self.calls = compute, made, 0
+
+    def run(self, gx, gy, gz, stream, function, meta, m, enter, exit_, *args):
+        self.calls += 1
+        by_ptr = {t.data_ptr(): t for t in self.made}
+        self.compute(*[by_ptr[a] if type(a) is int and a in by_ptr else a for a in args])
+
+
+class Compiled(dict):
+    """A Launcher cache in which every key is compiled, into the given stand-in."""
+
+    def __init__(self, standin):
+        super().__init__()
+        self.hit = (standin, (1, 1, 1), 0)
+
+    def get(self, key, default=None):
+        return self.hit
+
+
+def _epilogue(act):
+    """The default backward's launch: (dh, g, u, dgu, h, n, I) -> dgu = [dh·act'(g)·u | dh·act(g)], h = act(g)·u."""
+    def compute(dh, g, u, dgu, h, n, N, *pad):
+        gated = dgu.shape[1] == 2 * N
+        want, hh = reference.reference_mlp_backward(dh, torch.eye(N, dtype=dh.dtype), g, u if gated else None,
+                                                    act, h is not dgu)
+        dgu.copy_(want)
+        if h is not dgu:
+            h.copy_(hh)
+    return compute
+
+
+def _act_mul(act):
+    """The flat act·mul launch: (g, u, h, n) -> h = act(g)·u (act(g) where u is g: no up)."""
+    def compute(g, u, h, n, *pad):
+        a = activations.get_activation(act).fn(g.float())
+        h.copy_(a * u.float() if u is not g else a)
+    return compute
+
+
+@pytest.fixture
+def computing(monkeypatch):
+    """The act·mul and backward launches computed by ``Computing``; every tensor torch.empty / mm / addmm makes from
+    now on (plans bind them when built) is kept for the pointer lookup, torch.empty's poisoned with NaN."""
+    made = []
+    empty, mm, addmm = torch.empty, torch.mm, torch.addmm
+
+    def keep(t):
+        made.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: keep(empty(*a, **k).fill_(float("nan"))))
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: keep(mm(*a, **k)))
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: keep(addmm(*a, **k)))
+    monkeypatch.setattr(compat, "current_stream", lambda index: 7)
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    stand_ins = {}
+
+    def install(act):
+        for launcher, compute in ((backward.act_mul_backward_launcher, _epilogue(act)),
+                                  (act_mul_kernels._launch_act_mul_flat, _act_mul(act))):
+            standin = Computing(compute, made)
+            monkeypatch.setattr(launcher, "cache", Compiled(standin))
+            monkeypatch.setattr(launcher, "pad", (), raising=False)
+            stand_ins[launcher] = standin
+        return stand_ins
+
+    return made, install
+
+
+TRAINING_CASES = [  # (M, K, I, O, gated, bias, lead)
+    (6, 32, 48, 16, True, False, (2,)),
+    (5, 24, 40, 12, True, True, ()),
+    (4, 16, 56, 20, False, True, (1, 2)),
+]
+NEEDS = {"all": (True,) * 7, "frozen input": (False,) + (True,) * 6, "input only": (True,) + (False,) * 6,
+         "no w_down": (True,) * 5 + (False, True)}
+
+
+def _need(need, c):
+    """``need`` as _backward_core takes it for case c: False where the case has no such tensor."""
+    tensors = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
+    return tuple(n and t is not None for n, t in zip(need, tensors))
+
+
+@pytest.mark.parametrize("need", list(NEEDS), ids=str)
+@pytest.mark.parametrize("save", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=str)
+def test_the_backward_plan_gives_the_full_paths_gradients(computing, case, save, need):
+    """Planned on one call, the backward on fresh tensors of the same signature returns the full path's seven
+    gradients exactly, through the same launch, with every output of torch.empty poisoned first."""
+    made, install = computing
+    M, K, I, O, gated, bias, lead = case
+    stand_in = install("silu")[backward.act_mul_backward_launcher]
+
+    def problem():
+        c = make_case(M, K, I, O, gated=gated, bias=(bias,) * 3, lead=lead)
+        x2 = c.x.reshape(-1, K)
+        g = F.linear(x2, c.wg, c.bg) if save else None
+        u = F.linear(x2, c.wu, c.bu) if save and gated else None
+        made.extend(t for t in (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, g, u) if t is not None)
+        return c, c.record(), g, u, torch.randn(*lead, M, O)
+
+    plans.clear()
+    c, a, g, u, dy = problem()
+    n = _need(NEEDS[need], c)
+    with torch.no_grad():  # as autograd runs a backward (with grad mode on, _backward_core takes aten ops)
+        first = ops._planned_backward("k", n, dy, a, g, u)
+        plan = plans.BACKWARD_PLANS.get("k")
+        assert plan is not None, "no plan"
+        c, a, g, u, dy = problem()
+        want = ops._backward_core(n, dy, a, g, u)
+        calls = stand_in.calls
+        got = ops._planned_backward("k", n, dy, a, g, u)
+    assert stand_in.calls == calls + 1, "the plan's one launch"
+    assert "_backward_core" not in plans.source(plan) and "resolve" not in plans.source(plan)
+    for name, w, p, f in zip(("x", "wg", "bg", "wu", "bu", "wd", "bd"), want, got, first):
+        assert (w is None) == (p is None) == (f is None) == (not n[("x", "wg", "bg", "wu", "bu", "wd", "bd").index(
+            name)]), name
+        if w is not None:
+            assert p.shape == w.shape and torch.equal(p, w), name
+    # and the full path itself is the gradient: against float64 autograd of the unfused MLP
+    leaves = [None if t is None else t.double().requires_grad_(wanted)
+              for t, wanted in zip((c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd), n)]
+    reference.reference_mlp(*leaves, "silu").backward(dy.double())
+    for w, leaf in zip(want, leaves):
+        if w is not None:
+            assert reference.rel_err(w, leaf.grad) < 1e-5
+
+
+def test_no_backward_plan_from_the_reference(computing, monkeypatch):
+    made, install = computing
+    install("silu")
+    monkeypatch.setattr(config, "force_impl", "reference")
+    c = make_case(4, 16, 24, 8)
+    plans.clear()
+    with torch.no_grad():
+        ops._planned_backward("k", (True,) * 7, torch.randn(4, 8), c.record())
+    assert plans.BACKWARD_PLANS.get("k") is None
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=str)
+def test_the_saving_plan_returns_what_the_full_path_does(computing, case):
+    """The save-mode forward planned: (y, g, u) on fresh tensors equal the full path's exactly, g and u tensors of
+    their own for the backward."""
+    made, install = computing
+    M, K, I, O, gated, bias, lead = case
+    install("silu")
+    name = "gated_mlp" if gated else "mlp"
+
+    def problem():
+        c = make_case(M, K, I, O, gated=gated, bias=(bias,) * 3, lead=lead)
+        made.extend(t for t in (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd) if t is not None)
+        return c.record()
+
+    plans.clear()
+    ops._planned_saving(name, problem(), "k")
+    plan = plans.SAVING_PLANS.get("k")
+    assert plan is not None and "check" not in plans.source(plan)
+    a = problem()
+    want = ops._forward_saving(name, a)
+    got = ops._planned_saving(name, a, "k")
+    assert got[1].data_ptr() != want[1].data_ptr()
+    for w, p in zip(want, got):
+        assert (w is None) == (p is None)
+        if w is not None:
+            assert p.shape == w.shape and torch.equal(p, w) and not p.isnan().any()
+    if gated:
+        assert got[1].is_contiguous() and got[2].is_contiguous() and got[1].data_ptr() != got[2].data_ptr()
+    torch.testing.assert_close(want[0], reference.reference_mlp(*a), rtol=1e-5, atol=1e-5)

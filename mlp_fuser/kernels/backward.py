@@ -177,6 +177,7 @@ def _act_mul_backward_kernel(
 
 
 _launch_elementwise = Launcher(_act_mul_backward_kernel)
+act_mul_backward_launcher = _launch_elementwise  # plans.build_backward recognises the default backward's launch by it
 FLAT = dict(BLOCK=1024, num_warps=4)
 
 
