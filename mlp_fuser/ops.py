@@ -50,7 +50,7 @@ from .activations import ACTIVATIONS, ALIASES, get_activation
 from .dispatch import MLPArgs
 from .dispatch import new_args as _args
 from .kernels import act_mul as act_mul_kernel
-from .kernels.common import Launcher
+from .kernels.common import Launcher, stored_as_one
 from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
@@ -232,6 +232,91 @@ def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, s
 
 
 EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
+
+
+def _planned_device(x: Tensor) -> bool:
+    """Whether the op's calls on x's device run launch plans (``_forward``: CUDA)."""
+    return x.is_cuda
+
+
+class _Seen:
+    """A call an ``EagerSite`` ran through a launch plan: what a later call must match to run that plan directly."""
+
+    __slots__ = ("guards", "where", "nones", "pointers", "align", "settings", "frozen", "one", "plan", "generation")
+
+
+def _settings(dtype) -> tuple:
+    """What else a call's signature holds (``plans.signature``): the settings that change the dispatcher's choice."""
+    return (config.force_impl, config.autotune, config.plans, compat.PRIVATE,
+            dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+class EagerSite:
+    """One call site of an eager entry, such as a patched module's MLP: ``site(x, *operands)`` is
+    ``entry(x, *operands)`` (``entry``: ``eager_mlp`` or ``eager_gated_mlp``). A call that matches one the site ran
+    through a launch plan runs that plan at once: Dynamo's C++ tensor guards check every tensor's type, dtype, device,
+    sizes, strides and requires_grad, their data pointers are the same, x's alignment too, no gradient is needed and
+    nothing needs the dispatcher (``compat.plain_operands``' rules). That is what the entry's checks and the plan's
+    signature establish, for a fifth of their host time (benchmarks/NOTES.md, launch plans and host time)."""
+
+    MAX = 8  # matched calls kept per site, keyed by x's shape and the first weight's pointer (two copies of a model)
+
+    def __init__(self, entry):
+        self.entry = entry
+        self.gated = entry is eager_gated_mlp
+        self.seen: dict = {}
+
+    def __call__(self, x, *args, **kwargs):
+        if kwargs:
+            return self.entry(x, *args, **kwargs)
+        hit = self.seen.get((x.shape, args[0].data_ptr())) if type(x) is torch.Tensor else None
+        if hit is not None:
+            tensors = [args[i] for i in hit.where]
+            if ((hit.frozen or not torch.is_grad_enabled()) and hit.generation == plans.generation
+                    and hit.settings == _settings(x.dtype)  # first: PRIVATE, which the compat checks below need
+                    and all(args[i] is None for i in hit.nones) and hit.guards.check(x, *tensors)
+                    and x.data_ptr() & 15 == hit.align and hit.pointers == [t.data_ptr() for t in tensors]
+                    and not torch.compiler.is_compiling() and not compat.profiler_enabled()
+                    and not compat.any_autocast_enabled() and not torch._C._is_torch_function_mode_enabled()
+                    and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
+                    and not compat.launch_hooks()
+                    and (not hit.one or tensors[0].untyped_storage().data_ptr()
+                         == tensors[hit.one].untyped_storage().data_ptr())):
+                a = args if self.gated else (args[0], args[1], None, None, args[2], args[3])
+                return hit.plan(x, *a[:6])
+        y = self.entry(x, *args)
+        self._learn(x, args)
+        return y
+
+    def _learn(self, x, args) -> None:
+        """Keep the call's plan for later matching calls, where it ran through one."""
+        n = 6 if self.gated else 4
+        operands = args[:n]
+        if (type(x) is not torch.Tensor or not _planned_device(x) or not config.plans
+                or (torch.is_grad_enabled() and compat.any_requires_grad(x, *operands))
+                or not compat.plain_operands(x, operands) or compat.launch_hooks()):
+            return
+        a = _args((x, *(operands if self.gated else (args[0], args[1], None, None, args[2], args[3])), args[n]))
+        plan = plans.PLANS.get(plans.signature(a, True))  # what the entry's call ran
+        if plan is None:
+            return
+        where = tuple(i for i, t in enumerate(operands) if t is not None)
+        tensors = [operands[i] for i in where]
+        guards = compat.tensor_guards([x, *tensors])
+        if guards is None:
+            return
+        seen = _Seen()
+        seen.guards, seen.where, seen.plan, seen.generation = guards, where, plan, plans.generation
+        seen.nones = tuple(i for i in range(n) if operands[i] is None)
+        seen.pointers = [t.data_ptr() for t in tensors]
+        seen.align, seen.settings = x.data_ptr() & 15, _settings(x.dtype)
+        seen.frozen = not compat.any_requires_grad(x, *tensors)
+        # gate and up read as one weight by the plan: they must still share a storage (pointers alone do not say)
+        one = self.gated and stored_as_one(a.wg, a.wu, a.wg.data_ptr(), a.wu.data_ptr())
+        seen.one = where.index(2) if one else 0
+        if len(self.seen) >= self.MAX:
+            self.seen.clear()
+        self.seen[(x.shape, args[0].data_ptr())] = seen
 
 
 # ---- Inductor's entry: what a compiled graph's wrapper code calls (``mlp_fuser.inductor``) ----------------

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import fx_pass, sharding
 from ._dynamo_utils import fresh_code
-from .ops import EAGER
+from .ops import EAGER, EagerSite
 from .patterns.common import dependents, dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
@@ -291,7 +291,7 @@ _CONSTANT = (type(None), bool, int, float, str)
 def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, Tensor], Tensor] | None:
     """``(module, x) -> op(x, weights...)`` as one generated function that reads each weight from the modules' dicts,
     when every argument of the op is the input, a weight placeholder or a constant; else None (a view of a weight,
-    such as a merged gate/up weight's halves, needs the graph)."""
+    such as a merged gate/up weight's halves, needs the graph). ``op`` is called through an ``ops.EagerSite``."""
     def source(a):
         if a is x_node:
             return "x"
@@ -307,7 +307,7 @@ def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, 
         args = [source(a) for a in op.args] + [f"{k}={source(v)}" for k, v in op.kwargs.items()]
     except LookupError:
         return None
-    namespace = {"op": op.target}
+    namespace = {"op": EagerSite(op.target)}  # the entry, with the call's plan found by tensor guards once seen
     exec(f"def direct(m, x):\n    return op({', '.join(args)})\n", namespace)  # noqa: S102 (source built above)
     return namespace["direct"]
 

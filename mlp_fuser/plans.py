@@ -100,19 +100,26 @@ def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, ar
     return y
 
 
+generation = 0  # counts the dicts' clearings: a plan kept elsewhere (ops.EagerSite) is current while this holds
+
+
 def keep(plans: dict, key: tuple, plan: Callable | None) -> None:
     """``plans[key] = plan`` where there is a plan, the dict started afresh when full."""
+    global generation
     if plan is not None:
         if len(plans) >= _MAX_PLANS:
             plans.clear()
+            generation += 1
         plans[key] = plan
 
 
 def clear() -> None:
     """Forget every plan (after the dispatcher's choices are reset)."""
+    global generation
     PLANS.clear()
     SAVING_PLANS.clear()
     BACKWARD_PLANS.clear()
+    generation += 1
 
 
 def source(plan: Callable[..., Tensor]) -> str:

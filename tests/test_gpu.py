@@ -599,3 +599,29 @@ def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backw
             assert (a is None) == (b is None), (step, i)
             if a is not None:
                 assert torch.isfinite(a).all() and torch.equal(a, b), (step, i)
+
+
+@pytest.mark.parametrize("M", [1, 8, 300])
+def test_gpu_a_patched_modules_site_runs_its_plan(M, monkeypatch):
+    """No gradients, bf16: the first call of a shape goes through the eager entry; later ones run the plan from the
+    module's call site (no ``_forward``), with the full path's result bit for bit (plans off: the same kernels)."""
+    import mlp_fuser
+    from mlp_fuser import ops
+
+    torch.manual_seed(0)
+    mlp = mlp_fuser.patch(_GatedMLP(256, 704, False).cuda().to(torch.bfloat16))
+    site = mlp.forward.graphs[mlp.training][2].__globals__["op"]
+    assert isinstance(site, ops.EagerSite)
+    entered = []
+    real = ops._forward
+    monkeypatch.setattr(ops, "_forward", lambda *a, **k: entered.append(1) or real(*a, **k))
+    x = torch.randn(M, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        mlp(x)
+        mlp(x)
+        n = len(entered)
+        y = mlp(x)
+        assert len(entered) == n and site.seen, "the site's plan, not the entry"
+        monkeypatch.setattr(config, "plans", False)
+        want = mlp(x)
+    assert len(entered) == n + 1 and torch.isfinite(y).all() and torch.equal(y, want)
