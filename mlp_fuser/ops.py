@@ -242,7 +242,7 @@ def _planned_device(x: Tensor) -> bool:
 class _Seen:
     """A call an ``EagerSite`` ran through a launch plan: what a later call must match to run that plan directly."""
 
-    __slots__ = ("guards", "where", "nones", "pointers", "align", "settings", "frozen", "one", "plan", "generation")
+    __slots__ = ("guards", "where", "nones", "pointers", "settings", "frozen", "one", "plan", "generation")
 
 
 def _settings(dtype) -> tuple:
@@ -255,11 +255,11 @@ class EagerSite:
     """One call site of an eager entry, such as a patched module's MLP: ``site(x, *operands)`` is
     ``entry(x, *operands)`` (``entry``: ``eager_mlp`` or ``eager_gated_mlp``). A call that matches one the site ran
     through a launch plan runs that plan at once: Dynamo's C++ tensor guards check every tensor's type, dtype, device,
-    sizes, strides and requires_grad, their data pointers are the same, x's alignment too, no gradient is needed and
-    nothing needs the dispatcher (``compat.plain_operands``' rules). That is what the entry's checks and the plan's
-    signature establish, for a fifth of their host time (benchmarks/NOTES.md, launch plans and host time)."""
+    sizes, strides and requires_grad, their data pointers are the same, x's alignment too (in the key), no gradient is
+    needed and nothing needs the dispatcher (``compat.plain_operands``' rules). That is what the entry's checks and
+    the plan's signature establish, for a fifth of their host time (benchmarks/NOTES.md, launch plans and host time)."""
 
-    MAX = 8  # matched calls kept per site, keyed by x's shape and the first weight's pointer (two copies of a model)
+    MAX = 8  # calls kept per site, keyed by x's shape and alignment and the first weight's pointer (copies of a model)
 
     def __init__(self, entry):
         self.entry = entry
@@ -269,13 +269,13 @@ class EagerSite:
     def __call__(self, x, *args, **kwargs):
         if kwargs:
             return self.entry(x, *args, **kwargs)
-        hit = self.seen.get((x.shape, args[0].data_ptr())) if type(x) is torch.Tensor else None
+        hit = self.seen.get((x.shape, x.data_ptr() & 15, args[0].data_ptr())) if type(x) is torch.Tensor else None
         if hit is not None:
             tensors = [args[i] for i in hit.where]
             if ((hit.frozen or not torch.is_grad_enabled()) and hit.generation == plans.generation
                     and hit.settings == _settings(x.dtype)  # first: PRIVATE, which the compat checks below need
                     and all(args[i] is None for i in hit.nones) and hit.guards.check(x, *tensors)
-                    and x.data_ptr() & 15 == hit.align and hit.pointers == [t.data_ptr() for t in tensors]
+                    and hit.pointers == [t.data_ptr() for t in tensors]
                     and not torch.compiler.is_compiling() and not compat.profiler_enabled()
                     and not compat.any_autocast_enabled() and not torch._C._is_torch_function_mode_enabled()
                     and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
@@ -309,14 +309,14 @@ class EagerSite:
         seen.guards, seen.where, seen.plan, seen.generation = guards, where, plan, plans.generation
         seen.nones = tuple(i for i in range(n) if operands[i] is None)
         seen.pointers = [t.data_ptr() for t in tensors]
-        seen.align, seen.settings = x.data_ptr() & 15, _settings(x.dtype)
+        seen.settings = _settings(x.dtype)
         seen.frozen = not compat.any_requires_grad(x, *tensors)
         # gate and up read as one weight by the plan: they must still share a storage (pointers alone do not say)
         one = self.gated and stored_as_one(a.wg, a.wu, a.wg.data_ptr(), a.wu.data_ptr())
         seen.one = where.index(2) if one else 0
         if len(self.seen) >= self.MAX:
             self.seen.clear()
-        self.seen[(x.shape, args[0].data_ptr())] = seen
+        self.seen[(x.shape, x.data_ptr() & 15, args[0].data_ptr())] = seen
 
 
 # ---- Inductor's entry: what a compiled graph's wrapper code calls (``mlp_fuser.inductor``) ----------------
