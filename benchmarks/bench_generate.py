@@ -21,7 +21,8 @@ two warm-up generates' seconds (the compile, for compiled paths).
 
 Paths (``--paths``), run group by group in this order (each group for every batch size), each with and without
 mlp_fuser where it applies:
-- ``eager`` / ``patch``: the model as is, and ``mlp_fuser.patch(model)``;
+- ``eager`` / ``patch``: the model as is, and ``mlp_fuser.patch(model)``; on request ``patch_noplan`` (decode) and
+  ``patch_nosite`` (decode, prefill): patch with ``mlp_fuser.config.plans`` / ``config.sites`` off while they run;
 - ``static`` / ``static_backend``: ``generate(cache_implementation="static", compile_config=CompileConfig(
   fullgraph=True[, backend=mlp_fuser.backend]))``: transformers compiles the decode step itself, mode
   reduce-overhead (Inductor's CUDA-graph trees);
@@ -81,18 +82,21 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 TINY_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256)
 DECODE_PATHS = ["eager", "patch", "compile", "backend", "static", "static_backend"]
-# On request: patch with mlp_fuser.config.plans off (the op's full path every call); the dynamic-cache backend with
-# Inductor's code calling the registered op through the dispatcher (mlp_fuser.config.inductor_direct off).
-EXTRA_PATHS = ["patch_noplan", "backend_nodirect"]
+# On request: patch with mlp_fuser.config.plans off (the op's full path every call), patch with config.sites off (every
+# call through the eager entry's checks and the plan's signature); the dynamic-cache backend with Inductor's code
+# calling the registered op through the dispatcher (mlp_fuser.config.inductor_direct off).
+EXTRA_PATHS = ["patch_noplan", "patch_nosite", "backend_nodirect"]
 # Paths timed together, taking turns (each on its own copy of the model): each with the path it is compared to.
 # In this order (a --budget-s cuts from the end): eager's group first, as every path's tokens are compared with eager's.
-GROUPS = [["eager", "patch", "patch_noplan"], ["static", "static_backend"], ["compile", "backend", "backend_nodirect"]]
+GROUPS = [["eager", "patch", "patch_noplan", "patch_nosite"], ["static", "static_backend"],
+          ["compile", "backend", "backend_nodirect"]]
 # The prefill's pairs, timed the same way. On request: patch_merged and backend_merged, patch and the backend after
 # each MLP's gate and up weights are re-stored as the halves of one buffer (mlp_fuser.merge_gate_up), so the op runs
 # one GEMM for both (cuBLAS), or quack's gated GEMM where quack is installed.
-PREFILL_GROUPS = [["eager", "patch", "patch_merged"], ["compile", "backend", "backend_merged"]]
+PREFILL_GROUPS = [["eager", "patch", "patch_nosite", "patch_merged"], ["compile", "backend", "backend_merged"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
-            "static_backend": "static", "patch_noplan": "eager", "backend_nodirect": "compile", "patch_merged": "eager",
+            "static_backend": "static", "patch_noplan": "eager", "patch_nosite": "eager", "backend_nodirect": "compile",
+            "patch_merged": "eager",
             "backend_merged": "compile"}
 # The routed-experts model's groups (same positions as GROUPS': eager's, the static cache's, the dynamic cache's) and
 # baselines: a tuple compares with the faster of its paths in the same run (transformers' best).
@@ -223,13 +227,24 @@ def host_phase(kind: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _without_sites(model, ids):
+    """A prefill forward with mlp_fuser.config.sites off while it runs (the paths take turns)."""
+    import mlp_fuser
+
+    mlp_fuser.config.sites = False
+    try:
+        return model(ids, use_cache=False).logits
+    finally:
+        mlp_fuser.config.sites = True
+
+
 def generate_fn(model, path, ids):
     """``n -> tokens`` for one path, and a cleanup to run after it."""
     import mlp_fuser
 
     kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids))
     cleanup = []
-    if path in ("patch", "patch_noplan"):  # patch_noplan: without launch plans (mlp_fuser.plans), for comparison
+    if path in ("patch", "patch_noplan", "patch_nosite"):  # without launch plans, or without the sites' matching
         mlp_fuser.patch(model)
         cleanup.append(lambda: mlp_fuser.unpatch(model))
     elif path in ("compile", "backend", "backend_nodirect"):
@@ -256,12 +271,13 @@ def generate_fn(model, path, ids):
         cleanup.append(lambda: [model.__dict__.pop(k, None) for k in ("_compiled_call", "_last_compile_config")])
 
     def gen(n):
-        if path == "patch_noplan":
-            mlp_fuser.config.plans = False  # while this path's generate runs: the paths take turns
+        if path in ("patch_noplan", "patch_nosite"):
+            setting = "plans" if path == "patch_noplan" else "sites"
+            setattr(mlp_fuser.config, setting, False)  # while this path's generate runs: the paths take turns
             try:
                 return model.generate(ids, max_new_tokens=n, **kwargs)
             finally:
-                mlp_fuser.config.plans = True
+                setattr(mlp_fuser.config, setting, True)
         if path == "backend_nodirect":  # compiled in its first generate; Inductor's cache off, which would answer
             mlp_fuser.config.inductor_direct = False  # with the backend path's code (the same graph)
             try:
@@ -474,8 +490,10 @@ def run(args, results):
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
                         if path == "experts":
                             m.set_experts_implementation(mlp_fuser.experts.NAME)
-                        elif path in ("patch", "patch_merged"):
+                        elif path in ("patch", "patch_merged", "patch_nosite"):
                             mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
+                            if path == "patch_nosite":
+                                fwd = lambda ids, m=m: _without_sites(m, ids)  # noqa: E731
                         elif path in ("compile", "backend", "backend_merged"):
                             if path == "backend_merged":
                                 log(f"{label} prefill backend_merged: {len(mlp_fuser.merge_gate_up(m))} MLPs' gate "

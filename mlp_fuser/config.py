@@ -12,6 +12,8 @@
   per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``MLP_FUSER_IMPL`` can still force it.
 - ``MLP_FUSER_PLANS=0``: no launch plans (``mlp_fuser.plans``): every CUDA call takes the full path (validation,
   dispatch, launch keys). For benchmarks and for ruling plans out when debugging.
+- ``MLP_FUSER_SITES=0``: a patched module's call site (``ops.EagerSite``) never runs a plan it matched itself: every
+  call goes through the eager entry (its checks, the plan's signature). For benchmarks and debugging.
 - ``MLP_FUSER_INDUCTOR_DIRECT=0``: Inductor's generated code calls the registered op through the dispatcher, as
   for any custom op, instead of the op's Python entry (``mlp_fuser.inductor``). Applies to graphs compiled after
   it is set (graphs already compiled, or loaded from Inductor's cache, keep the call they were generated with).
@@ -30,5 +32,6 @@ triton_on_cpu: bool = os.environ.get("MLP_FUSER_TRITON_ON_CPU", "0") == "1"
 autotune: bool = os.environ.get("MLP_FUSER_AUTOTUNE", "1") != "0"
 triton_backward: bool = os.environ.get("MLP_FUSER_TRITON_BACKWARD", "0") == "1"
 plans: bool = os.environ.get("MLP_FUSER_PLANS", "1") != "0"
+sites: bool = os.environ.get("MLP_FUSER_SITES", "1") != "0"
 inductor_direct: bool = os.environ.get("MLP_FUSER_INDUCTOR_DIRECT", "1") != "0"
 private_apis: bool = os.environ.get("MLP_FUSER_PRIVATE", "1") != "0"

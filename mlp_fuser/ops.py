@@ -267,7 +267,7 @@ class EagerSite:
         self.seen: dict = {}
 
     def __call__(self, x, *args, **kwargs):
-        if kwargs:
+        if kwargs or not config.sites:
             return self.entry(x, *args, **kwargs)
         hit = self.seen.get((x.shape, x.data_ptr() & 15, args[0].data_ptr())) if type(x) is torch.Tensor else None
         if hit is not None:

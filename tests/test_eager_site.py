@@ -169,6 +169,16 @@ def test_gate_and_up_stored_as_one_must_still_share_a_storage(site):
     assert len(calls) == 1  # still one storage: planned
 
 
+def test_sites_switched_off_take_the_entry(site, monkeypatch):
+    make, calls = site
+    s, c = make()
+    with torch.no_grad():
+        s(c.x, *_args(c))
+        monkeypatch.setattr(config, "sites", False)  # MLP_FUSER_SITES=0
+        s(c.x, *_args(c))
+    assert calls == []
+
+
 def test_not_learned_on_the_public_path(site, monkeypatch):
     make, calls = site
     s, c = make()
