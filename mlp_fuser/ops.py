@@ -267,7 +267,7 @@ class EagerSite:
         self.seen: dict = {}
 
     def __call__(self, x, *args, **kwargs):
-        if kwargs or not config.sites:
+        if kwargs or not config.sites or torch.compiler.is_compiling():  # traced: the entry gives Dynamo the op
             return self.entry(x, *args, **kwargs)
         hit = self.seen.get((x.shape, x.data_ptr() & 15, args[0].data_ptr())) if type(x) is torch.Tensor else None
         if hit is not None:
@@ -276,7 +276,7 @@ class EagerSite:
                     and hit.settings == _settings(x.dtype)  # first: PRIVATE, which the compat checks below need
                     and all(args[i] is None for i in hit.nones) and hit.guards.check(x, *tensors)
                     and hit.pointers == [t.data_ptr() for t in tensors]
-                    and not torch.compiler.is_compiling() and not compat.profiler_enabled()
+                    and not compat.profiler_enabled()
                     and not compat.any_autocast_enabled() and not torch._C._is_torch_function_mode_enabled()
                     and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
                     and not compat.launch_hooks()

@@ -203,3 +203,26 @@ def test_a_patched_module_calls_through_a_site():
     forward, _, direct, _ = mlp.forward.graphs[False]
     assert isinstance(direct.__globals__["op"], ops.EagerSite)
     torch.testing.assert_close(y, type(mlp).forward(mlp, x))
+
+
+def test_under_torch_compile_a_learned_site_gives_dynamo_the_op(site):
+    """A patched model compiled after it ran eagerly: the site has a plan, but Dynamo must trace the registered op
+    (a plan launches through integer pointers, which a traced graph has not)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    import mlp_fuser
+
+    make, calls = site
+    mlp = mlp_fuser.patch(LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=16, num_attention_heads=4)).eval())
+    c = make_case(6, 64, 16, 64, bias=(False, False, False), lead=(2,))
+    c.wg, c.wu, c.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    make(c=c)  # the stand-in plan under this call's signature
+    with torch.no_grad():
+        mlp(c.x)
+        mlp(c.x)
+        assert len(calls) == 1  # learned, and run eagerly
+        explained = torch._dynamo.explain(mlp)(c.x)
+    targets = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert explained.graph_break_count == 0 and torch.ops.mlp_fuser.gated_mlp.default in targets, targets
+    assert len(calls) == 1
