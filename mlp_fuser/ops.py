@@ -251,6 +251,9 @@ def _settings(dtype) -> tuple:
             dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
+_UNPLANNED = object()  # EagerSite.seen's entry for a call that ran without a plan
+
+
 class EagerSite:
     """One call site of an eager entry, such as a patched module's MLP: ``site(x, *operands)`` is
     ``entry(x, *operands)`` (``entry``: ``eager_mlp`` or ``eager_gated_mlp``). A call that matches one the site ran
@@ -270,6 +273,8 @@ class EagerSite:
         if kwargs or not config.sites or torch.compiler.is_compiling():  # traced: the entry gives Dynamo the op
             return self.entry(x, *args, **kwargs)
         hit = self.seen.get((x.shape, x.data_ptr() & 15, args[0].data_ptr())) if type(x) is torch.Tensor else None
+        if hit is _UNPLANNED:  # a call the entry runs without a plan (its implementation has none): nothing to learn
+            return self.entry(x, *args)
         if hit is not None:
             tensors = [args[i] for i in hit.where]
             if ((hit.frozen or not torch.is_grad_enabled()) and hit.generation == plans.generation
@@ -298,12 +303,14 @@ class EagerSite:
             return
         a = _args((x, *(operands if self.gated else (args[0], args[1], None, None, args[2], args[3])), args[n]))
         plan = plans.PLANS.get(plans.signature(a, True))  # what the entry's call ran
-        if plan is None:
-            return
         where = tuple(i for i, t in enumerate(operands) if t is not None)
         tensors = [operands[i] for i in where]
-        guards = compat.tensor_guards([x, *tensors])
-        if guards is None:
+        guards = compat.tensor_guards([x, *tensors]) if plan is not None else None
+        if len(self.seen) >= self.MAX:
+            self.seen.clear()
+        key = (x.shape, x.data_ptr() & 15, args[0].data_ptr())
+        if guards is None:  # no plan after the entry's call: its implementation has none (or the public path)
+            self.seen[key] = _UNPLANNED
             return
         seen = _Seen()
         seen.guards, seen.where, seen.plan, seen.generation = guards, where, plan, plans.generation
@@ -314,9 +321,7 @@ class EagerSite:
         # gate and up read as one weight by the plan: they must still share a storage (pointers alone do not say)
         one = self.gated and stored_as_one(a.wg, a.wu, a.wg.data_ptr(), a.wu.data_ptr())
         seen.one = where.index(2) if one else 0
-        if len(self.seen) >= self.MAX:
-            self.seen.clear()
-        self.seen[(x.shape, x.data_ptr() & 15, args[0].data_ptr())] = seen
+        self.seen[key] = seen
 
 
 # ---- Inductor's entry: what a compiled graph's wrapper code calls (``mlp_fuser.inductor``) ----------------

@@ -186,7 +186,22 @@ def test_not_learned_on_the_public_path(site, monkeypatch):
     with torch.no_grad():
         s(c.x, *_args(c))
         s(c.x, *_args(c))
-    assert calls == [] and not s.seen
+    assert calls == [] and all(v is ops._UNPLANNED for v in s.seen.values())
+
+
+def test_a_call_without_a_plan_is_learned_once(site, monkeypatch):
+    """Where the entry's implementation has no plan, the site says so once and then hands such calls straight to the
+    entry, without looking for a plan on every call."""
+    make, calls = site
+    s, c = make()
+    plans.clear()  # no plan under this signature
+    looked = []
+    real = plans.signature
+    monkeypatch.setattr(plans, "signature", lambda *a: looked.append(1) or real(*a))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(s(c.x, *_args(c)), c.unfused())
+    assert calls == [] and len(looked) == 1
 
 
 def test_a_patched_module_calls_through_a_site():
