@@ -100,11 +100,16 @@ def plain_operands(x, tensors) -> bool:
     itself, as the op's autograd kernel would)."""
     # cheapest first; x.is_cuda / x.is_cpu, not x.device.type (which builds a device object, then a string)
     return (type(x) is torch.Tensor and PRIVATE and (x.is_cuda or x.is_cpu) and not torch.compiler.is_compiling()
-            and not profiler_enabled()
+            and nothing_intercepts() and PLAIN_TYPES.issuperset(map(type, tensors)))
+
+
+def nothing_intercepts() -> bool:
+    """No profiler, no autocast (on any device), no torch function or dispatch mode, no functorch transform: the
+    process-wide half of ``plain_operands`` (private path only: its functions are bound there)."""
+    return (not profiler_enabled()
             and not any_autocast_enabled()  # any device: asking for x's builds its device's name
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active()
-            and PLAIN_TYPES.issuperset(map(type, tensors)))
+            and not torch._C._are_functorch_transforms_active())
 
 
 def tensor_guards(tensors):

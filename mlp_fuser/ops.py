@@ -50,7 +50,7 @@ from .activations import ACTIVATIONS, ALIASES, get_activation
 from .dispatch import MLPArgs
 from .dispatch import new_args as _args
 from .kernels import act_mul as act_mul_kernel
-from .kernels.common import Launcher, stored_as_one
+from .kernels.common import stored_as_one
 from .reference import reference_mlp_backward
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
@@ -130,7 +130,7 @@ def _forward(op: str, a: MLPArgs, eager: bool = False, key: tuple | None = None)
     without the path that found them. ``a``: the call's operands, x as given; ``key``: its signature where the
     caller has it."""
     x = a.x
-    planned = x.is_cuda and config.plans and compat.PRIVATE  # plans launch through Triton's private API
+    planned = x.is_cuda and config.plans and compat.PRIVATE  # _plans_apply, inline (a hot path)
     if planned:
         if key is None:
             key = plans.signature(a, eager)
@@ -234,9 +234,9 @@ def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, s
 EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
 
 
-def _planned_device(x: Tensor) -> bool:
-    """Whether the op's calls on x's device run launch plans (``_forward``: CUDA)."""
-    return x.is_cuda
+def _plans_apply(x: Tensor) -> bool:
+    """Whether calls with input x run launch plans: CUDA, plans on, the private path (``_forward`` inlines it)."""
+    return x.is_cuda and config.plans and compat.PRIVATE
 
 
 class _Seen:
@@ -254,6 +254,11 @@ def _settings(dtype) -> tuple:
 _UNPLANNED = object()  # EagerSite.seen's entry for a call that ran without a plan
 
 
+def _gated_order(operands: tuple) -> tuple:
+    """A plain MLP's (w1, b1, w2, b2) as the gated op's six operands (no up)."""
+    return operands[0], operands[1], None, None, operands[2], operands[3]
+
+
 class EagerSite:
     """One call site of an eager entry, such as a patched module's MLP: ``site(x, *operands)`` is
     ``entry(x, *operands)`` (``entry``: ``eager_mlp`` or ``eager_gated_mlp``). A call that matches one the site ran
@@ -267,6 +272,7 @@ class EagerSite:
     def __init__(self, entry):
         self.entry = entry
         self.gated = entry is eager_gated_mlp
+        self.n = 6 if self.gated else 4  # the op's tensor operands after x
         self.seen: dict = {}
 
     def __call__(self, x, *args, **kwargs):
@@ -281,27 +287,23 @@ class EagerSite:
                     and hit.settings == _settings(x.dtype)  # first: PRIVATE, which the compat checks below need
                     and all(args[i] is None for i in hit.nones) and hit.guards.check(x, *tensors)
                     and hit.pointers == [t.data_ptr() for t in tensors]
-                    and not compat.profiler_enabled()
-                    and not compat.any_autocast_enabled() and not torch._C._is_torch_function_mode_enabled()
-                    and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
-                    and not compat.launch_hooks()
+                    and compat.nothing_intercepts() and not compat.launch_hooks()
                     and (not hit.one or tensors[0].untyped_storage().data_ptr()
                          == tensors[hit.one].untyped_storage().data_ptr())):
-                a = args if self.gated else (args[0], args[1], None, None, args[2], args[3])
-                return hit.plan(x, *a[:6])
+                return hit.plan(x, *(args[:6] if self.gated else _gated_order(args)))
         y = self.entry(x, *args)
         self._learn(x, args)
         return y
 
     def _learn(self, x, args) -> None:
         """Keep the call's plan for later matching calls, where it ran through one."""
-        n = 6 if self.gated else 4
+        n = self.n
         operands = args[:n]
-        if (type(x) is not torch.Tensor or not _planned_device(x) or not config.plans
+        if (type(x) is not torch.Tensor or not _plans_apply(x)
                 or (torch.is_grad_enabled() and compat.any_requires_grad(x, *operands))
                 or not compat.plain_operands(x, operands) or compat.launch_hooks()):
             return
-        a = _args((x, *(operands if self.gated else (args[0], args[1], None, None, args[2], args[3])), args[n]))
+        a = _args((x, *(operands if self.gated else _gated_order(operands)), args[n]))
         plan = plans.PLANS.get(plans.signature(a, True))  # what the entry's call ran
         where = tuple(i for i, t in enumerate(operands) if t is not None)
         tensors = [operands[i] for i in where]
@@ -449,11 +451,7 @@ def _planned_saving(op: str, a: MLPArgs, key: tuple):
     plan = plans.SAVING_PLANS.get(key)
     if plan is not None and not compat.launch_hooks():
         return plan(*a[:7])
-    Launcher.recording.launches = launches = []
-    try:
-        y, g, u = _forward_saving(op, a)
-    finally:
-        Launcher.recording.launches = None
+    (y, g, u), launches = plans.recorded(_forward_saving, op, a)
     x = a.x
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     plans.keep(plans.SAVING_PLANS, key, plans.build_saving(x, _args((x2, *a[1:])), launches))
@@ -465,11 +463,7 @@ def _planned_backward(key: tuple, need: tuple, dy: Tensor, a: MLPArgs, g=None, u
     plan = plans.BACKWARD_PLANS.get(key)
     if plan is not None and not compat.launch_hooks():
         return plan(dy, *a[:7], g, u)
-    Launcher.recording.launches = launches = []
-    try:
-        grads = _backward_core(need, dy, a, g, u)
-    finally:
-        Launcher.recording.launches = None
+    grads, launches = plans.recorded(_backward_core, need, dy, a, g, u)
     plans.keep(plans.BACKWARD_PLANS, key, plans.build_backward(need, dy, a, g, u, launches))
     return grads
 
@@ -486,7 +480,7 @@ class _MLPFunction(torch.autograd.Function):
         name = "gated_mlp" if ctx.gated else "mlp"
         a = _args(args if ctx.gated else (*args[:3], None, None, *args[3:]))
         key = None
-        if keyset is None and a.x.is_cuda and config.plans and compat.PRIVATE:
+        if keyset is None and _plans_apply(a.x):
             key = plans.signature(a, "save" if save_preact else True)
         ctx.plan_key = key
         if save_preact:

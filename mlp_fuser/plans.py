@@ -82,14 +82,19 @@ def get(key: tuple) -> Callable[..., Tensor] | None:
     return plan if plan is None or not compat.launch_hooks() else None
 
 
+def recorded(fn: Callable, *args):
+    """(``fn(*args)``, the launches it made, as ``Launcher`` records them for this thread)."""
+    Launcher.recording.launches = launches = []
+    try:
+        return fn(*args), launches
+    finally:
+        Launcher.recording.launches = None
+
+
 def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tuple[Tensor, Callable[..., Tensor] | None]:
     """``fn(*args)`` (implementation ``name`` on the call's ``dispatch.MLPArgs``, x flattened to 2-D) and the plan
     built from the launches it made (None where ``build`` gives none)."""
-    Launcher.recording.launches = launches = []  # this thread's launches
-    try:
-        y = fn(*args)
-    finally:
-        Launcher.recording.launches = None
+    y, launches = recorded(fn, *args)
     return y, build(name, x, args, y, launches)
 
 
@@ -222,10 +227,9 @@ def build_backward(need: tuple, dy: Tensor, a: tuple, g: Tensor | None, u: Tenso
             or dgu.shape != (M, 2 * I if gated else I) or (h is dgu) == need_h:
         return None
     s = "    "
-    flat = {"dy": dy.dim() != 2, "x": x.dim() != 2}
     lines = [_BACKWARD_HEAD, f"{s}s = _stream({hit[2]})",
-             f"{s}dy2 = dy.reshape({(M, O)})" if flat["dy"] else f"{s}dy2 = dy",
-             f"{s}x2 = x.reshape({(M, K)})" if flat["x"] else f"{s}x2 = x"]
+             f"{s}dy2 = dy.reshape({(M, O)})" if dy.dim() != 2 else f"{s}dy2 = dy",
+             f"{s}x2 = x.reshape({(M, K)})" if x.dim() != 2 else f"{s}x2 = x"]
     if g is None:  # recomputed, as the full path does
         lines.append(f"{s}g = {_gemm('x2', 'wg', 'bg', bg)}")
         if gated:

@@ -15,7 +15,7 @@ from mlp_fuser.reference import reference_mlp
 
 @pytest.fixture
 def site(monkeypatch):
-    monkeypatch.setattr(ops, "_planned_device", lambda x: True)
+    monkeypatch.setattr(ops, "_plans_apply", lambda x: True)
     calls = []
     plans.clear()
 
