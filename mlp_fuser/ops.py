@@ -251,7 +251,13 @@ def _settings(dtype) -> tuple:
             dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
-_UNPLANNED = object()  # EagerSite.seen's entry for a call that ran without a plan
+class _Unplanned:
+    """A call an ``EagerSite`` ran without a plan, under these settings: looked for again once they change."""
+
+    __slots__ = ("settings", "generation")
+
+    def __init__(self, settings: tuple, generation: int):
+        self.settings, self.generation = settings, generation
 
 
 def _gated_order(operands: tuple) -> tuple:
@@ -279,8 +285,10 @@ class EagerSite:
         if kwargs or not config.sites or torch.compiler.is_compiling():  # traced: the entry gives Dynamo the op
             return self.entry(x, *args, **kwargs)
         hit = self.seen.get((x.shape, x.data_ptr() & 15, args[0].data_ptr())) if type(x) is torch.Tensor else None
-        if hit is _UNPLANNED:  # a call the entry runs without a plan (its implementation has none): nothing to learn
-            return self.entry(x, *args)
+        if type(hit) is _Unplanned:  # the entry ran it without a plan (its implementation has none)
+            if hit.generation == plans.generation and hit.settings == _settings(x.dtype):
+                return self.entry(x, *args)
+            hit = None  # another implementation may be chosen now: learn again
         if hit is not None:
             tensors = [args[i] for i in hit.where]
             if ((hit.frozen or not torch.is_grad_enabled()) and hit.generation == plans.generation
@@ -312,7 +320,7 @@ class EagerSite:
             self.seen.clear()
         key = (x.shape, x.data_ptr() & 15, args[0].data_ptr())
         if guards is None:  # no plan after the entry's call: its implementation has none (or the public path)
-            self.seen[key] = _UNPLANNED
+            self.seen[key] = _Unplanned(_settings(x.dtype), plans.generation)
             return
         seen = _Seen()
         seen.guards, seen.where, seen.plan, seen.generation = guards, where, plan, plans.generation

@@ -186,7 +186,7 @@ def test_not_learned_on_the_public_path(site, monkeypatch):
     with torch.no_grad():
         s(c.x, *_args(c))
         s(c.x, *_args(c))
-    assert calls == [] and all(v is ops._UNPLANNED for v in s.seen.values())
+    assert calls == [] and all(type(v) is ops._Unplanned for v in s.seen.values())
 
 
 def test_a_call_without_a_plan_is_learned_once(site, monkeypatch):
@@ -202,6 +202,22 @@ def test_a_call_without_a_plan_is_learned_once(site, monkeypatch):
         for _ in range(3):
             torch.testing.assert_close(s(c.x, *_args(c)), c.unfused())
     assert calls == [] and len(looked) == 1
+
+
+def test_a_call_without_a_plan_is_looked_at_again_once_the_settings_change(site, monkeypatch):
+    """A call that ran without a plan under one setting (another implementation forced) finds its plan once the
+    setting is undone: the mark of an unplanned call holds only under the settings it was made in."""
+    make, calls = site
+    s, c = make()
+    with torch.no_grad():
+        monkeypatch.setattr(config, "force_impl", "reference")  # another signature: no plan under it
+        s(c.x, *_args(c))
+        s(c.x, *_args(c))
+        assert calls == []
+        monkeypatch.setattr(config, "force_impl", None)
+        s(c.x, *_args(c))  # through the entry, and learned
+        s(c.x, *_args(c))
+    assert len(calls) == 1
 
 
 def test_a_patched_module_calls_through_a_site():
