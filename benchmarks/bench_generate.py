@@ -31,7 +31,8 @@ mlp_fuser where it applies:
   on request ``backend_nodirect``, the backend with Inductor's code calling the registered op through the dispatcher
   (``MLP_FUSER_INDUCTOR_DIRECT=0``), timed in turns with the other two;
 - ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 20, the paths
-  of a pair (eager and patch; compile and backend) taking turns call by call (``time_prefill``).
+  of a pair (eager and patch; compile and backend) taking turns call by call (``time_prefill``); on request
+  ``eager_copy`` (``--prefill-paths eager,patch,eager_copy``), an untouched copy of the model timed with them.
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -93,10 +94,12 @@ GROUPS = [["eager", "patch", "patch_noplan", "patch_nosite"], ["static", "static
 # The prefill's pairs, timed the same way. On request: patch_merged and backend_merged, patch and the backend after
 # each MLP's gate and up weights are re-stored as the halves of one buffer (mlp_fuser.merge_gate_up), so the op runs
 # one GEMM for both (cuBLAS), or quack's gated GEMM where quack is installed.
-PREFILL_GROUPS = [["eager", "patch", "patch_nosite", "patch_merged"], ["compile", "backend", "backend_merged"]]
+# ``eager_copy``: an untouched copy of the model, what a copy alone reads against eager (the other paths run on copies).
+PREFILL_GROUPS = [["eager", "patch", "patch_nosite", "patch_merged", "eager_copy"],
+                  ["compile", "backend", "backend_merged"]]
 BASELINE = {"eager": None, "patch": "eager", "compile": None, "backend": "compile", "static": None,
             "static_backend": "static", "patch_noplan": "eager", "patch_nosite": "eager", "backend_nodirect": "compile",
-            "patch_merged": "eager",
+            "patch_merged": "eager", "eager_copy": "eager",
             "backend_merged": "compile"}
 # The routed-experts model's groups (same positions as GROUPS': eager's, the static cache's, the dynamic cache's) and
 # baselines: a tuple compares with the faster of its paths in the same run (transformers' best).

@@ -221,7 +221,8 @@ def overhead(only: str = ""):
     torch.ops (what torch.compile's code calls) with the dispatcher's choice and each implementation forced, the
     unfused aten calls and Inductor's code for them (a torch.compile'd function: Dynamo's guards included). Then
     cProfile and torch.profiler of the patched module at SmolLM2's size, M=1. ``only``: the shapes whose name starts
-    with it (``overhead:SmolLM2``). The patched module is timed twice more: with its plans calling Triton's Python
+    with it (``overhead:SmolLM2``), and after an ``@`` the M values instead of 1 and 8 (``overhead:1B@2048``: the
+    1B prefill's MLP call). The patched module is timed twice more: with its plans calling Triton's Python
     launcher instead of its C launch function (``kernels.common.launch_source`` without the forms it knows), and
     with the plans back as they are (so the two differ by that alone, in turns)."""
     from torch import nn
@@ -240,6 +241,7 @@ def overhead(only: str = ""):
     torch._dynamo.config.recompile_limit = 64  # three compiled functions per shape and M share one code object
     op = torch.ops.mlp_fuser.gated_mlp.default
     shapes = [("SmolLM2 576x1536", 576, 1536), ("1B 2048x5632", 2048, 5632), ("8B 4096x14336", 4096, 14336)]
+    only, _, ms = only.partition("@")
     shapes = [s for s in shapes if s[0].startswith(only)]
     table: dict[str, dict[str, float]] = {}
     cols, profiles = [], []  # profiles: SmolLM2's, where it is timed
@@ -250,7 +252,7 @@ def overhead(only: str = ""):
         patched.load_state_dict(module.state_dict())
         mlp_fuser.patch(patched)
         w = (module.gate_proj.weight, None, module.up_proj.weight, None, module.down_proj.weight, None)
-        for M in (1, 8):
+        for M in [int(m) for m in ms.split(",")] if ms else (1, 8):
             col = f"{name.split()[0]} M={M}"
             cols.append(col)
             x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
