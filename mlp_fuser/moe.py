@@ -323,6 +323,30 @@ def _one_token(p: Problem) -> str | None:
     return f"{p.T} tokens > 1 (every pair its own block would read an expert shared by tokens again)"
 
 
+def _tma_ok(p: Problem) -> str | None:
+    from .kernels import moe as kmoe
+
+    if kmoe.TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors"
+    if p.gate.interleaved:
+        return "gate and up rows interleaved (every other row is no TMA box)"
+    if p.device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        return "TMA needs a Hopper or newer GPU"
+    itemsize = torch.empty((), dtype=p.dtype).element_size()
+    if (p.H * itemsize) % 16 or (p.I * itemsize) % 16:
+        return "H and I rows must be multiples of 16 bytes"
+    return None
+
+
+def _many_rows(p: Problem) -> str | None:
+    if not config.moe_tma:
+        return "not yet measured inside the op (MLP_FUSER_MOE_TMA=1 times it)"
+    S = p.T * p.k
+    if S / max(1, min(p.E, S)) > 96:
+        return None
+    return f"{S / max(1, min(p.E, S)):.0f} rows per expert <= 96 (TMA boxes measured at about 128)"
+
+
 def _grouped_mm_ok(p: Problem) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return "torch._grouped_mm is absent"
@@ -342,6 +366,8 @@ IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0
          plan=_triton_plan("unsorted"), worth=_one_token),
     Impl("triton_moe_unsorted_pdl", _triton("unsorted_pdl"), frozenset({"cuda"}), triton=True,  # Hopper: down overlaps
          plan=_triton_plan("unsorted_pdl"), worth=_one_token),
+    Impl("triton_moe_sorted_tma", _triton("sorted_tma"), frozenset({"cuda"}), triton=True,  # weights by TMA
+         plan=_triton_plan("sorted_tma"), why=_tma_ok, worth=_many_rows),
     Impl("grouped_mm", reference, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=_grouped_mm_ok),
     Impl("reference", reference, None, _FLOAT),
 ]
@@ -374,7 +400,7 @@ def eligible(p: Problem) -> list[Impl]:
 
 def _choice_key(p: Problem) -> tuple:
     return (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases, config.force_impl, config.triton_on_cpu,
-            config.autotune)
+            config.autotune, config.moe_tma)
 
 
 def choose(p: Problem, args: tuple) -> Impl:
@@ -474,7 +500,7 @@ def _signature(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, cl
     settings. Equal signatures: the full path would accept both calls and run the same kernels with the same integers
     (the data pointers' alignment, which Triton also specialises on, is the launches' own key)."""
     return (activation, interleaved, limit, clamp_after, up_offset, config.force_impl, config.autotune,
-            config.triton_on_cpu, x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+            config.moe_tma, config.triton_on_cpu, x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
             x.shape, x.stride(), x.dtype, x.device, ids.shape, ids.stride(), ids.dtype, ids.device,
             wts.shape, wts.stride(), wts.dtype, wts.device, wgu.shape, wgu.stride(), wgu.dtype, wgu.device,
             wd.shape, wd.stride(), wd.dtype, wd.device,

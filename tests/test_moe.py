@@ -441,6 +441,12 @@ def test_triton(triton_impl, dtype, case):
     from conftest import KERNEL_DEVICE  # the interpreter's CPU here, the GPU there
 
     args = [a.to(KERNEL_DEVICE) if a is not None else None for a in args]
+    reason = mlp_fuser.moe.IMPLS_BY_NAME[triton_impl].why_not(_problem(args, act, kw))
+    if reason is not None:  # forced onto a layout it cannot read (TMA, interleaved rows): an error naming why
+        with pytest.raises(ValueError, match=f"{triton_impl}.*{reason[:20]}"):
+            mlp_fuser.moe_mlp(*args, act, **kw)
+        assert triton_impl == "triton_moe_sorted_tma" and case == "gpt_oss"
+        return
     with poisoned_empty():
         y = mlp_fuser.moe_mlp(*args, act, **kw)
         cpu = [a.cpu() if a is not None else None for a in args]
@@ -455,6 +461,29 @@ def _problem(args, act, kw):
     gate = moe._gate(wgu, wd, act, kw.get("interleaved", False), kw.get("limit"), False, kw.get("up_offset", 0.0))
     return moe.Problem(x.device.type, x.dtype, x.shape[0], ids.shape[1], wgu.shape[0], x.shape[1], wd.shape[2], gate,
                        bgu is not None)
+
+
+def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
+    """triton_moe_sorted_tma is a candidate only with MLP_FUSER_MOE_TMA=1, at more than 96 rows per expert, on weights
+    whose gate and up rows are not interleaved; the setting is part of the choice's key and of the call's signature."""
+    from mlp_fuser import moe
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+
+    def names(T, interleaved=False):
+        gate = moe.Gate("silu", True, interleaved)
+        return [i.name for i in moe.eligible(moe.Problem("cpu", torch.bfloat16, T, 8, 128, 2048, 768, gate, False))]
+
+    monkeypatch.setattr(config, "moe_tma", False)
+    key = moe._choice_key(moe.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"), False))
+    sig = moe._signature(*make(4, 2, 4), "silu", False, None, False, 0.0)
+    assert "triton_moe_sorted_tma" not in names(2048)
+    monkeypatch.setattr(config, "moe_tma", True)
+    assert "triton_moe_sorted_tma" in names(2048) and "triton_moe_sorted" in names(2048)
+    assert "triton_moe_sorted_tma" not in names(64)  # 4 rows per expert
+    assert "triton_moe_sorted_tma" not in names(2048, interleaved=True)
+    assert key != moe._choice_key(moe.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"), False))
+    assert sig != moe._signature(*make(4, 2, 4), "silu", False, None, False, 0.0)
 
 
 def test_triton_needs_opt_in(monkeypatch):
@@ -605,6 +634,10 @@ def test_cached_calls_equal_the_full_path(impl, monkeypatch):
     cases = [(dict(lead=(2, 2)), "silu", {}), (dict(biases=True), "quick_gelu", gpt_oss),
              (dict(biases=True, change=w_gate_up_transposed), "quick_gelu", gpt_oss),
              (dict(biases=True, transposed=True), "quick_gelu", gpt_oss), (dict(gated=False), "gelu_tanh", {})]
+    if impl == "triton_moe_sorted_tma":  # interleaved gate and up rows are no TMA boxes: forcing it is an error
+        with pytest.raises(ValueError, match="interleaved"):
+            moe.eager_moe_mlp(*on(make(4, 2, 4, H=32, I=16, biases=True), KERNEL_DEVICE), "quick_gelu", **gpt_oss)
+        cases = [c for c in cases if not c[2]]
     with poisoned_empty():
         for i, (make_kw, act, kw) in enumerate(cases):
             for _ in range(2):

@@ -166,6 +166,30 @@ def test_experts_against_float64(case, path):
     assert rel_err(moe.moe_reference(*args, act=act, interleaved=interleaved).cpu(), expected, math.inf) < bar
 
 
+@pytest.mark.parametrize("case", ["silu-E64-fp32", "clamped-after-k8-fp32", "plain-gelu-E1-fp32",
+                                  "clamped-silu-E256-k8-fp16"])
+def test_sorted_tma_reads_the_weights_through_tma(case, monkeypatch):
+    """Where the layout allows it, sorted_tma runs its own kernels (boxes past an expert's rows, K tails), equal to
+    float64; elsewhere ``tma_why_not`` names why and the pointer kernels run."""
+    T, k, E, H, I, dtype, extra = CASES[case]
+    act = extra.get("act", ExpertAct())
+    ref_args, args = make_case(T, k, E, H, I, dtype, extra.get("gated", True), extra.get("bias", False))
+    calls = []
+    for name in ("moe_gate_up_tma", "moe_down_tma"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    assert moe.tma_why_not(args[0], args[3], args[5], False) is None
+    with poisoned_empty():
+        y = moe.moe_experts(*args, act=act, path="sorted_tma")
+    assert calls == ["moe_gate_up_tma", "moe_down_tma"]
+    bar = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel_err(y.cpu(), reference64(*ref_args, act, False), ord=math.inf) < bar
+    x, w_gu, w_d = args[0], args[3], args[5]
+    assert "interleaved" in moe.tma_why_not(x, w_gu, w_d, True)
+    assert "not contiguous" in moe.tma_why_not(x, w_gu.transpose(1, 2).contiguous().transpose(1, 2), w_d, False)
+    assert "16-byte" in moe.tma_why_not(x, w_gu[..., 1:].contiguous(), w_d, False)  # rows of H - 1
+
+
 FUSED = tuple(p for p in moe.PATHS if p.startswith(("sorted_fused", "unsorted")))  # down combines the k rows
 
 
@@ -307,12 +331,12 @@ def test_configs_fit_shared_memory():
     from mlp_fuser.kernels.common import k_loop_fits
 
     for kind, buckets in moe.CONFIGS.items():
-        n_weights = 2 if kind == "gate_up" else 1
+        n_weights = 2 if kind in ("gate_up", "gate_up_tma") else 1
         for bucket, cands in buckets.items():
             assert 3 <= len(cands) <= 6
             for c in cands:
                 assert c["BLOCK_M"] <= max(bucket, 16)
-                if kind in ("gate_up", "down"):
+                if kind in ("gate_up", "down", "gate_up_tma", "down_tma"):
                     assert k_loop_fits(c["num_stages"], c["BLOCK_M"], c["BLOCK_K"], c["BLOCK_N"], n_weights, 2)
     assert moe.rows_bucket(1, 8, 128) == 16 and moe.rows_bucket(2048, 8, 128) == 128
     assert moe.rows_bucket(2048, 2, 8) == 128 and moe.rows_bucket(64, 8, 64) == 16
@@ -336,9 +360,10 @@ def test_paths_replay_in_cuda_graph(path, T):
     or depends on the ids' values at capture."""
     k, E = 8, 16
     ref_args, (x, ids, wts, w_gu, b_gu, w_d, b_d) = make_case(T, k, E, 64, 48, torch.bfloat16, bias=True, seed=5)
+    act, interleaved = (ExpertAct(), False) if path == "sorted_tma" else (GPT_OSS, True)  # TMA: rows not interleaved
 
     def fn():
-        return moe.moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act=GPT_OSS, interleaved=True, path=path)
+        return moe.moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act=act, interleaved=interleaved, path=path)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -352,5 +377,5 @@ def test_paths_replay_in_cuda_graph(path, T):
     ids.copy_(new_ids)
     graph.replay()
     torch.cuda.synchronize()
-    expected = reference64(ref_args[0], new_ids, *ref_args[2:], GPT_OSS, True)
+    expected = reference64(ref_args[0], new_ids, *ref_args[2:], act, interleaved)
     assert rel_err(y.cpu(), expected, math.inf) < 2e-2

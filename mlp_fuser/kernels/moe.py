@@ -12,6 +12,8 @@ copied. The ways through it (PATHS), each without host syncs (CUDA-graph safe):
 - unsorted (one token): the same two kernels with every pair its own block (``routing`` None), so no moe_align.
 - pairs (decode, few tokens): ``moe_gate_up_pairs`` is a GEMV per pair that streams its expert's gate/up rows once;
   ``moe_down_tokens`` is a GEMV per token over its k experts, the weighted sum kept in registers, y stored once.
+- sorted_tma: the sorted path with each expert's weight tiles loaded through host TMA descriptors over the stacked
+  weights (``tma_why_not`` says where they cannot be: then the pointer loads); for many rows per expert.
 - sorted_fused and unsorted also as "<path>_nomemset" (the gate/up kernel zeroes the combine's counters: no memset
   launch) and "<path>_pdl" (that, with the down kernel launched by programmatic dependent launch on Hopper: its
   prologue overlaps gate/up's tail, ``gdc_wait`` before it reads h or the counters).
@@ -32,6 +34,11 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover (the tested Tritons have them)
+    TensorDescriptor = None
+
 from ..activations import get_activation
 from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
 from .gemm import gate_up_acc
@@ -39,7 +46,7 @@ from .moe_routing import Routing, align_plan, max_blocks, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
            "moe_down_tokens", "moe_experts", "experts_plan", "moe_reference", "default_config", "combine_counts",
-           "has_pdl", "CONFIGS", "PATHS", "Routing"]
+           "has_pdl", "tma_why_not", "CONFIGS", "PATHS", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,87 @@ def _moe_combine_kernel(
         row = out_ptr + (t * K_TOP + j).to(tl.int64) * N
         acc += tl.load(row + offs_n, mask=mask_n & ok, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+# ---- sorted path, weights through TMA: each expert's tiles as boxes of the stacked (E·rows, K) weights ---------
+
+
+@triton.jit
+def _moe_gate_up_tma_kernel(
+    x_ptr, w_desc, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, K_TOP, N, K, UP_ROW, ROWS, stride_xm, stride_xk, stride_be, stride_bn,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of h ----------------------------------
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b)
+    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < S
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // K_TOP)[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    # gate rows e·ROWS + n, up rows e·ROWS + UP_ROW + n: a box past the expert's rows only feeds masked columns
+    row_g = e * ROWS + pid_n * BLOCK_N
+
+    # -- x gathered by pointer, weight boxes by TMA (zero past K), two fp32 accumulators -----------
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
+        acc_g = tl.dot(x, w_desc.load([row_g, k]).T, acc_g, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(x, w_desc.load([row_g + UP_ROW, k]).T, acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    h = expert_epilogue(acc_g, acc_u, b_ptr, e.to(tl.int64), offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED,
+                        HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_down_tma_kernel(
+    h_ptr, w_desc, b_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, K_TOP, N, K, stride_be, stride_bn, stride_wt, stride_wj,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of the output -------------------------
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b)
+    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < S
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * K + offs_k[None, :]
+    row_w = e * N + pid_n * BLOCK_N  # rows of Wd[e] in the (E·H, I) view
+
+    # -- h rows by pointer, Wd[e] boxes by TMA ---------------------------------------------------
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        h = tl.load(h_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
+        acc = tl.dot(h, w_desc.load([row_w, k]).T, acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K
+
+    # -- epilogue: bias, routing weight; one fp32 row per pair --------------------------------------
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=mask_n,
+                       other=0.0).to(tl.float32)[None, :]
+    wts = tl.load(wts_ptr + (pairs // K_TOP) * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+    acc = acc * wts.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 # ---- pairs path: a GEMV per pair, then per token ---------------------------------------------------
@@ -544,6 +632,70 @@ def _combine_args(ids: Tensor, E: int, H: int) -> tuple[tuple, tuple, dict]:
                                                                                num_warps=4)
 
 
+def tma_why_not(x: Tensor, w_gu: Tensor, w_d: Tensor, interleaved: bool) -> str | None:
+    """Why the sorted_tma path's kernels cannot read these weights through TMA descriptors (None: they can): boxes
+    need a Hopper GPU (or the interpreter), each stacked weight contiguous with 16-byte aligned rows, and gate and
+    up rows not interleaved."""
+    if TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors"
+    if not INTERPRET and (x.device.type != "cuda" or _capability(x.device.index)[0] < 9):
+        return "TMA needs a Hopper or newer GPU"
+    if interleaved:
+        return "gate and up rows interleaved (every other row is no TMA box)"
+    for name, w in (("w_gate_up", w_gu), ("w_down", w_d)):
+        if not w.is_contiguous():
+            return f"{name} is not contiguous (strides {w.stride()})"
+        if (w.shape[-1] * w.element_size()) % 16 or w.data_ptr() % 16:
+            return f"{name}'s rows are not 16-byte aligned"
+    return None
+
+
+def _desc(w: Tensor, cfg: dict):
+    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes."""
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+
+
+def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
+                    config: dict) -> Tensor:
+    """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None).
+    Launched by Triton's own launcher, which encodes the host descriptors at each launch."""
+    T, H = x.shape
+    S = T * routing.k
+    gated, _, up_row = _gate_up_layout(w_gu, I, False)
+    h = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    n_blocks = routing.block_expert.shape[0]
+    if n_blocks == 0 or I == 0:
+        return h
+    b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
+    grid = (n_blocks, cdiv(I, config["BLOCK_N"]))
+    _moe_gate_up_tma_kernel[grid](
+        x, _desc(w_gu, config), b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+        S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0), b.stride(-1),
+        GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
+        BLOCK_M=routing.block_m,
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+    return h
+
+
+def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None, config: dict) -> Tensor:
+    """``moe_down`` with Wd read through TMA: out (S, H) fp32 per pair, the rows of dropped pairs unwritten."""
+    S, I = h.shape
+    H = w_d.shape[1]
+    out = torch.empty((S, H), dtype=torch.float32, device=h.device)
+    n_blocks = routing.block_expert.shape[0]
+    if n_blocks == 0 or H == 0:
+        return out
+    h = h.contiguous()
+    b = b_d if b_d is not None else w_d
+    grid = (n_blocks, cdiv(H, config["BLOCK_N"]))
+    _moe_down_tma_kernel[grid](
+        h, _desc(w_d, config), b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+        S, routing.k, H, I, b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
+        HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype), BLOCK_M=routing.block_m,
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+    return out
+
+
 def moe_gate_up_pairs(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                       interleaved: bool = False, config: dict | None = None) -> Tensor:
     """h (S, I) as ``moe_gate_up`` computes it, with no routing: one GEMV program per (pair, BLOCK_N columns)."""
@@ -601,7 +753,7 @@ def _down_tokens_args(h_dtype: torch.dtype, ids: Tensor, wts: Tensor, w_d: Tenso
 
 
 PATHS = ("sorted", "sorted_fused", "sorted_fused_nomemset", "sorted_fused_pdl", "unsorted", "unsorted_nomemset",
-         "unsorted_pdl", "pairs")
+         "unsorted_pdl", "pairs", "sorted_tma")
 # the fused paths: (counters zeroed by the gate/up kernel rather than a memset, PDL between the kernels)
 _FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
           for variant, flags in (("", (False, False)), ("_nomemset", (True, False)), ("_pdl", (True, True)))}
@@ -610,7 +762,8 @@ _FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
                 configs: dict | None = None) -> Tensor:
-    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches),
+    """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches;
+    "sorted_tma" the same with the weights read through TMA where ``tma_why_not`` allows),
     "sorted_fused" (routing, gate_up, down with the combine: 3), "unsorted" (gate_up and down+combine with every
     pair its own block, no routing: 2, for one token), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
     The fused ones also as "<path>_nomemset" (the combine's counters zeroed by gate_up: one launch fewer) and
@@ -627,6 +780,14 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
         return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
     if path not in PATHS:
         raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
+    if path == "sorted_tma":
+        if tma_why_not(x, w_gu, w_d, interleaved) is not None:
+            path = "sorted"  # the same kernels with pointer loads
+        else:
+            up = cfg("gate_up_tma")
+            routing = moe_align(ids, E, up["BLOCK_M"])
+            h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up)
+            return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, cfg("down_tma")), ids, E, x.dtype)
     no_memset, pdl = _FUSED.get(path, (False, False))
     down = cfg("down")
     counts = combine_counts(T, H, down, x.device) if no_memset else None
@@ -649,7 +810,7 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     decode step's host time is the launches' argument building); empty problems call ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0:
+    if path not in PATHS or path == "sorted_tma" or T * k == 0 or I == 0 or H == 0 or E == 0:
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
                                                                      interleaved, path, configs)
     if path != "pairs":
@@ -764,6 +925,13 @@ CONFIGS: dict[str, dict[int, list[dict]]] = {  # in order of preference (benchma
         128: [_cfg(128, 256, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(64, 256, 64, 8, 3),
               _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4)],
     },
+    # weights by TMA (benchmarks/NOTES.md, "Large M"): measured at 128 rows per expert only
+    "gate_up_tma": {
+        128: [_cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 128, 8, 3)],
+    },
+    "down_tma": {
+        128: [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 128, 8, 3)],
+    },
     "gate_up_pairs": {
         1: [_cfg(1, 16, 256, 4, 3), _cfg(1, 32, 256, 4, 3), _cfg(1, 16, 512, 4, 3), _cfg(1, 8, 512, 4, 3),
             _cfg(1, 32, 128, 4, 4)],
@@ -776,6 +944,7 @@ CONFIGS: dict[str, dict[int, list[dict]]] = {  # in order of preference (benchma
 _SMS = 132  # the H200's SMs: default_config's rule of thumb for the GEMVs (the dispatcher times CONFIGS)
 _INTERPRET_CONFIG = {  # the CPU interpreter: small tiles, so that masking at the edges is exercised
     "gate_up": _cfg(16, 32, 32, 4, 1), "down": _cfg(16, 32, 32, 4, 1),
+    "gate_up_tma": _cfg(16, 32, 32, 4, 1), "down_tma": _cfg(16, 32, 32, 4, 1),
     "gate_up_pairs": _cfg(1, 16, 32, 4, 1), "down_tokens": _cfg(1, 16, 32, 4, 1),
 }
 
@@ -812,14 +981,16 @@ def _default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: to
     if interpret:
         return dict(_INTERPRET_CONFIG[kind])
     buckets = CONFIGS[kind]
-    if kind in ("gate_up", "down"):
+    if kind in ("gate_up_tma", "down_tma"):  # one bucket: the path is timed only where it was measured
+        cfg = dict(_filling(buckets[128], T * k, E, I if kind == "gate_up_tma" else H))
+    elif kind in ("gate_up", "down"):
         cfg = dict(_filling(buckets[rows_bucket(T, k, E)], T * k, E, I if kind == "gate_up" else H))
     else:  # a GEMV per row: the first candidate with two programs per SM, else the one with the most programs
         rows, width = (T * k, I) if kind == "gate_up_pairs" else (T, H)
         programs = [rows * cdiv(width, c["BLOCK_N"]) for c in buckets[1]]
         enough = [c for c, n in zip(buckets[1], programs) if n >= 2 * _SMS]
         cfg = dict(enough[0] if enough else buckets[1][programs.index(max(programs))])
-    n_weights = 2 if kind == "gate_up" else 1
+    n_weights = 2 if kind in ("gate_up", "gate_up_tma") else 1
     itemsize = torch.empty((), dtype=dtype).element_size()
     while cfg["num_stages"] > 2 and not k_loop_fits(cfg["num_stages"], cfg["BLOCK_M"], cfg["BLOCK_K"],
                                                     cfg["BLOCK_N"], n_weights, itemsize):
