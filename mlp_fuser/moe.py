@@ -326,25 +326,17 @@ def _one_token(p: Problem) -> str | None:
 def _tma_ok(p: Problem) -> str | None:
     from .kernels import moe as kmoe
 
-    if kmoe.TensorDescriptor is None:
-        return "this Triton has no host tensor descriptors"
-    if p.gate.interleaved:
-        return "gate and up rows interleaved (every other row is no TMA box)"
-    if p.device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        return "TMA needs a Hopper or newer GPU"
-    itemsize = torch.empty((), dtype=p.dtype).element_size()
-    if (p.H * itemsize) % 16 or (p.I * itemsize) % 16:
-        return "H and I rows must be multiples of 16 bytes"
-    return None
+    return kmoe.tma_shape_why_not(torch.device(p.device), p.dtype, p.H, p.I, p.gate.interleaved)
 
 
 def _many_rows(p: Problem) -> str | None:
+    from .kernels import moe as kmoe
+
     if not config.moe_tma:
         return "not yet measured inside the op (MLP_FUSER_MOE_TMA=1 times it)"
-    S = p.T * p.k
-    if S / max(1, min(p.E, S)) > 96:
+    if kmoe.rows_bucket(p.T, p.k, p.E) == 128:  # more than 96 rows per touched expert
         return None
-    return f"{S / max(1, min(p.E, S)):.0f} rows per expert <= 96 (TMA boxes measured at about 128)"
+    return f"{p.T * p.k} pairs over {min(p.E, p.T * p.k)} experts: <= 96 rows each (TMA measured at about 128)"
 
 
 def _grouped_mm_ok(p: Problem) -> str | None:

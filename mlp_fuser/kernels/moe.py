@@ -46,7 +46,7 @@ from .moe_routing import Routing, align_plan, max_blocks, moe_align
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
            "moe_down_tokens", "moe_experts", "experts_plan", "moe_reference", "default_config", "combine_counts",
-           "has_pdl", "tma_why_not", "CONFIGS", "PATHS", "Routing"]
+           "has_pdl", "tma_why_not", "tma_shape_why_not", "CONFIGS", "PATHS", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -632,21 +632,32 @@ def _combine_args(ids: Tensor, E: int, H: int) -> tuple[tuple, tuple, dict]:
                                                                                num_warps=4)
 
 
-def tma_why_not(x: Tensor, w_gu: Tensor, w_d: Tensor, interleaved: bool) -> str | None:
-    """Why the sorted_tma path's kernels cannot read these weights through TMA descriptors (None: they can): boxes
-    need a Hopper GPU (or the interpreter), each stacked weight contiguous with 16-byte aligned rows, and gate and
-    up rows not interleaved."""
+def tma_shape_why_not(device: torch.device, dtype: torch.dtype, H: int, I: int, interleaved: bool) -> str | None:
+    """Why no experts of this kind can be read through TMA descriptors (None: they can, given ``tma_why_not``'s
+    layout): boxes need host descriptors in Triton, a Hopper GPU (or the interpreter), rows of H and I elements in
+    multiples of 16 bytes, and gate and up rows not interleaved. The dispatcher asks this of a problem."""
     if TensorDescriptor is None:
         return "this Triton has no host tensor descriptors"
-    if not INTERPRET and (x.device.type != "cuda" or _capability(x.device.index)[0] < 9):
+    if not INTERPRET and (device.type != "cuda" or _capability(device.index)[0] < 9):
         return "TMA needs a Hopper or newer GPU"
     if interleaved:
         return "gate and up rows interleaved (every other row is no TMA box)"
+    if (H * dtype.itemsize) % 16 or (I * dtype.itemsize) % 16:
+        return "rows of H and I elements are not 16-byte multiples"
+    return None
+
+
+def tma_why_not(x: Tensor, w_gu: Tensor, w_d: Tensor, interleaved: bool) -> str | None:
+    """Why the sorted_tma path's kernels cannot read these weights through TMA descriptors (None: they can):
+    ``tma_shape_why_not``, and each stacked weight contiguous from a 16-byte aligned address."""
+    why = tma_shape_why_not(x.device, w_gu.dtype, w_gu.shape[-1], w_d.shape[-1], interleaved)
+    if why is not None:
+        return why
     for name, w in (("w_gate_up", w_gu), ("w_down", w_d)):
         if not w.is_contiguous():
             return f"{name} is not contiguous (strides {w.stride()})"
-        if (w.shape[-1] * w.element_size()) % 16 or w.data_ptr() % 16:
-            return f"{name}'s rows are not 16-byte aligned"
+        if w.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
     return None
 
 
@@ -672,8 +683,7 @@ def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | No
         x, _desc(w_gu, config), b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
         S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0), b.stride(-1),
         GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
-        BLOCK_M=routing.block_m,
-        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+        BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
     return h
 
 
