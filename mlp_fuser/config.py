@@ -10,9 +10,9 @@
   dh = dy @ w_down with the activation's derivative in its epilogue) against cuBLAS dh + one Triton elementwise
   pass (``cublas_backward_act``, the default). Off by default: it lost, and its autotuning takes tens of seconds
   per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``MLP_FUSER_IMPL`` can still force it.
-- ``MLP_FUSER_MOE_TMA=0``: the experts' dispatcher no longer times ``triton_moe_sorted_tma`` (the sorted path with
-  the weights read through TMA descriptors, a candidate where experts get more than 96 rows each on Hopper); for
-  ruling it out when debugging. ``MLP_FUSER_IMPL`` can still force it.
+- ``MLP_FUSER_MOE_TMA=1``: let the experts' dispatcher also time ``triton_moe_sorted_tma`` (the sorted path with the
+  weights read through TMA descriptors) where experts get more than 96 rows each. Off by default until its kernels
+  are measured inside the op (benchmarks/NOTES.md, Mixtures of experts, "Large M"); ``MLP_FUSER_IMPL`` can force it.
 - ``MLP_FUSER_PLANS=0``: no launch plans (``mlp_fuser.plans``): every CUDA call takes the full path (validation,
   dispatch, launch keys). For benchmarks and for ruling plans out when debugging.
 - ``MLP_FUSER_SITES=0``: a patched module's call site (``ops.EagerSite``) never runs a plan it matched itself: every
@@ -34,7 +34,7 @@ force_impl: str | None = os.environ.get("MLP_FUSER_IMPL") or None
 triton_on_cpu: bool = os.environ.get("MLP_FUSER_TRITON_ON_CPU", "0") == "1"
 autotune: bool = os.environ.get("MLP_FUSER_AUTOTUNE", "1") != "0"
 triton_backward: bool = os.environ.get("MLP_FUSER_TRITON_BACKWARD", "0") == "1"
-moe_tma: bool = os.environ.get("MLP_FUSER_MOE_TMA", "1") != "0"
+moe_tma: bool = os.environ.get("MLP_FUSER_MOE_TMA", "0") == "1"
 plans: bool = os.environ.get("MLP_FUSER_PLANS", "1") != "0"
 sites: bool = os.environ.get("MLP_FUSER_SITES", "1") != "0"
 inductor_direct: bool = os.environ.get("MLP_FUSER_INDUCTOR_DIRECT", "1") != "0"

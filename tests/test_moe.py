@@ -465,15 +465,15 @@ def _problem(args, act, kw):
                        bgu is not None)
 
 
-def test_tma_path_timed_where_it_wins_unless_turned_off(monkeypatch):
-    """triton_moe_sorted_tma is a candidate at more than 96 rows per expert, on weights whose gate and up rows are not
-    interleaved, unless MLP_FUSER_MOE_TMA=0; the setting is part of the choice's key and of the call's signature."""
+def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
+    """triton_moe_sorted_tma is a candidate only with MLP_FUSER_MOE_TMA=1, at more than 96 rows per expert, on weights
+    whose gate and up rows are not interleaved; the setting is part of the choice's key and of the call's signature."""
     from mlp_fuser import moe
     from mlp_fuser.kernels import moe as kmoe
 
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(kmoe, "INTERPRET", True)  # a CPU problem passes the Hopper check on a GPU machine too
-    assert config.moe_tma or os.environ.get("MLP_FUSER_MOE_TMA") == "0"  # on by default
+    assert not config.moe_tma or os.environ.get("MLP_FUSER_MOE_TMA") == "1"  # off by default
 
     def names(T, interleaved=False):
         gate = moe.Gate("silu", True, interleaved)
