@@ -60,7 +60,6 @@ import contextlib
 import copy
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -332,20 +331,17 @@ def mark_divergence(results):
 
 
 def time_prefill(fwds, ids, device, iters=20):
-    """({path: median ms of one forward}, {path: the ms of every call}, {path: median host ms}) for ``fwds`` ({path:
-    ids -> logits}), after two warm-up calls each. The paths take turns call by call (see ``time_decode``), in an
-    order reversed every other round (A B, B A, ...), so that neither path always runs first after the other's
-    synchronisation; the lists give paired ratios, call against the baseline's call of the same round. A prefill
-    without CUDA graphs is mostly bound by the host here, so single figures move by several percent between
-    identical models: the paired median is the figure to compare. On CUDA each round also times every path's host
-    alone: the forward queued behind a GPU sleep, wall time until it returns (a sample where the sleep ended first
-    waited on the GPU and is dropped; no path with none left gets a host figure)."""
+    """({path: median ms of one forward}, {path: the ms of every call}) for ``fwds`` ({path: ids -> logits}), after
+    two warm-up calls each. The paths take turns call by call (see ``time_decode``), in an order reversed every other
+    round (A B, B A, ...), so that neither path always runs first after the other's synchronisation; the lists give
+    paired ratios, call against the baseline's call of the same round. A prefill without CUDA graphs is mostly bound
+    by the host here (the host's time to queue a 1b forward was 98% of its wall time), so single figures
+    move by several percent between identical models: the paired median is the figure to compare."""
     for fwd in fwds.values():
         for _ in range(2):
             fwd(ids)
     sync(device)
     times = {path: [] for path in fwds}
-    host = {path: [] for path in fwds}
     for i in range(iters):
         for path, fwd in (fwds.items() if i % 2 == 0 else reversed(fwds.items())):
             if device == "cuda":
@@ -355,22 +351,11 @@ def time_prefill(fwds, ids, device, iters=20):
                 b.record()
                 b.synchronize()
                 times[path].append(a.elapsed_time(b))
-                # a GPU spin of twice the forward's wall time (≈ 2e6 cycles per ms): the forward queues, unwaited
-                torch.cuda._sleep(int(max(50.0, 2 * times[path][-1]) * 2e6))
-                slept = torch.cuda.Event()
-                slept.record()
-                t0 = time.perf_counter()
-                fwd(ids)
-                t = (time.perf_counter() - t0) * 1e3
-                if not slept.query():
-                    host[path].append(t)
-                sync(device)
             else:
                 t0 = time.perf_counter()
                 fwd(ids)
                 times[path].append((time.perf_counter() - t0) * 1e3)
-    return ({path: statistics.median(t) for path, t in times.items()}, times,
-            {path: statistics.median(t) for path, t in host.items() if t})
+    return {path: statistics.median(t) for path, t in times.items()}, times
 
 
 # Relative cost of one unit of work (a decode group at one batch size, or a prefill pair), from runs 14-15: the
@@ -529,14 +514,12 @@ def run(args, results):
                             results.append(dict(model=label, phase="prefill", path=path, unit=unit,
                                                 error=type(e).__name__))
                     with host_phase("time"):
-                        times, calls, host = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
+                        times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
                     for path, (fwd, err, first_s) in fwds.items():
                         results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
                                             call_ms=calls[path], logits_rel_err=err, warmup_s=first_s))
-                        if path in host:
-                            results[-1]["host_ms"] = host[path]
-                        log(f"{label} prefill {path}: {times[path]:.2f} ms (host {host.get(path, math.nan):.2f}; first "
-                            f"call {first_s:.0f} s), logits rel err {err:.1e}")
+                        log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
+                            f"err {err:.1e}")
                         if args.profile_cpu and device == "cuda":
                             profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
                         if args.time_modules and path in ("eager", "patch"):
@@ -890,8 +873,7 @@ def baseline(results, r):
 
 def write(results, out):
     """The table so far, to out/generate.md and out/generate.json (rewritten after every measurement)."""
-    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager (prefill: logits; host) | warm-up s |",
-             "|---" * 7 + "|"]
+    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager | warm-up s |", "|---" * 7 + "|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | | |")
@@ -906,9 +888,6 @@ def write(results, out):
             vs += f" (paired median {statistics.median(b / a for a, b in zip(r['call_ms'], base['call_ms'])):.3f}x)"
         if r["phase"] == "prefill":
             tok = f"logits rel err {r['logits_rel_err']:.1e}"
-            if "host_ms" in r:
-                tok += f"; host {r['host_ms']:.3f} ms" + (f" ({base['host_ms'] / r['host_ms']:.3f}x {base_path})"
-                                                          if base and "host_ms" in base else "")
         elif "diverges_at" not in r:
             tok = "no eager row"
         else:
