@@ -11,8 +11,9 @@
   pass (``cublas_backward_act``, the default). Off by default: it lost, and its autotuning takes tens of seconds
   per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``MLP_FUSER_IMPL`` can still force it.
 - ``MLP_FUSER_MOE_TMA=1``: let the experts' dispatcher also time ``triton_moe_sorted_tma`` (the sorted path with the
-  weights read through TMA descriptors) where experts get more than 96 rows each. Off by default until its kernels
-  are measured inside the op (benchmarks/NOTES.md, Mixtures of experts, "Large M"); ``MLP_FUSER_IMPL`` can force it.
+  weights read through TMA descriptors) where experts get more than 96 rows each. Off by default: faster on the GPU,
+  but heavier on the host, which bounds a prefill through ``patch`` (benchmarks/NOTES.md, Mixtures of experts,
+  "Large M"); ``MLP_FUSER_IMPL`` can force it.
 - ``MLP_FUSER_PLANS=0``: no launch plans (``mlp_fuser.plans``): every CUDA call takes the full path (validation,
   dispatch, launch keys). For benchmarks and for ruling plans out when debugging.
 - ``MLP_FUSER_SITES=0``: a patched module's call site (``ops.EagerSite``) never runs a plan it matched itself: every

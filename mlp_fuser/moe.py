@@ -333,7 +333,7 @@ def _many_rows(p: Problem) -> str | None:
     from .kernels import moe as kmoe
 
     if not config.moe_tma:
-        return "not yet measured inside the op (MLP_FUSER_MOE_TMA=1 times it)"
+        return "off by default: lighter on the GPU, heavier on the host (MLP_FUSER_MOE_TMA=1 times it)"
     if kmoe.rows_bucket(p.T, p.k, p.E) == 128:  # more than 96 rows per touched expert
         return None
     return f"{p.T * p.k} pairs over {min(p.E, p.T * p.k)} experts: <= 96 rows each (TMA measured at about 128)"

@@ -292,7 +292,7 @@ def _literal(a) -> str | None:
 def _launch_line(i: int, launcher: Launcher, hit: tuple, exprs: list[str], consts: dict) -> str:
     """The plan's line for its launch number ``i``: ``hit`` the launcher's cache entry (compiled kernel, grid, device),
     ``exprs`` the source of each argument; the compiled kernel's handles go into ``consts``."""
-    compiled, grid, _ = hit
+    compiled, grid = hit[:2]
     return "    " + launch_source(compiled, grid, "s", [*exprs, *["None"] * len(launcher.pad)], f"_k{i}_", consts)
 
 

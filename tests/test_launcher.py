@@ -98,6 +98,30 @@ def test_a_launch_hook_sends_every_call_through_triton(gpu_free, monkeypatch):
     assert len(k.slow) == 2 and k.compiled.runs == []
 
 
+def test_prepared_goes_direct_once_compiled_keyed_on_alignment(gpu_free, monkeypatch):
+    """A plan's ``Prepared`` launch: the first call through ``launch`` (compiling), later calls with the same
+    tensors' alignment straight to the compiled kernel, another alignment through ``launch`` again (its own
+    specialization), and calls being recorded for a plan (``Launcher.recording``) always through ``launch``."""
+    k = FakeKernel()
+    monkeypatch.setitem(common._LAUNCHERS, k, common.Launcher(k))
+    prepared = common.Prepared(k, (5,), BLOCK=32, ACT="silu")
+    t = torch.empty(64)
+    prepared(t, 7, t)
+    assert len(k.slow) == 1 and k.compiled.runs == []
+    prepared(t[4:], 7, t)  # both 16-byte aligned still: direct
+    assert len(k.slow) == 1 and len(k.compiled.runs) == 1 and k.compiled.runs[0][9] is not t
+    prepared(t[1:], 7, t)  # x misaligned: a key of its own, through Triton once
+    assert len(k.slow) == 2
+    prepared(t[2:], 7, t)
+    assert len(k.slow) == 2 and len(k.compiled.runs) == 2
+    common.Launcher.recording.launches = []
+    try:
+        prepared(t, 7, t)
+        assert len(common.Launcher.recording.launches) == 1  # seen by the recording: through launch
+    finally:
+        del common.Launcher.recording.launches
+
+
 def test_constexprs_must_come_last(gpu_free):
     k = FakeKernel()
     k.params = [SimpleNamespace(is_constexpr=c) for c in (False, True, False)]
@@ -151,6 +175,20 @@ def test_launch_source_passes_what_the_launchers_call_passes(which, coop_pdl):
     consts["go"](99, *args[:3])
     assert len(calls) == 2 and calls[1] == calls[0]
     assert consts["_k0_launch"] is run.launch  # the C function, not the Python layer around it
+
+
+@pytest.mark.parametrize("which", ["this triton", "triton 3.6"])
+def test_launchers_direct_launch_passes_what_the_launchers_call_passes(which):
+    """A Launcher's later calls of a key go through ``_direct``: the C launch function, with the very arguments the
+    compiled kernel's launcher would pass it (its constexpr slots as None)."""
+    run = _launchers()[which]
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    calls = []
+    run.launch = lambda *a: calls.append(a)
+    compiled = SimpleNamespace(run=run, function=object(), packed_metadata=("warps", 4))
+    run(4, 2, 1, 99, compiled.function, compiled.packed_metadata, None, None, None, 123456, 7.5, 3, None, None)
+    common._direct(compiled, (4, 2, 1), 2)(99, (123456, 7.5, 3))
+    assert len(calls) == 2 and calls[1] == calls[0]
 
 
 def test_launch_source_calls_the_launcher_where_it_must_allocate_or_is_unknown():

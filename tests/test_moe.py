@@ -591,11 +591,14 @@ def test_cache_misses_on_a_changed_config(monkeypatch):
     """The settings are part of a call's signature: forcing another implementation, turning Triton on CPU tensors
     off, or autotuning off takes the full path again (which raises where the forced implementation cannot run)."""
     from mlp_fuser import moe
+    from mlp_fuser.kernels import common
     from mlp_fuser.kernels import moe as kmoe
 
     launches = []
     real = kmoe.launch
-    monkeypatch.setattr(kmoe, "launch", lambda *a, **kw: launches.append(a[0]) or real(*a, **kw))
+    count = lambda *a, **kw: launches.append(a[0]) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(kmoe, "launch", count)
+    monkeypatch.setattr(common, "launch", count)  # a plan's Prepared launches
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "force_impl", "triton_moe_pairs")
     moe.reset()
@@ -661,14 +664,14 @@ def test_cached_calls_equal_the_full_path(impl, monkeypatch):
 
 @pytest.mark.parametrize("path, n_launches", [
     ("pairs", 2), ("unsorted", 2), ("unsorted_nomemset", 2), ("unsorted_pdl", 2), ("sorted", 4), ("sorted_fused", 3),
-    ("sorted_fused_nomemset", 3), ("sorted_fused_pdl", 3)])
+    ("sorted_fused_nomemset", 3), ("sorted_fused_pdl", 3), ("sorted_tma", 4)])
 def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
     """``experts_plan``'s function hands the kernels (the routing's too) the very arguments ``moe_experts`` does: the
     inputs where they were, every buffer in the same place with its shape, strides, dtype and (ints) contents."""
     from conftest import poisoned_empty
 
+    from mlp_fuser.kernels import common, moe_routing
     from mlp_fuser.kernels import moe as kmoe
-    from mlp_fuser.kernels import moe_routing
 
     def record(fn, *args):
         seen, inputs, buffers, alive = [], {id(a): i for i, a in enumerate(args) if a is not None}, {}, []
@@ -676,6 +679,9 @@ def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
         def describe(t):
             if id(t) in inputs:
                 return "input", inputs[id(t)]
+            if isinstance(t, kmoe.TensorDescriptor):  # over an input's memory, with its boxes
+                base = next(i for i, a in enumerate(args) if a is not None and a.data_ptr() == t.base.data_ptr())
+                return "descriptor", base, tuple(t.shape), tuple(t.strides), tuple(t.block_shape)
             if not isinstance(t, torch.Tensor):
                 return t
             alive.append(t)  # kept until the call ends, so that no buffer's address is reused
@@ -686,6 +692,7 @@ def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
             seen.append((kernel, tuple(grid), [describe(t) for t in a], kw))
         monkeypatch.setattr(kmoe, "launch", rec)
         monkeypatch.setattr(moe_routing, "launch", rec)
+        monkeypatch.setattr(common, "launch", rec)  # what a plan's Prepared launches call
         with poisoned_empty():  # empty buffers hold a fill, zeroed ones zeros: the contents compare
             fn(*args)
         return seen
@@ -693,10 +700,11 @@ def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
     for make_kw, act, inter in ((dict(), kmoe.ExpertAct(), False),
                                 (dict(biases=True, transposed=True), kmoe.ExpertAct("quick_gelu", 0.0, 7.0, False, 1.0),
                                  True), (dict(gated=False, biases=True), kmoe.ExpertAct("gelu"), False)):
-        args = on(make(3, 2, 4, H=32, I=16, **make_kw), KERNEL_DEVICE)  # where the routing's kernels run too
-        plan = kmoe.experts_plan(*args, act, inter, path)
-        expected = record(lambda *a, act=act, inter=inter: kmoe.moe_experts(*a, act, inter, path), *args)
-        assert len(expected) == n_launches and record(plan, *args) == expected
+        for T in (3, 520) if path == "sorted" else (3,):  # 520 · 2 pairs: sorted by atomics (three launches)
+            args = on(make(T, 2, 4, H=32, I=16, **make_kw), KERNEL_DEVICE)  # where the routing's kernels run too
+            plan = kmoe.experts_plan(*args, act, inter, path)
+            expected = record(lambda *a, act=act, inter=inter: kmoe.moe_experts(*a, act, inter, path), *args)
+            assert len(expected) == n_launches + (2 if T > 3 else 0) and record(plan, *args) == expected
 
 
 @requires_cuda

@@ -192,6 +192,27 @@ def test_sorted_tma_reads_the_weights_through_tma(case, monkeypatch):
     assert "16-byte" in moe.tma_why_not(x, w_gu[..., 1:].contiguous(), w_d, False)  # rows of H - 1
 
 
+def test_tma_descriptors_kept_per_weight_and_dropped_with_it():
+    """A weight's descriptor is built once per box and reused; a weight whose memory moved gets a new one; once the
+    weight is gone, so are its descriptors (they hold no reference to it)."""
+    import gc
+    import weakref
+
+    w = torch.randn(4, 32, 48)
+    cfg = dict(BLOCK_N=16, BLOCK_K=32)
+    d = moe._desc(w, cfg)
+    assert moe._desc(w, cfg) is d and d.base.data_ptr() == w.data_ptr() and tuple(d.block_shape) == (16, 32)
+    assert tuple(d.shape) == (128, 48)
+    assert moe._desc(w, dict(BLOCK_N=32, BLOCK_K=32)) is not d  # another box
+    w.data = torch.randn(4, 32, 48)  # the same tensor object over new memory
+    d2 = moe._desc(w, cfg)
+    assert d2 is not d and d2.base.data_ptr() == w.data_ptr()
+    gone, n = weakref.ref(w), id(w)
+    del w, d, d2
+    gc.collect()
+    assert gone() is None and n not in moe._DESCS
+
+
 FUSED = tuple(p for p in moe.PATHS if p.startswith(("sorted_fused", "unsorted")))  # down combines the k rows
 
 
@@ -289,7 +310,7 @@ def test_pdl_paths_launch_with_pdl():
         moe.moe_experts(*args, path=path)
     for kernel, asm in ((moe._moe_down_kernel, "griddepcontrol.wait"),
                         (moe._moe_gate_up_kernel, "griddepcontrol.launch_dependents")):
-        compiled = [c for c, _, _ in _LAUNCHERS[kernel].cache.values()]
+        compiled = [hit[0] for hit in _LAUNCHERS[kernel].cache.values()]
         flagged = {asm in c.asm["ptx"] for c in compiled}
         assert flagged == {True, False}, kernel
         if kernel is moe._moe_down_kernel:

@@ -34,7 +34,8 @@ class AlwaysHit(dict):
 
     def __init__(self, log, name):
         super().__init__()
-        self.hit = (Recorder(log, name), (3, 2, 1), 0)
+        standin = Recorder(log, name)
+        self.hit = (standin, (3, 2, 1), 0, common._direct(standin, (3, 2, 1), 2))  # two constexpr slots (pad)
 
     def get(self, key, default=None):
         return self.hit
@@ -278,7 +279,7 @@ class Compiled(dict):
 
     def __init__(self, standin):
         super().__init__()
-        self.hit = (standin, (1, 1, 1), 0)
+        self.hit = (standin, (1, 1, 1), 0, common._direct(standin, (1, 1, 1), 0))
 
     def get(self, key, default=None):
         return self.hit

@@ -17,6 +17,11 @@ import torch
 from .. import compat
 from ..compat import launch_source  # noqa: F401 (its old home: plans and tests import it here)
 
+try:  # host-side TMA descriptors (Triton >= 3.4): a launch's key reads them
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover (the tested Tritons have them)
+    TensorDescriptor = None
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs kernels on CPU tensors
 
 
@@ -115,7 +120,7 @@ class Launcher:
 
     ``launcher(key, grid, *args, **constexprs)``: the first call of a ``key`` goes through Triton (binding,
     specialization, compilation, autotuning) and keeps the compiled kernel and its grid; later calls of that key
-    hand the arguments straight to the compiled kernel's launcher. So ``key`` must determine everything Triton
+    hand the arguments straight to Triton's C launch function (``_direct``). So ``key`` must determine everything Triton
     specializes on and the grid depends on: every integer argument, the dtypes, each pointer's 16-byte alignment
     (``aligned``) and the constexprs. ``args`` are the kernel's non-constexpr parameters in order; the constexpr
     parameters come after them in the kernel's signature. Under the interpreter, or with a Triton launch hook
@@ -128,7 +133,7 @@ class Launcher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.cache: dict[tuple, tuple] = {}
+        self.cache: dict[tuple, tuple] = {}  # key -> (compiled kernel, grid, device index, its direct launch)
         if INTERPRET:  # an InterpretedFunction: nothing compiled to launch directly
             return
         jit = kernel if hasattr(kernel, "params") else kernel.fn  # an Autotuner wraps the JITFunction
@@ -144,9 +149,7 @@ class Launcher:
             launches.append((self, key, args))
         hit = self.cache.get(key)
         if hit is not None and not compat.launch_hooks():
-            compiled, (gx, gy, gz), device = hit  # CompiledKernel.run as the tested Triton versions take it
-            compiled.run(gx, gy, gz, compat.current_stream(device), compiled.function,
-                         compiled.packed_metadata, None, None, None, *args, *self.pad)
+            hit[3](compat.current_stream(hit[2]), args)
             return
         Launcher.slow_calls += 1
         compiled = self.kernel[grid](*args, **constexprs)
@@ -158,10 +161,25 @@ class Launcher:
         grid = (*grid, 1, 1)[:3]
         if len(self.cache) >= self.MAX_KEYS:
             self.cache.clear()
-        self.cache[key] = (compiled, grid, torch.cuda.current_device())
+        self.cache[key] = (compiled, grid, torch.cuda.current_device(), _direct(compiled, grid, len(self.pad)))
+
+
+def _direct(compiled, grid: tuple[int, int, int], n_constexprs: int) -> Callable[[int, tuple], None]:
+    """``go(stream, args)``: launches ``compiled`` on ``grid`` with ``args`` (its non-constexpr arguments) by the
+    shortest path ``compat.launch_source`` knows: Triton's C launch function itself where it can, else the compiled
+    kernel's launcher."""
+    consts: dict = {}
+    call = compat.launch_source(compiled, grid, "s", ["*a", *["None"] * n_constexprs], "_", consts)
+    exec(f"def go(s, a):\n    {call}\n", consts)  # noqa: S102 (source built by launch_source)
+    return consts["go"]
 
 
 _LAUNCHERS: dict = {}
+
+
+def _desc_key(d) -> tuple:
+    """What Triton specializes on in a host tensor descriptor, and more: its dtype, shape, strides, box, padding."""
+    return d.base.dtype, tuple(d.shape), tuple(d.strides), tuple(d.block_shape), getattr(d, "padding", None)
 
 
 def launch(kernel, grid: Sequence[int], *args, **constexprs) -> None:
@@ -171,7 +189,48 @@ def launch(kernel, grid: Sequence[int], *args, **constexprs) -> None:
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    launcher(_key(grid, args, constexprs), grid, *args, **constexprs)
+
+
+def _key(grid: Sequence[int], args: tuple, constexprs: dict) -> tuple:
+    """``launch``'s key of a launch."""
     # ints first: most arguments are, and an isinstance check against torch.Tensor costs more than the class test
-    key = (*grid, *[a if a.__class__ is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-                    else a for a in args], *constexprs.items())
-    launcher(key, grid, *args, **constexprs)
+    return (*grid, *[a if a.__class__ is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                     else _desc_key(a) if a.__class__ is TensorDescriptor else a for a in args], *constexprs.items())
+
+
+class Prepared:
+    """``launch(kernel, grid, *args, **constexprs)`` with the grid and constexprs fixed, for a plan whose calls pass
+    the same integers and dtypes every time (its signature says so): once a call's launch is compiled, a later call
+    reads only its tensors' 16-byte alignment and goes straight to the compiled kernel (``launch`` builds and hashes
+    a key of every argument: several µs a launch)."""
+
+    def __init__(self, kernel, grid: Sequence[int], **constexprs):
+        self.kernel, self.grid, self.constexprs = kernel, tuple(grid), constexprs
+        self.tensors: tuple[int, ...] | None = None  # the positions of the tensor arguments
+        self.hits: dict[int, tuple] = {}  # their alignment bits -> the launcher's cache entry
+
+    def __call__(self, *args) -> None:
+        at = self.tensors
+        if at is not None and getattr(Launcher.recording, "launches", None) is None and not compat.launch_hooks():
+            hit = self.hits.get(_bits(args, at))
+            if hit is not None:
+                hit[3](compat.current_stream(hit[2]), args)
+                return
+        launch(self.kernel, self.grid, *args, **self.constexprs)
+        launcher = _LAUNCHERS.get(self.kernel)
+        hit = launcher.cache.get(_key(self.grid, args, self.constexprs)) if launcher is not None else None
+        if hit is None:  # not compiled for direct launches (the interpreter, the public path)
+            return
+        where = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        if at is None:
+            self.tensors = at = where
+        if where == at:
+            self.hits[_bits(args, at)] = hit
+
+
+def _bits(args: tuple, at: tuple[int, ...]) -> int:
+    bits = 0
+    for i in at:
+        bits = (bits << 1) | (args[i].data_ptr() & 15 == 0)
+    return bits

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
     TensorDescriptor = None
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
+from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 
@@ -661,15 +662,31 @@ def tma_why_not(x: Tensor, w_gu: Tensor, w_d: Tensor, interleaved: bool) -> str 
     return None
 
 
+_DESCS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, {(pointer, shape, strides, box): descriptor})
+
+
 def _desc(w: Tensor, cfg: dict):
-    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes."""
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes, built once per weight
+    and box (a weight's descriptors go with it)."""
+    entry = _DESCS.get(id(w))
+    if entry is None or entry[0]() is not w:
+        entry = _DESCS[id(w)] = (weakref.ref(w, functools.partial(_forget, id(w))), {})
+    key = (w.data_ptr(), w.shape, w.stride(), cfg["BLOCK_N"], cfg["BLOCK_K"])
+    desc = entry[1].get(key)
+    if desc is None:  # a detached view: the descriptor must not hold the weight itself, or it would never go
+        desc = entry[1][key] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[-1]),
+                                                            [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    return desc
+
+
+def _forget(i: int, ref) -> None:
+    if _DESCS.get(i, (None,))[0] is ref:
+        del _DESCS[i]
 
 
 def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                     config: dict) -> Tensor:
-    """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None).
-    Launched by Triton's own launcher, which encodes the host descriptors at each launch."""
+    """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None)."""
     T, H = x.shape
     S = T * routing.k
     gated, _, up_row = _gate_up_layout(w_gu, I, False)
@@ -679,11 +696,11 @@ def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | No
         return h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     grid = (n_blocks, cdiv(I, config["BLOCK_N"]))
-    _moe_gate_up_tma_kernel[grid](
-        x, _desc(w_gu, config), b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0), b.stride(-1),
-        GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
-        BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+    launch(_moe_gate_up_tma_kernel, grid,
+           x, _desc(w_gu, config), b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+           S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0), b.stride(-1),
+           GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
+           BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
     return h
 
 
@@ -698,11 +715,11 @@ def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Ten
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
     grid = (n_blocks, cdiv(H, config["BLOCK_N"]))
-    _moe_down_tma_kernel[grid](
-        h, _desc(w_d, config), b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        S, routing.k, H, I, b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
-        HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype), BLOCK_M=routing.block_m,
-        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+    launch(_moe_down_tma_kernel, grid,
+           h, _desc(w_d, config), b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+           S, routing.k, H, I, b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
+           HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype), BLOCK_M=routing.block_m,
+           BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
     return out
 
 
@@ -820,9 +837,12 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     decode step's host time is the launches' argument building); empty problems call ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    if path not in PATHS or path == "sorted_tma" or T * k == 0 or I == 0 or H == 0 or E == 0:
+    if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0 or (
+            path == "sorted_tma" and (interleaved or tma_why_not(x, w_gu, w_d, interleaved) is not None)):
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
                                                                      interleaved, path, configs)
+    if path == "sorted_tma":
+        return _tma_plan(x, ids, w_gu, w_d, act, configs or {})
     if path != "pairs":
         return _grouped_plan(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs or {})
     cfgs = configs or {}
@@ -830,15 +850,34 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     grid_gu, ints_gu, const_gu = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved,
                                                      cfgs.get("gate_up_pairs"))
     grid_d, ints_d, const_d = _down_tokens_args(dtype, ids, wts, w_d, b_d, cfgs.get("down_tokens"))
-    gu_kernel, down_kernel = _moe_gate_up_pairs_kernel, _moe_down_tokens_kernel
+    gu, down = Prepared(_moe_gate_up_pairs_kernel, grid_gu, **const_gu), Prepared(_moe_down_tokens_kernel, grid_d,
+                                                                                   **const_d)
 
     def pairs(x, ids, wts, w_gu, b_gu, w_d, b_d):
         h = torch.empty((T * k, I), dtype=dtype, device=device)
-        launch(gu_kernel, grid_gu, x, ids, w_gu, w_gu if b_gu is None else b_gu, h, *ints_gu, **const_gu)
+        gu(x, ids, w_gu, w_gu if b_gu is None else b_gu, h, *ints_gu)
         y = torch.empty((T, H), dtype=dtype, device=device)
-        launch(down_kernel, grid_d, h, ids, wts, w_d, w_d if b_d is None else b_d, y, *ints_d, **const_d)
+        down(h, ids, wts, w_d, w_d if b_d is None else b_d, y, *ints_d)
         return y
     return pairs
+
+
+def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, cfgs: dict):
+    """``experts_plan`` for sorted_tma: the routing's launch worked out once, each weight's descriptors kept with it
+    (``_desc``), the kernels through ``launch``; a weight that lost its 16-byte alignment takes ``moe_experts``."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    up = cfgs.get("gate_up_tma") or default_config("gate_up_tma", T, k, E, H, I, x.dtype)
+    down = cfgs.get("down_tma") or default_config("down_tma", T, k, E, H, I, x.dtype)
+    align = align_plan(ids, E, up["BLOCK_M"])
+
+    def tma(x, ids, wts, w_gu, b_gu, w_d, b_d):
+        if w_gu.data_ptr() % 16 or w_d.data_ptr() % 16:
+            return moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, False, "sorted_tma", cfgs)
+        routing = align(ids)
+        h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up)
+        return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, down), ids, E, x.dtype)
+    return tma
 
 
 def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
@@ -859,28 +898,27 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
     grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, dtype, ids, wts, w_d, b_d, down, combine,
                                                 pdl and has_pdl(device))
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
-    gu_kernel, down_kernel, combine_kernel, f32, i32 = (_moe_gate_up_kernel, _moe_down_kernel, _moe_combine_kernel,
-                                                        torch.float32, torch.int32)
+    gu, down, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
+                      Prepared(_moe_combine_kernel, grid_c, **const_c))
+    f32, i32 = torch.float32, torch.int32
 
     def grouped(x, ids, wts, w_gu, b_gu, w_d, b_d):
         routing = (None,) * 3 if unsorted else align(ids)[:3]
         counts = torch.empty(counts_shape, dtype=i32, device=device) if no_memset else None
         h = torch.empty((S, I), dtype=dtype, device=device)
-        launch(gu_kernel, grid_gu, x, w_gu, w_gu if b_gu is None else b_gu, h, *routing, *ints_gu,
-               ids if unsorted else None, *ids_gu, counts, n_counts, **const_gu)
+        gu(x, w_gu, w_gu if b_gu is None else b_gu, h, *routing, *ints_gu, ids if unsorted else None, *ids_gu, counts,
+           n_counts)
         if combine:
             y = torch.empty((T, H), dtype=dtype, device=device)
             out = torch.empty((S, H), dtype=f32, device=device)
             if counts is None:
                 counts = torch.zeros(counts_shape, dtype=i32, device=device)
-            launch(down_kernel, grid_d, h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, ids, y,
-                   counts, *ids_d, **const_d)
+            down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, ids, y, counts, *ids_d)
             return y
         out = torch.empty((S, H), dtype=f32, device=device)
-        launch(down_kernel, grid_d, h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, None, None,
-               None, *ids_d, **const_d)
+        down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, None, None, None, *ids_d)
         y = torch.empty((T, H), dtype=dtype, device=device)
-        launch(combine_kernel, grid_c, out, ids, y, *ints_c, **const_c)
+        comb(out, ids, y, *ints_c)
         return y
     return grouped
 

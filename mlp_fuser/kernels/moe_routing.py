@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRET, cdiv, launch, next_power_of_2
+from .common import INTERPRET, Prepared, cdiv, launch, next_power_of_2
 
 TRITON_MAX_PAIRS = 4096  # one program sorts every pair in registers: beyond this the torch version is used
 
@@ -217,20 +217,46 @@ def moe_align(ids: Tensor, E: int, block_m: int) -> Routing:
 
 
 def align_plan(ids: Tensor, E: int, block_m: int) -> Callable[[Tensor], Routing]:
-    """``moe_align`` as a function of the ids, for ids of this one's shape, strides, dtype and device: the sorting
-    program's arguments worked out here, once (the other versions run ``moe_align``)."""
+    """``moe_align`` as a function of the ids, for ids of this one's shape, strides, dtype and device: the launches'
+    arguments worked out here, once (where torch ops sort, ``moe_align``)."""
     T, k = ids.shape
     S, dev = T * k, ids.device
-    if S == 0 or not _sorts_in_one_program(ids):
+    if S == 0 or not _on_triton(ids):
         return lambda ids: moe_align(ids, E, block_m)
     n_blocks = max_blocks(S, E, block_m)
-    ints, constexprs = _align_args(S, E, block_m), _align_constexprs(S, E, block_m)
-    kernel, int32 = _moe_align_kernel, torch.int32
+    int32 = torch.int32
+    if not _sorts_in_one_program(ids):
+        return _atomic_plan(S, k, E, block_m, dev)
+    ints = _align_args(S, E, block_m)
+    sort = Prepared(_moe_align_kernel, (1,), **_align_constexprs(S, E, block_m))
 
     def align(ids: Tensor) -> Routing:
         sorted_pairs = torch.empty(n_blocks * block_m, dtype=int32, device=dev)
         block_expert = torch.empty(n_blocks, dtype=int32, device=dev)
         num_blocks = torch.empty(1, dtype=int32, device=dev)
-        launch(kernel, (1,), ids.reshape(-1), sorted_pairs, block_expert, num_blocks, *ints, **constexprs)
+        sort(ids.reshape(-1), sorted_pairs, block_expert, num_blocks, *ints)
+        return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+    return align
+
+
+def _atomic_plan(S: int, k: int, E: int, block_m: int, dev: torch.device) -> Callable[[Tensor], Routing]:
+    """``moe_align_atomic``'s launches with their arguments worked out once."""
+    n_blocks, BLOCK, int32 = max_blocks(S, E, block_m), 1024, torch.int32
+    count = Prepared(_count_kernel, (cdiv(S, BLOCK),), BLOCK=BLOCK)
+    starts = Prepared(_starts_kernel, (1,), BLOCK_M=block_m, BLOCK_E=max(16, next_power_of_2(E)), FILL=64,
+                      num_warps=8)
+    place = Prepared(_place_kernel, (cdiv(S, BLOCK),), BLOCK_M=block_m, BLOCK=BLOCK)
+
+    def align(ids: Tensor) -> Routing:
+        sorted_pairs = torch.empty(n_blocks * block_m, dtype=int32, device=dev)
+        block_expert = torch.empty(n_blocks, dtype=int32, device=dev)
+        num_blocks = torch.empty(1, dtype=int32, device=dev)
+        counts = torch.zeros(E, dtype=int32, device=dev)
+        rank = torch.empty(S, dtype=int32, device=dev)
+        start = torch.empty(E, dtype=int32, device=dev)
+        flat = ids.reshape(-1)
+        count(flat, counts, rank, S, E)
+        starts(counts, start, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m, n_blocks)
+        place(flat, rank, start, sorted_pairs, S, E)
         return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
     return align
