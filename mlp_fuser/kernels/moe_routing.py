@@ -178,21 +178,7 @@ def moe_align_atomic(ids: Tensor, E: int, block_m: int) -> Routing:
     each short, where one program sorting every pair would take long. Within an expert the order of the pairs is
     the atomics' (any order gives the same results)."""
     T, k = ids.shape
-    S, dev = T * k, ids.device
-    n_blocks = max_blocks(S, E, block_m)
-    sorted_pairs = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
-    counts = torch.zeros(E, dtype=torch.int32, device=dev)
-    rank = torch.empty(S, dtype=torch.int32, device=dev)
-    start = torch.empty(E, dtype=torch.int32, device=dev)
-    flat = ids.reshape(-1)
-    BLOCK = 1024
-    launch(_count_kernel, (cdiv(S, BLOCK),), flat, counts, rank, S, E, BLOCK=BLOCK)
-    launch(_starts_kernel, (1,), counts, start, sorted_pairs, block_expert, num_blocks, S, E, n_blocks * block_m,
-           n_blocks, BLOCK_M=block_m, BLOCK_E=max(16, next_power_of_2(E)), FILL=64, num_warps=8)
-    launch(_place_kernel, (cdiv(S, BLOCK),), flat, rank, start, sorted_pairs, S, E, BLOCK_M=block_m, BLOCK=BLOCK)
-    return Routing(sorted_pairs, block_expert, num_blocks, block_m, k)
+    return _atomic_plan(T * k, k, E, block_m, ids.device)(ids)
 
 
 SORT_MAX_PAIRS = 1024  # up to here one program sorting every pair is quickest; beyond, the atomics' four launches
