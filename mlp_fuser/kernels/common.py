@@ -182,14 +182,16 @@ def _desc_key(d) -> tuple:
     return d.base.dtype, tuple(d.shape), tuple(d.strides), tuple(d.block_shape), getattr(d, "padding", None)
 
 
-def launch(kernel, grid: Sequence[int], *args, **constexprs) -> None:
+def launch(kernel, grid: Sequence[int], *args, **constexprs) -> tuple:
     """``kernel[grid](*args, **constexprs)`` through a ``Launcher`` of its own, keyed on everything Triton
     specializes on: each tensor's dtype and 16-byte alignment, every other argument's value, the constexprs and
-    launch options, and the grid. For kernels launched with plain Python values (no autotuner)."""
+    launch options, and the grid. For kernels launched with plain Python values (no autotuner). Returns the key."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
-    launcher(_key(grid, args, constexprs), grid, *args, **constexprs)
+    key = _key(grid, args, constexprs)
+    launcher(key, grid, *args, **constexprs)
+    return key
 
 
 def _key(grid: Sequence[int], args: tuple, constexprs: dict) -> tuple:
@@ -213,24 +215,17 @@ class Prepared:
     def __call__(self, *args) -> None:
         at = self.tensors
         if at is not None and getattr(Launcher.recording, "launches", None) is None and not compat.launch_hooks():
-            hit = self.hits.get(_bits(args, at))
+            hit = self.hits.get(aligned(*map(args.__getitem__, at)))
             if hit is not None:
                 hit[3](compat.current_stream(hit[2]), args)
                 return
-        launch(self.kernel, self.grid, *args, **self.constexprs)
+        key = launch(self.kernel, self.grid, *args, **self.constexprs)
         launcher = _LAUNCHERS.get(self.kernel)
-        hit = launcher.cache.get(_key(self.grid, args, self.constexprs)) if launcher is not None else None
+        hit = launcher.cache.get(key) if launcher is not None and key is not None else None
         if hit is None:  # not compiled for direct launches (the interpreter, the public path)
             return
         where = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         if at is None:
             self.tensors = at = where
         if where == at:
-            self.hits[_bits(args, at)] = hit
-
-
-def _bits(args: tuple, at: tuple[int, ...]) -> int:
-    bits = 0
-    for i in at:
-        bits = (bits << 1) | (args[i].data_ptr() & 15 == 0)
-    return bits
+            self.hits[aligned(*map(args.__getitem__, at))] = hit

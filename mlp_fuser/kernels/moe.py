@@ -838,7 +838,7 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     T, k = ids.shape
     E, H, I = w_d.shape
     if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0 or (
-            path == "sorted_tma" and (interleaved or tma_why_not(x, w_gu, w_d, interleaved) is not None)):
+            path == "sorted_tma" and tma_why_not(x, w_gu, w_d, interleaved) is not None):
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
                                                                      interleaved, path, configs)
     if path == "sorted_tma":

@@ -209,10 +209,9 @@ def align_plan(ids: Tensor, E: int, block_m: int) -> Callable[[Tensor], Routing]
     S, dev = T * k, ids.device
     if S == 0 or not _on_triton(ids):
         return lambda ids: moe_align(ids, E, block_m)
-    n_blocks = max_blocks(S, E, block_m)
-    int32 = torch.int32
     if not _sorts_in_one_program(ids):
         return _atomic_plan(S, k, E, block_m, dev)
+    n_blocks, int32 = max_blocks(S, E, block_m), torch.int32
     ints = _align_args(S, E, block_m)
     sort = Prepared(_moe_align_kernel, (1,), **_align_constexprs(S, E, block_m))
 
