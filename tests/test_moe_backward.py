@@ -3,7 +3,7 @@ reference (mlp_fuser.moe.reference), every gradient, on every layout it supports
 
 import pytest
 import torch
-from _moe_cases import expert_tensors, stored_transposed
+from _moe_cases import expert_tensors, sentinels, stored_transposed
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.kernels.moe import ExpertAct
@@ -16,11 +16,12 @@ NAMES = ("dx", "dwts", "dw_gu", "db_gu", "dw_d", "db_d")
 
 
 def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, empty_expert=True, seed=0):
-    """Fresh random inputs; about 15% sentinel ids (>= E); the last expert gets no tokens with ``empty_expert``."""
+    """Fresh random inputs; about 15% sentinel ids (>= E, every kind); no tokens for the last expert with
+    ``empty_expert``."""
     gen = torch.Generator().manual_seed(seed)
     x, w_gu, b_gu, w_d, b_d = expert_tensors(gen, T, E, H, I, gated, bias)
     ids = torch.randint(0, E - 1 if empty_expert else E, (T, k), generator=gen)
-    ids = torch.where(torch.rand((T, k), generator=gen) < 0.15, E + torch.randint(0, 3, (T, k), generator=gen), ids)
+    ids = torch.where(torch.rand((T, k), generator=gen) < 0.15, sentinels(gen, (T, k), E), ids)
     wts = torch.rand((T, k), generator=gen)
     dy = torch.randn((T, H), generator=gen)
     x, w_gu, b_gu, w_d, b_d, dy = (t.to(dtype) if t is not None else None for t in (x, w_gu, b_gu, w_d, b_d, dy))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from _moe_cases import expert_tensors, stored_transposed
+from _moe_cases import expert_tensors, sentinels, stored_transposed
 from conftest import KERNEL_DEVICE, poisoned_empty, requires_cuda
 
 from mlp_fuser.kernels import moe
@@ -17,11 +17,11 @@ CLAMPED_SILU = ExpertAct("silu", limit=1.5)  # small, so that the clamps bite on
 CLAMPED_AFTER = ExpertAct("silu", limit=0.5, clamp_after=True)
 
 
-def random_ids(gen, T, k, E, sentinels=0.15):
-    """Top-k ids in [0, E) with duplicates across tokens, about ``sentinels`` of them E or beyond."""
+def random_ids(gen, T, k, E, dropped=0.15):
+    """Top-k ids in [0, E) with duplicates across tokens, about ``dropped`` of them sentinels (>= E, every kind)."""
     ids = torch.randint(0, E, (T, k), generator=gen)
-    drop = torch.rand((T, k), generator=gen) < sentinels
-    return torch.where(drop, E + torch.randint(0, 3, (T, k), generator=gen), ids)
+    drop = torch.rand((T, k), generator=gen) < dropped
+    return torch.where(drop, sentinels(gen, (T, k), E), ids)
 
 
 # ---- routing -----------------------------------------------------------------------------------------
@@ -69,6 +69,20 @@ def test_align_atomic(T, k, E, block_m):
     r = moe_align_atomic(ids, E, block_m)
     pairs = r.sorted_pairs.cpu().view(-1, block_m).sort(dim=1).values.reshape(-1)  # padding S sorts last
     check_routing(r._replace(sorted_pairs=pairs), ids.cpu(), E, block_m)
+
+
+@pytest.mark.parametrize("align", [moe_align_triton, moe_align_atomic])
+@pytest.mark.parametrize("E", [1, 8, 64])
+def test_align_drops_sentinels_of_every_kind(align, E):
+    """Sentinels just past E, past the sorting program's next_pow2(E + 1) histogram bins, and int32's largest."""
+    bins = max(16, 1 << E.bit_length())
+    gen = torch.Generator().manual_seed(E)
+    ids = random_ids(gen, 24, 2, E, dropped=0.5)
+    ids[:3] = torch.tensor([[E, bins], [2 * bins + 3, 2**31 - 1], [bins - 1, 0]])
+    ids = ids.to(KERNEL_DEVICE)
+    r = align(ids, E, 16)
+    pairs = r.sorted_pairs.cpu().view(-1, 16).sort(dim=1).values.reshape(-1)  # the atomics' order inside a block
+    check_routing(r._replace(sorted_pairs=pairs), ids.cpu(), E, 16)
 
 
 def test_align_every_token_one_expert_and_all_dropped():
