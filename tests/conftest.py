@@ -20,7 +20,23 @@ KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 # The interpreter mishandles bf16 (tl.dot returns garbage); bf16 is tested on the GPU only.
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (the GPU suite runs on the H200)")
+# The GPU suite, `pytest -m gpu`: every test that needs CUDA (these marks), and the kernels' bf16 cases (below).
+CUDA_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (the GPU suite runs on the H200)")]
+
+
+def requires_cuda(test):
+    """A test (or class) that needs CUDA: in the GPU suite, skipped elsewhere."""
+    for mark in CUDA_ONLY:
+        test = mark(test)
+    return test
+
+
+def pytest_collection_modifyitems(items):
+    if HAS_CUDA:  # bf16 cases exist on CUDA only (KERNEL_DTYPES): the interpreter cannot test them
+        for item in items:
+            spec = getattr(item, "callspec", None)
+            if spec is not None and any(v is torch.bfloat16 for v in spec.params.values()):
+                item.add_marker(pytest.mark.gpu)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from _hf_models import count_ops
-from conftest import HAS_CUDA, requires_cuda
+from conftest import requires_cuda
 
 import mlp_fuser
 from mlp_fuser.backend import inductor_compiler
@@ -237,7 +237,7 @@ def test_gpu_reduce_overhead_replays_cuda_graphs(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@requires_cuda
 @pytest.mark.parametrize("batch", [1, 3])
 def test_gpu_static_cache_bf16_same_tokens_as_inductor(batch):
     torch._dynamo.reset()

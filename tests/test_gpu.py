@@ -1,6 +1,6 @@
-"""The GPU suite: every implementation on CUDA, bf16/fp16/fp32, small and LLaMA-7B sizes.
+"""The dense MLP op on CUDA: every implementation, bf16/fp16/fp32, small and LLaMA-7B sizes.
 
-Skipped where CUDA is absent; run on the H200 with `pytest tests/test_gpu.py tests/test_ops.py tests/test_kernels.py`.
+Skipped where CUDA is absent; part of the GPU suite (`python -m pytest -m gpu -x -q`, README), run on the H200.
 """
 
 import math
@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 from _mlp_cases import make_case
-from conftest import HAS_CUDA, poisoned_empty
+from conftest import CUDA_ONLY, poisoned_empty
 
 from mlp_fuser import config, dispatch, plans
 from mlp_fuser.reference import reference_mlp, rel_err
 
-pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (run on the H200)")
+pytestmark = CUDA_ONLY
 
 IMPLS = [i.name for i in dispatch.IMPLS if i.triton] + [None]  # None: the dispatcher's own choice
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

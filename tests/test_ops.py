@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from _mlp_cases import make_case
-from conftest import HAS_CUDA, KERNEL_DEVICE, KERNEL_DTYPES
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES, requires_cuda
 
 import mlp_fuser
 from mlp_fuser import config, dispatch
@@ -329,7 +329,7 @@ def test_bad_input_raises_clear_errors(name, call, exc, arg):
     assert arg in msg and "shapes:" in msg, msg
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@requires_cuda
 def test_autocast_cuda_bf16():
     case = make_case(5, 64, 128, 32, device="cuda", act="silu")
     with torch.autocast("cuda", dtype=torch.bfloat16):
