@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from . import moe, ops, router  # noqa: F401  (register the mlp_fuser:: op family)
+from . import compat, moe, ops, router  # noqa: F401  (register the mlp_fuser:: op family)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
 from .moe import moe_mlp  # noqa: F401
 from .ops import gated_mlp, mlp  # noqa: F401
@@ -11,10 +11,8 @@ from .router import moe_router_topk  # noqa: F401
 
 def _register_backend() -> None:
     """Make ``torch.compile(model, backend="mlp_fuser")`` work."""
-    import torch._dynamo
-
     try:
-        torch._dynamo.register_backend(backend, name="mlp_fuser")
+        compat.register_backend(backend, "mlp_fuser")
     except Exception:  # already registered (module reloaded)
         pass
 

@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 if TYPE_CHECKING:
-    from triton.runtime.jit import JITFunction
+    from triton import JITFunction
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fx_pass, ops
+from . import compat, fx_pass, ops
 from . import patterns as registry
 from .activations import get_activation
 from .inductor import install as install_direct_calls
@@ -34,15 +34,13 @@ _graph_ids = itertools.count()
 def inductor_compiler(mode: str | None = None, options: dict[str, Any] | None = None):
     """What ``torch.compile(backend="inductor", mode=mode, options=options)`` compiles a graph with: the config
     patches of the mode and the options, checked as Inductor checks them (an unknown mode or option raises)."""
-    return torch._TorchCompileInductorWrapper(mode, options, None)
+    return compat.inductor_compiler(mode, options)
 
 
 def uses_cuda_graphs(compiler) -> bool:
     """Whether Inductor runs what ``compiler`` compiles as CUDA graphs (its mode's and options' setting, else
     Inductor's global one)."""
-    import torch._inductor.config as inductor_config
-
-    return bool(compiler.config.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+    return bool(compiler.config.get("triton.cudagraphs", compat.inductor_cudagraphs()))
 
 
 def without_graphs(compiled: Callable) -> Callable:
@@ -58,7 +56,7 @@ def without_graphs(compiled: Callable) -> Callable:
         finally:
             ops.calls.eager = before
 
-    run = torch._dynamo.disable(run)  # as Inductor's own callable: Dynamo must not trace the call
+    run = torch.compiler.disable(run)  # as Inductor's own callable: Dynamo must not trace the call
     run.__dict__.update({k: v for k, v in compiled.__dict__.items() if not k.startswith("_torchdynamo")})
     return run  # with _boxed_call and the rest that Dynamo reads from Inductor's callable
 

@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import dispatch
+from . import compat, dispatch
 from .reference import reference_mlp, rel_err
 
 MS = [1, 16, 32, 64, 128, 256, 512, 2048, 8192]
@@ -504,9 +504,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    torch._dynamo.config.cache_size_limit = 512
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 512
+    compat.set_recompile_limit(512)
     torch.backends.cuda.matmul.allow_tf32 = False
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

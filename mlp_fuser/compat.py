@@ -9,6 +9,12 @@ not ``0``. Otherwise every call takes the public path: Triton's ``kernel[grid](.
 Inductor renaming, the registered op through the dispatcher; correct, and slower on the host.
 
 ``PRIVATE`` says which path is taken; ``refresh()`` recomputes it (after a change of ``config.private_apis``).
+
+The rest are not shortcuts but the only way to something, used on both paths, each with its public fallback where
+one exists (named in its comment): the dispatcher's keys behind the ops' Autograd and Autocast kernels, Dynamo's
+trace-time hooks, errors and counters, FakeTensor, Inductor's compiler object and settings, Triton's kernel
+signature, the GPU sleep kernel the dispatchers time behind, Tensor and DTensor internals. ``tests/test_private_api``
+fails when a module outside this one reaches a private torch or Triton name.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import inspect
 import re
 
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 import triton
+from torch._subclasses.fake_tensor import FakeTensor, is_fake  # noqa: F401 (no public module holds them)
 
 from . import config
 
@@ -195,16 +204,188 @@ def traced_value(var):
 # ---- Inductor's lowering table ---------------------------------------------------------------------------------
 
 
-def inductor_lowering():
-    """(lowering module, V, get_layout_constraint_tag) for renaming the op's fallback call, or None on the public
-    path (Inductor then calls the registered op, as for any custom op)."""
+def inductor_imported() -> bool:
+    """Whether Inductor's lowerings are loaded (something will lower a graph): nothing here imports Inductor."""
+    import sys
+
+    return "torch._inductor.lowering" in sys.modules
+
+
+def inductor_lowering(op):
+    """The lowering Inductor uses for ``op`` (made as its implicit fallback would be, where it has none), or None on
+    the public path (Inductor then calls the registered op, as for any custom op)."""
     if not PRIVATE:
         return None
     from torch._inductor import lowering
-    from torch._inductor.virtualized import V
     from torch._library.utils import get_layout_constraint_tag
 
-    return lowering, V, get_layout_constraint_tag
+    if op not in lowering.lowerings:  # what Inductor's implicit fallback for this op would be
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+    return lowering.lowerings[op]
+
+
+def set_inductor_lowering(op, lower, fallback: bool) -> None:
+    """Make ``lower`` Inductor's lowering of ``op``; ``fallback``: marked as a fallback handler (as Inductor's own
+    fallbacks are, which its checks look for)."""
+    from torch._inductor import lowering
+
+    if fallback:
+        lower._is_fallback_handler = True
+    lowering.lowerings[op] = lower
+
+
+def fallback_kernel(out):
+    """The FallbackKernel node behind a fallback lowering's result (a tensor output wrapped for lowering), or None."""
+    from torch._inductor import ir
+
+    node = out
+    while node is not None and not isinstance(node, ir.MultiOutput):
+        node = getattr(node, "data", None)
+    inputs = getattr(node, "inputs", None) or [None]
+    return inputs[0] if isinstance(inputs[0], ir.FallbackKernel) else None
+
+
+def python_wrapper() -> bool:
+    """Whether the graph Inductor is lowering gets Python wrapper code (not C++, not an FX wrapper)."""
+    from torch._inductor.virtualized import V
+
+    return not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False)
+
+
+# ---- Inductor as torch.compile runs it -------------------------------------------------------------------------
+
+
+def inductor_compiler(mode: str | None, options: dict | None):
+    """What ``torch.compile(backend="inductor", mode=mode, options=options)`` compiles a graph with (no public
+    constructor: torch.compile builds this object itself)."""
+    return torch._TorchCompileInductorWrapper(mode, options, None)
+
+
+def inductor_cudagraphs() -> bool:
+    """Inductor's global ``triton.cudagraphs`` setting (no public accessor)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.triton.cudagraphs
+
+
+# ---- the dispatcher's keys: the ops' own Autograd and Autocast kernels ------------------------------------------
+# torch.library.register_autograd/register_autocast are the public path, but neither redispatches below autograd
+# nor casts to the autocast dtype of the call (register_autocast fixes one dtype): these kernels need the keys.
+
+AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+PLAIN_KEYS = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
+
+
+def below_autograd():
+    """A context in which calls dispatch below the Autograd key (an Autograd kernel's redispatch)."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def autocast_key(device_type: str) -> str:
+    """The Autocast dispatch key's name of a device type (``AutocastCUDA``), as ``Library.impl`` takes it."""
+    return "Autocast" + torch._C._dispatch_key_for_device(device_type)
+
+
+def excluding(key_name: str):
+    """A context in which the dispatch key ``key_name`` is skipped (an Autocast kernel calling the op again)."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key_name)))
+
+
+# ---- Dynamo ----------------------------------------------------------------------------------------------------
+
+# comptime(fn): run fn(ctx) at trace time where Dynamo traces the caller (no public form). The function itself, not a
+# wrapper: Dynamo recognises the call by the function's identity.
+from torch._dynamo.comptime import comptime  # noqa: E402,F401
+
+
+def register_backend(fn, name: str) -> None:
+    """``torch.compile(backend=name)`` calls ``fn`` (public path: passing ``fn`` itself as the backend)."""
+    import torch._dynamo
+
+    torch._dynamo.register_backend(fn, name=name)
+
+
+def dynamo_errors() -> tuple[type, type]:
+    """(Dynamo's base exception, its ``BackendCompilerFailed``), the types that wrap a traced error."""
+    import torch._dynamo.exc as exc
+
+    return exc.TorchDynamoException, exc.BackendCompilerFailed
+
+
+def graph_breaks() -> dict:
+    """Dynamo's graph-break counter, ``{reason: count}`` over the process (no public accessor)."""
+    from torch._dynamo.utils import counters
+
+    return counters["graph_break"]
+
+
+def set_recompile_limit(n: int) -> None:
+    """Let Dynamo keep ``n`` compiled versions of a frame (a benchmark's many shapes; no public setting)."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = n
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = n
+
+
+# ---- autograd and tensors ----------------------------------------------------------------------------------------
+
+# Raised through a module's forward by non-reentrant torch.utils.checkpoint to stop recomputing once done: the
+# fused forward must let it pass (empty where torch has no such error).
+CHECKPOINT_STOP = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),)
+                        if e is not None)
+
+
+def view_base(t):
+    """The tensor ``t`` is a view of, or None (``Tensor._base``; no public accessor)."""
+    return t._base
+
+
+def local_tensor(t):
+    """A DTensor's local shard as its value holds it (public fallback: ``to_local()``, an autograd op)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
+def dtensor_from_local() -> tuple:
+    """The functions a traced ``DTensor.from_local`` call appears as in a graph: the public method and the function
+    behind it (torch.distributed.tensor._api.from_local); empty without torch.distributed."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._api import from_local
+    except ImportError:
+        return ()
+    return DTensor.from_local, from_local
+
+
+# grouped GEMM over experts: torch.nn.functional.grouped_mm where torch has it, else torch._grouped_mm, else None
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def gpu_sleep(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles, so the calls queued behind are timed
+    without the host's time (``torch.cuda._sleep``; where absent, nothing: the timing then includes the host's)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(cycles)
+
+
+# ---- Triton kernels' signature -----------------------------------------------------------------------------------
+
+
+def constexpr_flags(kernel) -> list[bool] | None:
+    """For a ``triton.jit`` function (or an autotuner over one): whether each parameter is a constexpr, in order;
+    None where Triton's JITFunction does not say (its ``params``; an Autotuner's ``fn``)."""
+    jit = kernel if hasattr(kernel, "params") else getattr(kernel, "fn", None)
+    params = getattr(jit, "params", None)
+    return None if params is None else [p.is_constexpr for p in params]
+
+
+def autotuned_config(kernel) -> dict:
+    """The keyword arguments of the config an autotuner chose for its last call ({} for a plain jit function)."""
+    best = getattr(kernel, "best_config", None)
+    return best.all_kwargs() if best is not None else {}
 
 
 refresh()

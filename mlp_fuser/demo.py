@@ -160,7 +160,7 @@ def run(
 
     with step("explain: tracing the model and matching its MLP blocks"):
         report = mlp_fuser.explain(model, input_ids)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     result.report = str(report)
     p("")
     p(f"== mlp_fuser.explain(model, input_ids)   (prompt: {input_ids.shape[1]} tokens)")
@@ -175,10 +175,10 @@ def run(
 
     variants.append(("mlp_fuser.patch (eager)", patched, lambda: mlp_fuser.unpatch(model)))
     if compile and compare_inductor:
-        variants.append(("torch.compile (inductor, unfused)", lambda: torch.compile(model), torch._dynamo.reset))
+        variants.append(("torch.compile (inductor, unfused)", lambda: torch.compile(model), torch.compiler.reset))
     if compile:
         fused = "torch.compile(backend=mlp_fuser.backend)"
-        variants.append((fused, lambda: torch.compile(model, backend=mlp_fuser.backend), torch._dynamo.reset))
+        variants.append((fused, lambda: torch.compile(model, backend=mlp_fuser.backend), torch.compiler.reset))
     for name, setup, teardown in variants:
         forward = setup()
         try:

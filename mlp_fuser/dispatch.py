@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config, plans
+from . import compat, config, plans
 from .kernels import act_mul, fused_mlp_small_m, gate_up_act, quack_gated
 from .kernels.backward import act_mul_backward, mlp_backward
 from .kernels.common import gate_up_as_one, is_gate_up_as_one, m_bucket
@@ -480,7 +480,7 @@ def _measure(candidates: list[Impl], args: tuple, p, fallback: str = "reference"
     for _ in range(7):
         for name, fn in runnable.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_SLEEP_CYCLES)
+            compat.gpu_sleep(_SLEEP_CYCLES)
             start.record()
             t0 = time.perf_counter()
             for _ in range(_CALLS):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch._dynamo.comptime import comptime
 
 from . import compat
 from .moe import Gate, eager_moe_mlp, gates
@@ -163,7 +162,7 @@ def _spec(module: nn.Module) -> Spec:
 def _spec_while_tracing(module: nn.Module) -> Spec | None:
     """``spec`` while Dynamo traces a forward: run at trace time on the real module (it probes tensors, so it cannot
     be traced) and cached on it, then read back as an attribute, which Dynamo guards on. None if that failed."""
-    comptime(_stash_spec)
+    compat.comptime(_stash_spec)
     return getattr(module, "_mlp_fuser_spec", None)
 
 

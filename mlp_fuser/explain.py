@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.utils import counters
 
-from . import experts
+from . import compat, experts
 from ._dynamo_utils import fresh_code
 from .activations import get_activation
 from .fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
@@ -165,7 +164,7 @@ def _error_text(error: BaseException) -> str:
     """The error a user's code raised, without Dynamo's wrapping around it (``TorchRuntimeError: RuntimeError when
     making fake tensor call``), on one line."""
     seen: set[int] = set()
-    while isinstance(error, torch._dynamo.exc.TorchDynamoException) and id(error) not in seen:
+    while isinstance(error, compat.dynamo_errors()[0]) and id(error) not in seen:
         seen.add(id(error))
         inner = error.__cause__ or error.__context__
         if inner is None:
@@ -194,13 +193,13 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
         return gm.forward
 
     fn = original_forward(model) if isinstance(model, torch.nn.Module) else model
-    before = dict(counters["graph_break"])
+    before = dict(compat.graph_breaks())
     error = None
     try:
         torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
     except Exception as e:  # the report says what the forward raised: explain is how a user finds out why
         error = _error_text(e)
-    reasons = [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
+    reasons = [r for r, n in compat.graph_breaks().items() if n > before.get(r, 0)]
     report = Report(graphs=len(graphs), graph_breaks=len(reasons), break_reasons=reasons, error=error,
                     verbose=verbose)
     for gm in graphs:

@@ -26,11 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
+from mlp_fuser import compat, sharding
 from mlp_fuser import patterns as P
-from mlp_fuser import sharding
 from mlp_fuser.ops import _PLAIN
 from mlp_fuser.patterns import experts as routed
 from mlp_fuser.patterns import router_topk
@@ -183,7 +182,7 @@ def _check_shapes(c: P.Candidate) -> str | None:
 def _plain(t: torch.Tensor) -> bool:
     """A plain tensor (the types the op's eager entry computes directly), or the fake tensor Dynamo stands in for one
     (a subclass's stand-in has the subclass's type)."""
-    return type(t) in _PLAIN or isinstance(t, FakeTensor)
+    return type(t) in _PLAIN or isinstance(t, compat.FakeTensor)
 
 
 def _autocast_dtype(x) -> torch.dtype | None:

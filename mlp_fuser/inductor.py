@@ -18,7 +18,6 @@ the default backend) gets the same call.
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
@@ -29,48 +28,29 @@ _installed: dict[str, object] = {}  # op name -> the lowering ours wraps (Induct
 INDUCTOR_NAMES = {"mlp": "_inductor_mlp", "gated_mlp": "_inductor_gated_mlp"}  # op -> its torch.ops.mlp_fuser entry
 
 
-def _fallback_kernel(out):
-    """The FallbackKernel node behind a fallback lowering's result (a tensor output wrapped for lowering), or None."""
-    from torch._inductor import ir
-
-    node = out
-    while node is not None and not isinstance(node, ir.MultiOutput):
-        node = getattr(node, "data", None)
-    inputs = getattr(node, "inputs", None) or [None]
-    return inputs[0] if isinstance(inputs[0], ir.FallbackKernel) else None
-
-
 def install() -> bool:
     """Register the renaming fallback lowering for both ops (once per process); False where it cannot be (on
     ``compat``'s public path, or where Inductor's internals differ)."""
     if len(_installed) == len(INDUCTOR_NAMES):
         return True
     try:
-        hooks = compat.inductor_lowering()
-        if hooks is None:
-            return False
-        lowering, V, get_layout_constraint_tag = hooks
-
         for op_name, direct in INDUCTOR_NAMES.items():
             op = getattr(torch.ops.mlp_fuser, op_name).default
             if op_name in _installed:
                 continue
-            if op not in lowering.lowerings:  # what Inductor's implicit fallback for this op would be
-                constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
-                lowering.make_fallback(op, layout_constraint=constraint, warn=False)
-            inner = lowering.lowerings[op]
+            inner = compat.inductor_lowering(op)
+            if inner is None:
+                return False
 
             def lower(*args, _inner=inner, _op=op, _direct=direct, _name=f"torch.ops.mlp_fuser.{direct}", **kwargs):
                 out = _inner(*args, **kwargs)
-                kernel = _fallback_kernel(out)
+                kernel = compat.fallback_kernel(out)
                 if (config.inductor_direct and compat.PRIVATE and _direct in vars(torch.ops.mlp_fuser)
-                        and kernel is not None and kernel.op_overload is _op and not V.graph.cpp_wrapper
-                        and not getattr(V.graph, "fx_wrapper", False)):
+                        and kernel is not None and kernel.op_overload is _op and compat.python_wrapper()):
                     kernel.python_kernel_name = _name
                 return out
 
-            lower._is_fallback_handler = True  # still Inductor's fallback, as far as Inductor's checks go
-            lowering.lowerings[op] = lower
+            compat.set_inductor_lowering(op, lower, fallback=True)  # still a fallback, as far as Inductor checks
             _installed[op_name] = inner
     except Exception as e:  # another torch's internals: the registered op stays what Inductor calls
         log.debug("mlp_fuser: Inductor's direct call not installed: %s: %s", type(e).__name__, e)
@@ -82,14 +62,12 @@ def install_if_inductor() -> None:
     """``install()`` if Inductor is already imported (it will lower the graph being traced), else nothing: called
     while a graph with the op is traced, so that ``torch.compile``'s default backend (a patched model compiled with
     Inductor, say) gets the direct call too, and nothing imports Inductor for it."""
-    if len(_installed) < len(INDUCTOR_NAMES) and "torch._inductor.lowering" in sys.modules:
+    if len(_installed) < len(INDUCTOR_NAMES) and compat.inductor_imported():
         install()
 
 
 def uninstall() -> None:
     """Give Inductor back its own fallbacks for the ops (for tests)."""
-    from torch._inductor import lowering
-
     for op_name, inner in _installed.items():
-        lowering.lowerings[getattr(torch.ops.mlp_fuser, op_name).default] = inner
+        compat.set_inductor_lowering(getattr(torch.ops.mlp_fuser, op_name).default, inner, fallback=False)
     _installed.clear()

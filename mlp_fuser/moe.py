@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from . import compat, config
 from .activations import ACTIVATIONS, get_activation
@@ -174,7 +173,7 @@ def _problem(x, ids, wts, wgu, bgu, wd, bd, activation):
 def _check_ids(ids: Tensor) -> None:
     """Ids below zero are no expert and no sentinel: an error, where reading them costs no host sync."""
     if (ids.numel() and (not ids.is_cuda or CHECK_ROUTING) and not torch.compiler.is_compiling()
-            and (type(ids) is Tensor or not is_fake(ids))):  # a plain tensor is never fake: no is_fake call
+            and (type(ids) is Tensor or not compat.is_fake(ids))):  # a plain tensor is never fake: no is_fake call
         low = int(ids.min())
         if low < 0:
             raise ValueError(f"mlp_fuser::moe_mlp: topk_ids holds {low}; expert ids are 0..E-1, and ids >= E "
@@ -189,7 +188,7 @@ def _grouped_linear(a: Tensor, w: Tensor, offs: Tensor, experts: Tensor, counts:
     no expert), w (E, N, K) logical: each row times its expert's wᵀ; rows past ``offs[-1]`` are zero or garbage, and
     the caller masks them. ``counts``: the segments' lengths where the host has them (CPU); elsewhere no host sync."""
     if _use_grouped_mm(a, w):
-        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+        return compat.grouped_mm(a, w.transpose(1, 2), offs=offs)
     if counts is None:  # no host sync: a gathered weight per row, as transformers' batched_mm does
         return torch.bmm(w[experts], a.unsqueeze(-1)).squeeze(-1)
     out, start = a.new_zeros((a.shape[0], w.shape[1])), 0
@@ -201,7 +200,7 @@ def _grouped_linear(a: Tensor, w: Tensor, offs: Tensor, experts: Tensor, counts:
 
 
 def _use_grouped_mm(a: Tensor, w: Tensor) -> bool:
-    return (a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and a.shape[0] > 0
+    return (a.is_cuda and a.dtype == torch.bfloat16 and compat.grouped_mm is not None and a.shape[0] > 0
             and a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(a.device) >= (9, 0))
 
 
@@ -216,7 +215,7 @@ def reference(x, ids, wts, wgu, bgu, wd, bd, gate: Gate) -> Tensor:
     order = torch.argsort(torch.where(valid, flat, E), stable=True)
     per_expert = flat.new_zeros(E + 1).scatter_add_(0, flat.clamp(max=E), torch.ones_like(flat))  # a static shape
     offs = torch.cumsum(per_expert[:E], 0, dtype=torch.int32)
-    counts = None if x.is_cuda or is_fake(x) else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    counts = None if x.is_cuda or compat.is_fake(x) else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     keep = valid[order].unsqueeze(-1)
     experts = flat[order].clamp(max=E - 1)
     xs = x[order // k].masked_fill(~keep, 0.0)  # its backward zeroes the sentinel rows' gradient
@@ -340,8 +339,8 @@ def _many_rows(p: Problem) -> str | None:
 
 
 def _grouped_mm_ok(p: Problem) -> str | None:
-    if not hasattr(torch, "_grouped_mm"):
-        return "torch._grouped_mm is absent"
+    if compat.grouped_mm is None:
+        return "torch has no grouped_mm"
     if p.H % 8 or p.I % 8:
         return "H and I must be multiples of 8"
     return None
@@ -445,7 +444,7 @@ def _time(candidates: list[Impl], args: tuple, p: Problem) -> Choice:
             torch.cuda.synchronize()
             wall[impl.name].append((time.perf_counter() - t0) * 1e3)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(10_000_000)  # a few ms: longer than the host takes to queue the three calls
+            compat.gpu_sleep(10_000_000)  # a few ms: longer than the host takes to queue the three calls
             start.record()
             for _ in range(3):
                 impl.fn(*args)
@@ -565,9 +564,9 @@ def _autograd(keyset, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=Fal
         T = math.prod(x.shape[:-1])
         y = reference(x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
         return y.view(x.shape)
-    with torch._C._AutoDispatchBelowAutograd():
+    with compat.below_autograd():
         return torch.ops.mlp_fuser.moe_mlp.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
+            keyset & compat.AFTER_AUTOGRAD, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
             clamp_after, up_offset)
 
 
@@ -575,8 +574,7 @@ _lib.impl("moe_mlp", _autograd, "Autograd", with_keyset=True)
 
 
 def _register_autocast(device_type: str) -> None:
-    key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    key = getattr(torch._C.DispatchKey, key_name)
+    key_name = compat.autocast_key(device_type)
     op = torch.ops.mlp_fuser.moe_mlp.default
 
     def kernel(_keyset, x, ids, wts, wgu, bgu, wd, bd, *rest):
@@ -585,7 +583,7 @@ def _register_autocast(device_type: str) -> None:
         def cast(a):
             return a.to(dtype) if a is not None and a.is_floating_point() and a.device.type == device_type else a
 
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+        with compat.excluding(key_name):
             return op(cast(x), ids, wts, cast(wgu), cast(bgu), cast(wd), cast(bd), *rest)
 
     _lib.impl("moe_mlp", kernel, key_name, with_keyset=True)

@@ -498,12 +498,12 @@ class _MLPFunction(torch.autograd.Function):
             y = _forward(name, a, True, key)
             ctx.save_for_backward(*a[:7])
         else:
-            with torch._C._AutoDispatchBelowAutograd():
-                y = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+            with compat.below_autograd():
+                y = op.redispatch(keyset & compat.AFTER_AUTOGRAD, *args)
             ctx.save_for_backward(*a[:7])
         # A view of the 2-D result is returned as a tensor of its own, so callers may update it in place under
         # autograd (Falcon adds the attention output into the MLP output with +=).
-        return y.detach() if y._is_view() else y
+        return y.detach() if compat.view_base(y) is not None else y
 
     @staticmethod
     def backward(ctx, dy):
@@ -523,8 +523,8 @@ class _MLPFunction(torch.autograd.Function):
         return (None, None, None, *grads, None)
 
 
-_DIRECT = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_DIRECT = compat.PLAIN_KEYS
+_AFTER_AUTOGRAD = compat.AFTER_AUTOGRAD
 _direct_by_keyset: dict[int, bool] = {}  # a call's key set (raw) -> whether below autograd it is plain CPU/CUDA
 
 
@@ -542,7 +542,7 @@ def _register_autograd(op_name: str, forward, n_args: int) -> None:
             direct = _direct_by_keyset[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DIRECT
         if direct and compat.PRIVATE:  # plain CPU/CUDA tensors: compute here, no second hop
             return forward(*args)
-        with torch._C._AutoDispatchBelowAutograd():
+        with compat.below_autograd():
             return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
     _lib.impl(op_name, kernel, "Autograd", with_keyset=True)
@@ -556,8 +556,7 @@ _register_autograd("gated_mlp", _gated_mlp, 8)
 
 
 def _register_autocast(op_name: str, device_type: str) -> None:
-    key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    key = getattr(torch._C.DispatchKey, key_name)
+    key_name = compat.autocast_key(device_type)
     op = getattr(torch.ops.mlp_fuser, op_name).default
 
     def kernel(_keyset, *args):
@@ -568,7 +567,7 @@ def _register_autocast(op_name: str, device_type: str) -> None:
                 return a.to(dtype)
             return a
 
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+        with compat.excluding(key_name):
             return op(*(cast(a) for a in args))
 
     _lib.impl(op_name, kernel, key_name, with_keyset=True)

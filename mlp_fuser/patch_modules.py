@@ -22,10 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from . import fx_pass, sharding
+from . import compat, fx_pass, sharding
 from ._dynamo_utils import fresh_code
 from .ops import EAGER, EagerSite
 from .patterns.common import dependents, dropout_active, is_dropout
@@ -36,7 +35,7 @@ OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
 Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None, tuple[str, str] | None]
 # Exceptions raised through the fused forward on purpose: non-reentrant torch.utils.checkpoint stops its
 # recomputation from a saved-tensor hook once every tensor the backward needs is recomputed.
-_PASS_THROUGH = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
+_PASS_THROUGH = compat.CHECKPOINT_STOP
 
 
 class FusedModuleForward:
@@ -171,7 +170,7 @@ def _prove(module: nn.Module, projs: list[nn.Module], options: dict, sites: list
             with torch.set_grad_enabled(sharding.holds_dtensors(module)), _quiet("torch._subclasses.fake_tensor",
                                                                                   "torch._dynamo"):
                 torch.compile(fresh_code(type(module).forward), backend=capture, fullgraph=True)(module, x)
-        except torch._dynamo.exc.BackendCompilerFailed:
+        except compat.dynamo_errors()[1]:
             raise  # the graph pass failed: a bug to see, not a sample input of the wrong width
         except Exception:
             continue

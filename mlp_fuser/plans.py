@@ -166,7 +166,8 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
                 elif id(a) in pieces:
                     exprs.append(pieces[id(a)][0])
                 else:  # an intermediate: a fresh, contiguous allocation of its own, placed in the workspace
-                    if not a.is_contiguous() or a._base is not None or a.untyped_storage().nbytes() != a.nbytes:
+                    view = compat.view_base(a) is not None
+                    if not a.is_contiguous() or view or a.untyped_storage().nbytes() != a.nbytes:
                         return None
                     pieces[id(a)] = (f"(w + {nbytes})" if nbytes else "w", nbytes, a.nbytes)
                     exprs.append(pieces[id(a)][0])
@@ -326,8 +327,8 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list,
         return None
     g, u, h = tensors
     # one GEMM: g and u the two halves of one (M, 2I) result, as _cublas_act_mul makes them for a merged weight
-    gu = g._base
-    one = (wu is not None and gu is not None and gu is u._base and gu.is_contiguous()
+    gu = compat.view_base(g)
+    one = (wu is not None and gu is not None and gu is compat.view_base(u) and gu.is_contiguous()
            and gu.shape == (h_shape[0], 2 * h_shape[1]) and g.data_ptr() == gu.data_ptr()
            and u.data_ptr() - g.data_ptr() == h_shape[1] * g.element_size())
     if not (one or (g.is_contiguous() and u.is_contiguous())) or not h.is_contiguous() or (one and keep_preact):

@@ -23,16 +23,15 @@ from copy import deepcopy
 import torch
 from torch.fx import GraphModule, Node
 
+from . import compat
 from .patterns.common import arg, dependents, is_fn, is_method, val
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-    from torch.distributed.tensor._api import from_local as _from_local_impl
-    FROM_LOCAL = (DTensor.from_local, _from_local_impl)
 except ImportError:  # torch built without distributed
     DTensor = DeviceMesh = None
-    FROM_LOCAL = ()
+FROM_LOCAL = compat.dtensor_from_local()
 
 _WALK = 64  # nodes walked back from down's input to find the gate/up projections (an MLP's body is a few)
 
@@ -62,7 +61,7 @@ def _shard_last(p, ndim: int) -> bool:
 
 
 def _dtensor_linear(n) -> bool:
-    return is_fn(n, torch._C._nn.linear, torch.nn.functional.linear) and is_dtensor(val(arg(n, 1, "weight")))
+    return is_fn(n, torch.nn.functional.linear) and is_dtensor(val(arg(n, 1, "weight")))
 
 
 def _colwise(to_local: Node):
@@ -113,7 +112,7 @@ def _to_local(g, n: Node, cache: dict) -> Node | None:
         return None
     if n not in cache:
         with g.inserting_after(n):
-            cache[n] = _copy_meta(g.call_method("to_local", (n,)), n, val(n)._local_tensor)
+            cache[n] = _copy_meta(g.call_method("to_local", (n,)), n, compat.local_tensor(val(n)))
     return cache[n]
 
 
@@ -197,12 +196,12 @@ def lower(gm: GraphModule, copy: bool = False) -> tuple[GraphModule, list[tuple[
                     _copy_meta(x_local, s, val(x))
             with g.inserting_before(t):
                 w, b = (_to_local(g, arg(lin, i, k), weights) for i, k in ((1, "weight"), (2, "bias")))
-                new = g.call_function(torch._C._nn.linear, (x_local, w, b))
+                new = g.call_function(torch.nn.functional.linear, (x_local, w, b))
             t.replace_all_uses_with(_copy_meta(new, lin, val(t)))
         with g.inserting_before(down):
             wl = _to_local(g, arg(down, 1, "weight"), weights)
-            y = _copy_meta(g.call_function(torch._C._nn.linear, (src.args[0], wl, None)), down,
-                           val(down)._local_tensor)
+            y = _copy_meta(g.call_function(torch.nn.functional.linear, (src.args[0], wl, None)), down,
+                           compat.local_tensor(val(down)))
             mesh_node = arg(src, 1, "device_mesh")
             out = g.call_function(FROM_LOCAL[-1], (y, mesh_node, (Partial(),)), {"run_check": False})
             _copy_meta(out, down, val(down))

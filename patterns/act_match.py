@@ -28,7 +28,7 @@ ELEMENTWISE_FNS = {
     torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.neg, torch.square,
     torch.tanh, torch.sigmoid, torch.erf, torch.exp, torch.sqrt, torch.rsqrt, torch.relu,
     torch.special.erf, torch.special.expit, torch.nn.functional.tanh, torch.nn.functional.sigmoid,
-    F.relu, F.gelu, F.silu, torch._C._nn.gelu,
+    F.relu, F.gelu, F.silu,  # F.gelu is torch._C._nn.gelu, as graphs record it
 }  # fmt: skip
 ELEMENTWISE_METHODS = {
     "mul", "add", "sub", "div", "pow", "neg", "square", "tanh", "sigmoid", "erf", "exp", "sqrt", "rsqrt", "relu",

@@ -1,6 +1,6 @@
 """A projection (one Linear) as Dynamo records it.
 
-- ``torch._C._nn.linear(x, w, b)`` / ``F.linear``: ``nn.Linear``, weight ``(out, in)``.
+- ``F.linear(x, w, b)`` (the very function graphs record, ``torch._C._nn.linear``): ``nn.Linear``, weight ``(out, in)``.
 - ``addmm(b, x.view(-1, K), w).view(*x.shape[:-1], O)``: GPT-2's ``Conv1D``, weight ``(in, out)``.
 - ``x @ w.T`` (+ ``b``): Falcon's ``FalconLinear`` and hand-written projections; ``x @ w`` is an ``(in, out)`` weight.
 """
@@ -16,7 +16,7 @@ from torch.fx import Node
 
 from .common import arg, is_fn, is_method, val
 
-LINEAR = (torch._C._nn.linear, F.linear)
+LINEAR = (F.linear,)
 MATMUL = (operator.matmul, torch.matmul)
 ADD = (operator.add, torch.add)
 VIEW_METHODS = ("view", "reshape")

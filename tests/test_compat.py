@@ -63,7 +63,7 @@ def test_public_path_outside_the_tested_versions_gives_the_fast_paths_outputs(re
         restore.setattr(config, "private_apis", False)
     assert compat.refresh() is False
     assert not compat.plain_call(c.x, c.record()[1:7])  # the registered op, through the dispatcher
-    assert compat.inductor_lowering() is None
+    assert compat.inductor_lowering(torch.ops.mlp_fuser.mlp.default) is None
     assert not compat.set_op_attribute("_never_set", len) and "_never_set" not in vars(torch.ops.mlp_fuser)
     public = _outputs(c)
     for f, p in zip(fast, public):
@@ -106,3 +106,46 @@ def test_environment_switch():
                           "print(compat.PRIVATE, '_inductor_gated_mlp' in vars(torch.ops.mlp_fuser))"],
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_constexpr_flags_of_a_real_jit_function():
+    import triton.language as tl
+
+    def kernel(x_ptr, n, BLOCK: tl.constexpr, ACT: tl.constexpr):
+        pass
+
+    jit = triton.JITFunction(kernel)  # compiled Triton's, not the interpreter's (which triton.jit gives here)
+    assert compat.constexpr_flags(jit) == [False, False, True, True]
+    assert compat.constexpr_flags(triton.autotune([triton.Config({})], key=[])(jit)) == [False, False, True, True]
+
+
+def test_gpu_sleep_without_torch_sleep_does_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda n: calls.append(n), raising=False)
+    compat.gpu_sleep(7)
+    assert calls == [7]
+    monkeypatch.delattr(torch.cuda, "_sleep")
+    compat.gpu_sleep(7)  # the public fallback: no sleep, no error
+    assert calls == [7]
+
+
+def test_local_tensor_falls_back_to_to_local():
+    class Local:
+        def to_local(self):
+            return "public"
+
+    class Private(Local):
+        _local_tensor = "private"
+
+    assert compat.local_tensor(Private()) == "private" and compat.local_tensor(Local()) == "public"
+
+
+def test_grouped_mm_is_the_public_function_where_torch_has_it():
+    import torch.nn.functional as F
+
+    assert compat.grouped_mm is getattr(F, "grouped_mm", None) or compat.grouped_mm is torch._grouped_mm
+
+
+def test_view_base():
+    a = torch.randn(4, 6)
+    assert compat.view_base(a) is None and compat.view_base(a[:, :3]) is a

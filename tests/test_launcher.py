@@ -202,3 +202,18 @@ def test_launch_source_calls_the_launcher_where_it_must_allocate_or_is_unknown()
         consts = {}
         line = common.launch_source(compiled, (1, 1, 1), "s", ["p"], "_k0_", consts)
         assert consts["_k0_launch"] is run and line.startswith("_k0_launch(1, 1, 1, s, _k0_fn, _k0_meta, None"), change
+
+
+def test_a_kernel_without_a_known_signature_goes_through_triton(gpu_free):
+    """Where Triton's JITFunction does not say which parameters are constexprs (compat.constexpr_flags None), every
+    call takes Triton's own launch: correct, with no direct launch to get wrong."""
+
+    class Unsigned(FakeKernel):
+        params = property(lambda self: (_ for _ in ()).throw(AttributeError("params")))
+
+    k = Unsigned()
+    assert compat.constexpr_flags(k) is None
+    launch = common.Launcher(k)
+    for _ in range(3):
+        launch(("a",), (5,), "x", "y", 7, BLOCK=32, ACT="silu")
+    assert len(k.slow) == 3 and k.compiled.runs == []

@@ -136,11 +136,14 @@ class Launcher:
         self.cache: dict[tuple, tuple] = {}  # key -> (compiled kernel, grid, device index, its direct launch)
         if INTERPRET:  # an InterpretedFunction: nothing compiled to launch directly
             return
-        jit = kernel if hasattr(kernel, "params") else kernel.fn  # an Autotuner wraps the JITFunction
-        constexpr = [p.is_constexpr for p in jit.params]
+        constexpr = compat.constexpr_flags(kernel)
+        if constexpr is None:  # a Triton that does not say: every call goes through Triton
+            self.pad = None
+            return
         n_args = constexpr.index(True) if True in constexpr else len(constexpr)
         if any(constexpr[:n_args]) or not all(constexpr[n_args:]):
-            raise ValueError(f"Launcher({getattr(jit, '__name__', jit)}): the constexpr parameters must come last")
+            name = getattr(kernel, "__name__", kernel)
+            raise ValueError(f"Launcher({name}): the constexpr parameters must come last")
         self.pad = (None,) * (len(constexpr) - n_args)  # the compiled launcher skips the constexpr slots
 
     def __call__(self, key: tuple, grid: Sequence[int] | Callable[[dict], Sequence[int]], *args, **constexprs):
@@ -153,11 +156,10 @@ class Launcher:
             return
         Launcher.slow_calls += 1
         compiled = self.kernel[grid](*args, **constexprs)
-        if INTERPRET or not compat.can_launch_directly(compiled):  # the public path: Triton launches every call
+        if INTERPRET or self.pad is None or not compat.can_launch_directly(compiled):  # Triton launches every call
             return
         if callable(grid):
-            best = getattr(self.kernel, "best_config", None)
-            grid = grid({**constexprs, **(best.all_kwargs() if best is not None else {})})
+            grid = grid({**constexprs, **compat.autotuned_config(self.kernel)})
         grid = (*grid, 1, 1)[:3]
         if len(self.cache) >= self.MAX_KEYS:
             self.cache.clear()
