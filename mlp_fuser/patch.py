@@ -30,6 +30,7 @@ from .backend import FilterFn, check_filter, make_backend, pass_options
 from .experts import FusedExpertsForward, fuse_experts, spec
 from .kernels.common import stored_as_one
 from .ops import _PLAIN
+from .patch_fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
 from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
 from .patch_router import FusedRouterForward, fuse_router
 
@@ -41,7 +42,7 @@ _SETTINGS = "_mlp_fuser_settings"  # what patch was called with
 _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weight paths it stored as one
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
-_FORWARDS = (FusedModuleForward, FusedExpertsForward, FusedRouterForward)  # what patch installs on a module
+_FORWARDS = (FusedModuleForward, FusedExpertsForward, FusedRouterForward, FusedFp8Linear)  # what patch installs
 
 
 def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | None:
@@ -102,8 +103,9 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
     if per_module:
         fused, allowed, misses, memo, routers = {}, pass_options(**options), [], {}, {}
         for path, module in model.named_modules():
-            forward = fuse_module(module, **allowed) or _experts_forward(module, allowed) or _router_forward(
-                module, allowed, routers)
+            forward = (fuse_fp8_module(module, **allowed) or fuse_module(module, **allowed)
+                       or _experts_forward(module, allowed) or _router_forward(module, allowed, routers)
+                       or fuse_fp8_linear(module))
             if forward is None and (miss := weight_near_miss(module, path, allowed, memo)) is not None:
                 misses.append(miss)
             if forward is not None and (filter_fn is None or filter_fn(module, path)):

@@ -30,9 +30,10 @@ from .ops import EAGER, EagerSite
 from .patterns.common import dependents, dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
-# A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, and
-# the names of the gate and up weights (parameters of the module, no biases; ``merge_gate_up``) or None.
-Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None, tuple[str, str] | None]
+# A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, the
+# names of the gate and up weights (parameters of the module, no biases; ``merge_gate_up``) or None, and the op's
+# operands, each ("x",), ("path", "gate_proj.weight") or ("constant", value), or None (a view of a weight).
+Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None, tuple[str, str] | None, tuple | None]
 # Exceptions raised through the fused forward on purpose: non-reentrant torch.utils.checkpoint stops its
 # recomputation from a saved-tensor hook once every tensor the backward needs is recomputed.
 _PASS_THROUGH = compat.CHECKPOINT_STOP
@@ -71,7 +72,7 @@ class FusedModuleForward:
         graph = self.graphs.get(module.training)
         if graph is None or not isinstance(x, Tensor) or module._modules != self.children:
             return self.original(*args, **kwargs)
-        forward, getters, direct, _ = graph
+        forward, getters, direct = graph[:3]
         try:
             if direct is not None:
                 return direct(module, x)
@@ -279,9 +280,13 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Pr
     if (ops[0].target == OPS[1] and a[2] is None and a[4] is None and paths.get(a[1]) and paths.get(a[3])
             and paths[a[1]] not in buffers and paths[a[3]] not in buffers and paths[a[1]] != paths[a[3]]):
         gate_up = (paths[a[1]], paths[a[3]])
+    operands = tuple(("x",) if v is x_node else ("path", paths[v]) if isinstance(v, torch.fx.Node) and v in paths
+                     else ("constant", v) for v in a)
+    if any(o[0] == "constant" and not isinstance(o[1], _CONSTANT) for o in operands):
+        operands = None
     ops[0].target = EAGER[ops[0].target]  # the op minus the dispatcher's hop where nothing needs it
     gm.recompile()
-    return gm.forward, getters, _direct_call(ops[0], x_node, paths, buffers), gate_up
+    return gm.forward, getters, _direct_call(ops[0], x_node, paths, buffers), gate_up, operands
 
 
 _CONSTANT = (type(None), bool, int, float, str)

@@ -260,4 +260,4 @@ def proof(module, x, gm: GraphModule, example_inputs: list, report):
     allowed = {src, x_local, ops[0], back, red, result, output}
     if any(u not in allowed for u in dependents(x_node)):
         return None  # the graph does more with the input than the MLP
-    return gm.forward, getters, None, None
+    return gm.forward, getters, None, None, None

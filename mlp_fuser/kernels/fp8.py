@@ -1,0 +1,316 @@
+"""FP8 weights: y = x @ (w · s)ᵀ with w float8_e4m3fn (N, K) and s its scales, dequantized on chip, never in HBM.
+
+The weight formats people ship differ only in how a scale covers the weight, so a scale is taken as a 2-D view
+``s[n // SCALE_BN, k // SCALE_BK]``:
+- 128 × 128 blocks (Qwen3 / DeepSeek-V3 FP8 checkpoints): s (⌈N/128⌉, ⌈K/128⌉), SCALE_BN = SCALE_BK = 128;
+- per channel (compressed-tensors, torchao per-row): s (N, 1), SCALE_BN = 1, SCALE_BK = K;
+- per tensor: s (1, 1), read as per channel through a stride of 0.
+Where a scale changes along K (blocks) it multiplies each K step's partial product; elsewhere the whole sum, once.
+
+One kernel, two ways to multiply, both swap-AB (the weight rows take the dot's M side, so a handful of tokens
+still fills Hopper's 64-row wgmma) and split-K (each program owns an output tile and a K range; the last program
+of a tile, told by an atomic counter, sums the fp32 partials in split order and runs the epilogue):
+- W8A16 (A8 False): each weight tile is cast to x's dtype in registers and multiplied with x as it is — decode,
+  where the time is the weight bytes;
+- W8A8 (A8 True): x quantized per token and 128-wide K block beforehand (``quantize_rows``, transformers'
+  dynamic scheme), both operands fp8 on the fp8 tensor cores, both scales per K step — prefill.
+With GATED, two weights (gate and up) share each x tile and the epilogue writes act(gate) · up; with ACT alone,
+act(y); the bias last before the activation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..activations import get_activation
+from .common import INTERPRET, cdiv, num_sms
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+A8_BLOCK = 128  # the K width of one activation scale (transformers' dynamic per-token-block quantization)
+
+
+class Fp8Weight(NamedTuple):
+    """A float8 weight (N, K) as the kernels read it: its scales as a 2-D fp32 view and the block each covers."""
+
+    w: Tensor
+    scale: Tensor
+    block_n: int
+    block_k: int
+
+    @property
+    def k_scaled(self) -> bool:
+        return self.block_k < self.w.shape[1]
+
+
+def fp8_weight(w: Tensor, scale: Tensor, block: tuple[int, int] | list[int] | None = None) -> Fp8Weight:
+    """``w`` (N, K) float8_e4m3fn with ``scale``: per block (``block`` = (block_n, block_k), scale (⌈N/bn⌉, ⌈K/bk⌉)),
+    per channel (scale (N,) or (N, 1)) or per tensor (one element); fp32 or UE8M0 scales. Raises ValueError naming
+    what does not fit."""
+    if w.dim() != 2 or w.dtype != FP8:
+        raise ValueError(f"mlp_fuser: an FP8 weight must be 2-D float8_e4m3fn, got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"mlp_fuser: FP8 weight scales must be float32 or float8_e8m0fnu, got {scale.dtype}")
+    s = scale.float() if scale.dtype != torch.float32 else scale  # UE8M0 (powers of two) are exact in fp32
+    if block is not None:
+        bn, bk = int(block[0]), int(block[1])
+        want = (cdiv(N, bn), cdiv(K, bk)) if bn > 0 and bk > 0 else None
+        if want is None or (tuple(s.shape) != want and not (want == (1, 1) and s.numel() == 1)):
+            raise ValueError(f"mlp_fuser: FP8 block scales for a weight {(N, K)} in {bn} x {bk} blocks must be "
+                             f"{want}, got {tuple(scale.shape)}")
+        return Fp8Weight(w, s.reshape(want), bn, min(bk, K))
+    if s.numel() == 1:  # as per channel, one scale repeated (stride 0): no kernel per N
+        return Fp8Weight(w, s.reshape(1, 1).expand(N, 1), 1, K)
+    if tuple(s.shape) in ((N,), (N, 1)):
+        return Fp8Weight(w, s.reshape(N, 1), 1, K)
+    raise ValueError(f"mlp_fuser: FP8 scales {tuple(scale.shape)} fit no format of a weight {(N, K)}: per tensor "
+                     f"(1 element), per channel ({N},) or per block with a block size")
+
+
+def dequantize(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight the scales describe, w · s, in ``dtype`` (the reference; never on the fused path)."""
+    N, K = fw.w.shape
+    s = fw.scale.repeat_interleave(fw.block_n, 0)[:N].repeat_interleave(fw.block_k, 1)[:, :K]
+    return (fw.w.to(torch.float32) * s.to(torch.float32)).to(dtype)
+
+
+# ---- the activations' quantization (W8A8) ------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr):
+    """One (row, 128-wide K block) per program: scale = amax / 448, q = x / scale in float8_e4m3fn."""
+    m = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs = kb * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + m * stride_xm + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 448.0
+    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)  # amax / scale may round a hair past 448
+    tl.store(q_ptr + m * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    tl.store(s_ptr + m * tl.cdiv(K, BLOCK) + kb, scale)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (M, K) as float8_e4m3fn (M, K) and fp32 scales (M, ⌈K/128⌉): one scale per token and 128-wide K block."""
+    if INTERPRET:  # the interpreter's fp32 -> float8 cast misrounds where rounding carries (7.9 -> 4): aten's
+        return quantize_rows_reference(x)
+    M, K = x.shape
+    q = torch.empty((M, K), device=x.device, dtype=FP8)
+    s = torch.empty((M, cdiv(K, A8_BLOCK)), device=x.device, dtype=torch.float32)
+    if M:
+        _quantize_rows_kernel[(M, cdiv(K, A8_BLOCK))](x, q, s, K, x.stride(0), x.stride(1), BLOCK=A8_BLOCK)
+    return q, s
+
+
+def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``quantize_rows`` in aten (the semantics transformers' FP8 kernel gives the activations)."""
+    M, K = x.shape
+    pad = cdiv(K, A8_BLOCK) * A8_BLOCK - K
+    xb = torch.nn.functional.pad(x.float(), (0, pad)).view(M, -1, A8_BLOCK)
+    s = xb.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    q = (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, -1)[:, :K]
+    return q, s
+
+
+# ---- the GEMM -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scaled_dot(w_ptrs, x_ptrs, s_ptrs, xs_ptrs, k, k_hi, offs_k, mask_m, acc,
+                K_SCALED: tl.constexpr, A8: tl.constexpr, SCALE_BK: tl.constexpr):
+    """acc += (w tile · its scales) @ x tileᵀ for the K step at k: accᵀ's (BLOCK_N, BLOCK_M) tile in fp32.
+    ``s_ptrs``: the weight rows' scales of this step's K block."""
+    kmask = (k + offs_k) < k_hi
+    w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+    x = tl.load(x_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
+    if not A8:
+        w = w.to(x.dtype)
+    if K_SCALED or A8:
+        part = tl.dot(w, tl.trans(x))
+        if K_SCALED:
+            part = part * tl.load(s_ptrs)[:, None]
+        if A8:
+            part = part * tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[None, :]
+        acc += part
+    else:
+        acc = tl.dot(w, tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wu_ptr, wus_ptr, b_ptr, y_ptr, partials_ptr, counters_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, K_SCALED: tl.constexpr, A8: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # -- which output tile (grouped along M for L2 reuse of the weight panels) and which K range --------------
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_m
+    pid_n = (tile % in_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and y
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of w = columns of y
+    mask_m = offs_m < M
+    w_rows = tl.minimum(offs_n, N - 1)  # rows past N repeat the last one: no mask along N (never stored)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk
+    wu_ptrs = wu_ptr + w_rows[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    s_ptrs = ws_ptr + (w_rows // SCALE_BN) * stride_sn  # + (k // SCALE_BK) * stride_sk per step
+    su_ptrs = wus_ptr + (w_rows // SCALE_BN) * stride_sn
+    xs_ptrs = xs_ptr + offs_m * tl.cdiv(K, 128)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        acc = _scaled_dot(w_ptrs, x_ptrs, s_ptrs + (k // SCALE_BK) * stride_sk, xs_ptrs, k, k_hi,
+                          offs_k, mask_m, acc, K_SCALED, A8, SCALE_BK)
+        if GATED:
+            acc_u = _scaled_dot(wu_ptrs, x_ptrs, su_ptrs + (k // SCALE_BK) * stride_sk, xs_ptrs, k,
+                                k_hi, offs_k, mask_m, acc_u, K_SCALED, A8, SCALE_BK)
+        w_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+
+    mask_y = (offs_n[:, None] < N) & mask_m[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
+    if SPLIT_K > 1:
+        # partials laid out [split, (gate, up), M, N], fp32; the last program of the tile sums them in split order
+        p_ptrs = partials_ptr + offs_m[None, :] * N + offs_n[:, None]
+        stride_split = (2 if GATED else 1) * M * N
+        tl.store(p_ptrs + split * stride_split, acc, mask=mask_y)
+        if GATED:
+            tl.store(p_ptrs + split * stride_split + M * N, acc_u, mask=mask_y)
+        tl.debug_barrier()  # every thread's partial is issued before the counter moves
+        done = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(p_ptrs + s * stride_split, mask=mask_y, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_u += tl.load(p_ptrs + s * stride_split + M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, acc_u, ws_ptr, wus_ptr, s_ptrs, su_ptrs, b_ptr, offs_n, y_ptrs, mask_y, N,
+                      K_SCALED, GATED, ACT, HAS_ACT, HAS_BIAS)
+    else:
+        _epilogue(acc, acc_u, ws_ptr, wus_ptr, s_ptrs, su_ptrs, b_ptr, offs_n, y_ptrs, mask_y, N,
+                  K_SCALED, GATED, ACT, HAS_ACT, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, ws_ptr, wus_ptr, s_ptrs, su_ptrs, b_ptr, offs_n, y_ptrs, mask_y, N,
+              K_SCALED: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_ACT: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """The scales a whole sum shares (per channel or tensor), the bias, act (· up), cast and store."""
+    if not K_SCALED:
+        acc = acc * tl.load(s_ptrs)[:, None]
+        if GATED:
+            acc_u = acc_u * tl.load(su_ptrs)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    if HAS_ACT:
+        acc = ACT(acc)
+    if GATED:
+        acc = acc * acc_u
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask_y)
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.device) -> Config:
+    """Small M: 64 weight rows a program, K split until about two programs per SM stream weights; large M: square
+    tiles, no split."""
+    if INTERPRET:
+        return Config(16, 32, 32, min(3, cdiv(K, 32)), 4, 1)
+    if M <= 64 and not a8:
+        bm = max(16, triton.next_power_of_2(M))
+        bn, bk = 64, 128
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        split = max(1, min(cdiv(2 * num_sms(device), tiles), cdiv(K, 2 * bk), 16))
+        return Config(bm, bn, bk, split, 4, 4)
+    bm = 128 if M > 64 else max(16, triton.next_power_of_2(M))
+    bn = 64 if gated else 128
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    split = max(1, min(cdiv(num_sms(device), tiles), cdiv(K, 4 * 128), 8))
+    return Config(bm, bn, 128, split, 8 if bm * bn >= 128 * 128 else 4, 3)
+
+
+def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tensor | None = None,
+               activation: str | None = None, a8: bool = False, config: Config | None = None,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    """y (M, N) = act(x @ (w·s)ᵀ + bias) [· (x @ (up·s)ᵀ)] for 2-D x (M, K) in bf16/fp16/fp32, any strides.
+    ``a8``: quantize x per token and 128-wide K block and multiply in fp8 (needs the fp8 tensor cores)."""
+    M, K = x.shape
+    N = w.w.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
+    if M == 0 or N == 0:
+        return y
+    gated = up is not None
+    if gated and (up.w.shape != w.w.shape or up.w.stride() != w.w.stride() or up.scale.stride() != w.scale.stride()
+                  or (up.block_n, up.block_k) != (w.block_n, w.block_k)):
+        raise ValueError("mlp_fuser: gate and up FP8 weights must share shape, strides and scale format")
+    cfg = config or default_config(M, N, K, gated, a8, x.device)
+    if w.k_scaled and (w.block_k % cfg.block_k or (a8 and A8_BLOCK % cfg.block_k)):
+        cfg = cfg._replace(block_k=_divisor(min(w.block_k, A8_BLOCK if a8 else w.block_k), cfg.block_k))
+    if a8 and A8_BLOCK % cfg.block_k:
+        cfg = cfg._replace(block_k=_divisor(A8_BLOCK, cfg.block_k))
+    if a8:
+        xq, xs = quantize_rows(x)
+    else:
+        xq, xs = x, y
+    unit = max(cfg.block_k, w.block_k if w.k_scaled else cfg.block_k, A8_BLOCK if a8 else cfg.block_k)
+    k_per_split = cdiv(cdiv(K, cfg.split_k), unit) * unit  # a K range never cuts a scale block
+    split = cdiv(K, k_per_split)
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    if split > 1:
+        parts = torch.empty(split * (2 if gated else 1) * M * N, device=x.device, dtype=torch.float32)
+        counters = torch.zeros(tiles, device=x.device, dtype=torch.int32)
+    else:
+        parts = counters = y
+    act = get_activation(activation) if activation is not None else None
+    u = up if gated else w
+    _fp8_linear_kernel[(tiles, split)](
+        xq, xs, w.w, w.scale, u.w, u.scale, bias if bias is not None else y, y, parts, counters,
+        M, N, K, k_per_split,
+        xq.stride(0), xq.stride(1), w.w.stride(0), w.w.stride(1), w.scale.stride(0), w.scale.stride(1),
+        y.stride(0), y.stride(1),
+        SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled, A8=a8,
+        GATED=gated, ACT=act.triton_fn if act else None, HAS_ACT=act is not None, HAS_BIAS=bias is not None,
+        SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def _divisor(n: int, at_most: int) -> int:
+    """The largest power of two dividing ``n`` and no larger than ``at_most`` (at least 16, tl.dot's minimum)."""
+    d = 16
+    while d * 2 <= at_most and n % (d * 2) == 0:
+        d *= 2
+    return d

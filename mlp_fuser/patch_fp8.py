@@ -1,0 +1,176 @@
+"""``patch`` for MLP modules whose projections hold FP8 weights (transformers' ``FP8Linear``).
+
+The module's structure is proven on a twin whose projections are plain ``nn.Linear`` on the meta device (no weight
+is read), as for any MLP; the proof's operands then say which child is the gate, the up and the down projection,
+and the fused forward calls ``quant_gated_mlp`` / ``quant_mlp`` with each child's float8 weight, its scales and its
+bias as stored. Proofs are kept by the module's structure, so a model's identical layers, and the next model of
+the same kind, are proven once.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from . import quant
+from .patch_modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+_OPS = {"mlp": torch.ops.mlp_fuser.quant_mlp.default, "gated_mlp": torch.ops.mlp_fuser.quant_gated_mlp.default}
+_PROOFS: dict = {}  # structure key -> (op name, [child name per weight]) or None; a few entries per process
+_MAX_PROOFS = 256
+
+
+def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None] | str:
+    """(weight_format, block) of a projection holding a float8 weight with its scales, or why the op cannot run it;
+    "" when it holds no float8 weight at all."""
+    w = child._parameters.get("weight")
+    if not isinstance(w, Tensor) or "float8" not in str(w.dtype):
+        return ""
+    if w.dtype not in FP8_DTYPES:
+        return f"{w.dtype} weights (the FP8 op reads float8_e4m3fn)"
+    s = child._parameters.get("weight_scale_inv")
+    if s is None:
+        s = child._buffers.get("weight_scale_inv")
+    if not isinstance(s, Tensor):
+        return "no weight_scale_inv beside its float8 weight"
+    if type(w) not in (Tensor, nn.Parameter) or type(s) not in (Tensor, nn.Parameter):
+        return f"a {type(w).__name__} weight (the FP8 op reads plain tensors)"
+    block = getattr(child, "block_size", None)
+    block = tuple(int(b) for b in block) if block is not None else None
+    try:
+        quant._weight("weight", w, s, "fp8_e4m3", block)
+    except ValueError as e:
+        return str(e).removeprefix("mlp_fuser: ")
+    return "fp8_e4m3", block
+
+
+def _operands(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple[str, list[str]] | None:
+    """The proven op ("mlp" / "gated_mlp") and the child read for each weight, in the op's order; None when the
+    twin is not one MLP or its op reads a weight through a view or a bias of another child."""
+    twin = copy.copy(module)
+    twin._modules = {k: _stand_in(c) if any(c is p for p in projs) else c for k, c in module._modules.items()}
+    twin._parameters = dict(module._parameters)
+    try:
+        proof = _prove(twin, _projections(twin), options)
+    except Exception:  # a structure the twin cannot stand in for
+        return None
+    if proof is None or proof[4] is None:
+        return None
+    operands = proof[4]
+    gated = len(operands) >= 7 and operands[3][0] == "path"
+    weights = (1, 3, 5) if gated else (1, 3)
+    children = []
+    for i in weights:
+        kind, path = operands[i][0], operands[i][1]
+        if kind != "path" or not path.endswith(".weight") or path.count(".") != 1:
+            return None
+        child = path.split(".")[0]
+        bias = operands[i + 1]
+        if not (bias == ("constant", None) or bias == ("path", f"{child}.bias")):
+            return None
+        children.append(child)
+    if operands[0] != ("x",) or len(set(children)) != len(children):
+        return None
+    act = operands[7 if gated else 5]
+    return ("gated_mlp" if gated else "mlp"), children, act[1]
+
+
+def _direct(op_name: str, children: list[str], activation: str, block):
+    op = _OPS[op_name]
+    block = list(block) if block is not None else None
+
+    def direct(m, x):
+        args = []
+        for name in children:
+            p = m._modules[name]._parameters
+            s = p.get("weight_scale_inv")
+            args += [p["weight"], s if s is not None else m._modules[name]._buffers["weight_scale_inv"], p.get("bias")]
+        return op(x, *args, activation, "fp8_e4m3", block)
+
+    return direct
+
+
+def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
+    """The fused forward for an MLP module whose projections all hold FP8 weights of one format, else None."""
+    projs = _projections(module)
+    if not projs or "forward" in module.__dict__:
+        return None
+    formats = {fp8_format(c) for c in projs}
+    if len(formats) != 1 or not isinstance(fmt := formats.pop(), tuple):
+        return None
+    names = {id(c): name for name, c in module.named_children()}
+    modes = {m: m.training for m in module.modules()}
+    graphs = {}
+    try:
+        for training in (False, True):
+            module.train(training)
+            key = (type(module), training, repr(sorted(options.items())),
+                   tuple((names[id(c)], type(c), tuple(c.weight.shape), c.bias is not None) for c in projs))
+            if key not in _PROOFS:
+                if len(_PROOFS) >= _MAX_PROOFS:
+                    _PROOFS.clear()
+                _PROOFS[key] = _operands(module, projs, options)
+            found = _PROOFS[key]
+            if found is not None:
+                op_name, children, activation = found
+                graphs[training] = (None, None, _direct(op_name, children, activation, fmt[1]), None, None)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if not graphs:
+        return None
+    params = list(inspect.signature(type(module).forward).parameters)
+    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
+
+
+class FusedFp8Linear:
+    """The forward ``patch`` installs on a lone FP8 linear layer (attention's, a shared expert's) where transformers'
+    own FP8 kernel does not load: ``quant_linear`` with the layer's weight, scales and bias as stored."""
+
+    def __init__(self, module: nn.Module, block):
+        self.module = module
+        self.block = list(block) if block is not None else None
+
+    def __call__(self, x, *args, **kwargs):
+        m = self.module
+        if args or kwargs or not isinstance(x, Tensor):
+            return type(m).forward(m, x, *args, **kwargs)
+        p = m._parameters
+        s = p.get("weight_scale_inv")
+        s = s if s is not None else m._buffers["weight_scale_inv"]
+        return torch.ops.mlp_fuser.quant_linear.default(x, p["weight"], s, p.get("bias"), "fp8_e4m3", self.block)
+
+    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
+        return _plain_forward, (self.module,)
+
+    def __deepcopy__(self, memo):
+        twin = memo.get(id(self.module))
+        return _plain_forward(self.module) if twin is None else FusedFp8Linear(twin, self.block)
+
+
+def fuse_fp8_linear(module: nn.Module) -> FusedFp8Linear | None:
+    """The fused forward for a lone FP8 linear layer when transformers' FP8 kernel does not load here, else None."""
+    if not isinstance(module, nn.Linear) or "forward" in module.__dict__ or transformers_fp8_kernel_loads():
+        return None
+    fmt = fp8_format(module)
+    return FusedFp8Linear(module, fmt[1]) if isinstance(fmt, tuple) else None
+
+
+_KERNEL_LOADS: list[bool] = []
+
+
+def transformers_fp8_kernel_loads() -> bool:
+    """Whether transformers' own FP8 linear kernel (fetched from the Hub) loads in this process: asked once."""
+    if not _KERNEL_LOADS:
+        try:
+            from transformers.integrations import finegrained_fp8
+
+            finegrained_fp8.load_finegrained_fp8_kernel()
+            _KERNEL_LOADS.append(torch.cuda.is_available())
+        except Exception:  # offline, no CUDA, no kernels package: it cannot run its FP8 layers
+            _KERNEL_LOADS.append(False)
+    return _KERNEL_LOADS[0]

@@ -1,0 +1,260 @@
+"""The MLP op family on quantized weights: ``mlp_fuser::quant_mlp``, ``quant_gated_mlp`` and ``quant_linear``.
+
+    quant_gated_mlp(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down, activation, weight_format,
+                    block) = (act(x @ Wgᵀ + b_gate) * (x @ Wuᵀ + b_up)) @ Wdᵀ + b_down
+    quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block) = act(x @ W1ᵀ + b1) @ W2ᵀ + b2
+    quant_linear(x, w, s, b, weight_format, block) = x @ Wᵀ + b
+
+where each W is the weight its stored form ``w`` and scales ``s`` describe. ``weight_format`` names the stored form
+(a row of ``FORMATS``; ``"fp8_e4m3"`` today: float8_e4m3fn weights with fp32 or UE8M0 scales per block of
+``block = [block_n, block_k]`` — transformers' ``FP8Linear`` — per channel or per tensor). Weights are (out, in)
+as ``nn.Linear`` stores them; x any leading dimensions, in fp16, bf16 or fp32; the output in x's dtype, as
+``FP8Linear`` gives it (no autocast kernel: FP8Linear has none either).
+
+On CUDA the weights are read as stored and dequantized on chip (``kernels/fp8.py``); elsewhere, and where the GPU
+has no float8 conversion (before sm89), the aten reference dequantizes each weight and computes in x's dtype.
+Weights and scales get no gradient (they are frozen, as in LoRA on an FP8 base); x and the biases do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .activations import get_activation
+from .kernels import fp8 as fp8_kernels
+from .reference import reference_mlp
+
+FORMATS = ("fp8_e4m3",)
+A8_MIN_M = 128  # from this many rows the activations are quantized too and the fp8 tensor cores multiply
+_FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
+
+_lib = torch.library.Library("mlp_fuser", "FRAGMENT")
+_lib.define("quant_linear(Tensor x, Tensor w, Tensor s, Tensor? b, str weight_format, SymInt[]? block=None) "
+            "-> Tensor")
+_lib.define("quant_mlp(Tensor x, Tensor w1, Tensor s1, Tensor? b1, Tensor w2, Tensor s2, Tensor? b2, "
+            "str activation, str weight_format, SymInt[]? block=None) -> Tensor")
+_lib.define("quant_gated_mlp(Tensor x, Tensor w_gate, Tensor s_gate, Tensor? b_gate, Tensor w_up, Tensor s_up, "
+            "Tensor? b_up, Tensor w_down, Tensor s_down, Tensor? b_down, str activation, str weight_format, "
+            "SymInt[]? block=None) -> Tensor")
+
+
+# ---- checks: each names what was wrong ---------------------------------------------------------------------------
+
+
+def _weight(name: str, w: Tensor, s: Tensor, fmt: str, block) -> fp8_kernels.Fp8Weight:
+    if fmt not in FORMATS:
+        raise ValueError(f"mlp_fuser: unknown weight_format {fmt!r}; known: {', '.join(FORMATS)}")
+    try:
+        return fp8_kernels.fp8_weight(w, s, block)
+    except ValueError as e:
+        raise ValueError(f"{str(e).removesuffix('.')} (argument '{name}')") from None
+
+
+def _check(x: Tensor, weights: Sequence[tuple[str, fp8_kernels.Fp8Weight, Tensor | None]], activation) -> None:
+    if x.dtype not in _FLOAT_X:
+        raise TypeError(f"mlp_fuser: x must be float16, bfloat16 or float32 for quantized weights, got {x.dtype}")
+    if activation is not None:
+        get_activation(activation)
+    width = x.shape[-1]
+    for i, (name, fw, b) in enumerate(weights):
+        N, K = fw.w.shape
+        if K != width:
+            what = "x's last dimension" if i == 0 or (len(weights) == 3 and i == 1) else "the previous output"
+            raise ValueError(f"mlp_fuser: {name} is {tuple(fw.w.shape)}: its in-features {K} != {what} {width}")
+        if fw.w.device != x.device or fw.scale.device != x.device:
+            raise ValueError(f"mlp_fuser: {name} and its scales must be on x's device {x.device}")
+        if b is not None and (b.shape != (N,) or b.device != x.device):
+            raise ValueError(f"mlp_fuser: the bias of {name} must be ({N},) on {x.device}, got {tuple(b.shape)}")
+        if not (len(weights) == 3 and i == 0):  # gate and up both read x
+            width = N
+    if len(weights) == 3 and weights[0][1].w.shape != weights[1][1].w.shape:
+        raise ValueError(f"mlp_fuser: w_gate {tuple(weights[0][1].w.shape)} and w_up {tuple(weights[1][1].w.shape)} "
+                         "differ in shape")
+
+
+def why_not_kernels(x: Tensor) -> str | None:
+    """Why the FP8 kernels cannot run for x (the aten reference runs instead), or None."""
+    if x.device.type != "cuda":
+        return f"x is on {x.device.type}: the FP8 kernels run on CUDA"
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "the GPU has no float8 conversion (before sm89): the weights are dequantized per call"
+    return None
+
+
+def _a8(x2: Tensor) -> bool:
+    """Whether the fp8 tensor cores multiply (x quantized per token and 128 block): from A8_MIN_M rows, on sm89+."""
+    return x2.shape[0] >= A8_MIN_M
+
+
+# ---- forward -------------------------------------------------------------------------------------------------
+
+
+def _run(x: Tensor, weights, activation, gated: bool) -> Tensor:
+    """The op's value for checked weights ``[(name, Fp8Weight, bias)]``: kernels where they run, else aten."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    if why_not_kernels(x) is None:
+        x2 = x.reshape(-1, width)
+        a8 = _a8(x2)
+        if len(weights) == 1:
+            y = fp8_kernels.fp8_linear(x2, weights[0][1], bias=weights[0][2], a8=a8)
+        else:
+            (_, w1, b1), *rest = weights
+            if gated:
+                (_, wu, bu), (_, wd, bd) = rest
+                if b1 is not None or bu is not None:  # biases before the product: in aten (rare on gated MLPs)
+                    g = fp8_kernels.fp8_linear(x2, w1, bias=b1, a8=a8)
+                    u = fp8_kernels.fp8_linear(x2, wu, bias=bu, a8=a8)
+                    h = get_activation(activation).fn(g) * u
+                else:
+                    h = fp8_kernels.fp8_linear(x2, w1, wu, activation=activation, a8=a8)
+            else:
+                (_, wd, bd), = rest
+                h = fp8_kernels.fp8_linear(x2, w1, bias=b1, activation=activation, a8=a8)
+            y = fp8_kernels.fp8_linear(h, wd, bias=bd, a8=a8)
+        return y.reshape(*lead, y.shape[-1])
+    return _reference(x, weights, activation, gated)
+
+
+def _reference(x: Tensor, weights, activation, gated: bool) -> Tensor:
+    """Each weight dequantized to x's dtype, then the unfused math (transformers' dequantized path)."""
+    deq = [(fp8_kernels.dequantize(fw, x.dtype), b) for _, fw, b in weights]
+    if len(deq) == 1:
+        return F.linear(x, *deq[0])
+    (w1, b1), *rest = deq
+    if gated:
+        (wu, bu), (wd, bd) = rest
+        return reference_mlp(x, w1, b1, wu, bu, wd, bd, activation)
+    (wd, bd), = rest
+    return reference_mlp(x, w1, b1, None, None, wd, bd, activation)
+
+
+def _weights(names, args, fmt, block):
+    """[(name, Fp8Weight, bias)] from the op's (w, s, b) argument triples."""
+    return [(n, _weight(n, args[3 * i], args[3 * i + 1], fmt, block), args[3 * i + 2]) for i, n in enumerate(names)]
+
+
+def _quant_linear(x, w, s, b, weight_format, block=None):
+    weights = _weights(("w",), (w, s, b), weight_format, block)
+    _check(x, weights, None)
+    return _run(x, weights, None, False)
+
+
+def _quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block=None):
+    weights = _weights(("w1", "w2"), (w1, s1, b1, w2, s2, b2), weight_format, block)
+    _check(x, weights, activation)
+    return _run(x, weights, activation, False)
+
+
+def _quant_gated_mlp(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down, activation, weight_format,
+                     block=None):
+    weights = _weights(("w_gate", "w_up", "w_down"), (w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down,
+                                                       b_down), weight_format, block)
+    _check(x, weights, activation)
+    return _run(x, weights, activation, True)
+
+
+for _name, _fn in (("quant_linear", _quant_linear), ("quant_mlp", _quant_mlp), ("quant_gated_mlp", _quant_gated_mlp)):
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::quant_linear", lib=_lib)
+def _quant_linear_fake(x, w, s, b, weight_format, block=None):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.register_fake("mlp_fuser::quant_mlp", lib=_lib)
+def _quant_mlp_fake(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block=None):
+    return x.new_empty((*x.shape[:-1], w2.shape[0]))
+
+
+@torch.library.register_fake("mlp_fuser::quant_gated_mlp", lib=_lib)
+def _quant_gated_mlp_fake(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down, activation,
+                          weight_format, block=None):
+    return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+# ---- backward: x and the biases (the quantized weights are frozen) ----------------------------------------------
+
+
+def _linear_t(dy: Tensor, fw: fp8_kernels.Fp8Weight) -> Tensor:
+    """dy @ W (W = fw's weight, (N, K)): the weight read transposed where it lies, on chip on CUDA."""
+    if why_not_kernels(dy) is None:
+        wt = fp8_kernels.Fp8Weight(fw.w.t(), fw.scale.t(), fw.block_k, fw.block_n)
+        return fp8_kernels.fp8_linear(dy.reshape(-1, dy.shape[-1]), wt).reshape(*dy.shape[:-1], fw.w.shape[1])
+    return dy @ fp8_kernels.dequantize(fw, dy.dtype)
+
+
+def _pre(x: Tensor, fw, b) -> Tensor:
+    """x @ Wᵀ + b, recomputed for the backward."""
+    if why_not_kernels(x) is None:
+        y = fp8_kernels.fp8_linear(x.reshape(-1, x.shape[-1]), fw, bias=b)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, fp8_kernels.dequantize(fw, x.dtype), b)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*(t if isinstance(t, Tensor) else None for t in inputs))
+    ctx.rest = [None if isinstance(t, Tensor) else t for t in inputs]
+
+
+def _inputs(ctx):
+    return [t if r is None else r for t, r in zip(ctx.saved_tensors, ctx.rest)]
+
+
+def _bias_grad(b, d):
+    return None if b is None or not b.requires_grad else d.reshape(-1, d.shape[-1]).sum(0).to(b.dtype)
+
+
+def _linear_backward(ctx, dy):
+    x, w, s, b, fmt, block = _inputs(ctx)
+    fw = _weight("w", w, s, fmt, block)
+    return _linear_t(dy, fw), None, None, _bias_grad(b, dy), None, None
+
+
+def _mlp_backward(ctx, dy):
+    x, w1, s1, b1, w2, s2, b2, activation, fmt, block = _inputs(ctx)
+    f1, f2 = _weight("w1", w1, s1, fmt, block), _weight("w2", w2, s2, fmt, block)
+    act = get_activation(activation)
+    g = _pre(x, f1, b1)
+    dg = _linear_t(dy, f2) * act.grad(g)
+    return _linear_t(dg, f1), None, None, _bias_grad(b1, dg), None, None, _bias_grad(b2, dy), None, None, None
+
+
+def _gated_mlp_backward(ctx, dy):
+    x, wg, sg, bg, wu, su, bu, wd, sd, bd, activation, fmt, block = _inputs(ctx)
+    fg, fu, fd = (_weight(n, w, s, fmt, block) for n, w, s in (("w_gate", wg, sg), ("w_up", wu, su),
+                                                                ("w_down", wd, sd)))
+    act = get_activation(activation)
+    g, u = _pre(x, fg, bg), _pre(x, fu, bu)
+    dh = _linear_t(dy, fd)
+    dg, du = dh * u * act.grad(g), dh * act.fn(g)
+    dx = _linear_t(dg, fg) + _linear_t(du, fu)
+    return (dx, None, None, _bias_grad(bg, dg), None, None, _bias_grad(bu, du), None, None, _bias_grad(bd, dy),
+            None, None, None)
+
+
+torch.library.register_autograd("mlp_fuser::quant_linear", _linear_backward, setup_context=_setup, lib=_lib)
+torch.library.register_autograd("mlp_fuser::quant_mlp", _mlp_backward, setup_context=_setup, lib=_lib)
+torch.library.register_autograd("mlp_fuser::quant_gated_mlp", _gated_mlp_backward, setup_context=_setup, lib=_lib)
+
+
+def quant_gated_mlp(x: Tensor, w_gate: Tensor, s_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, s_up: Tensor,
+                    b_up: Tensor | None, w_down: Tensor, s_down: Tensor, b_down: Tensor | None, activation: str,
+                    weight_format: str = "fp8_e4m3", block: Sequence[int] | None = None) -> Tensor:
+    return torch.ops.mlp_fuser.quant_gated_mlp(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down,
+                                               activation, weight_format, list(block) if block else None)
+
+
+def quant_mlp(x: Tensor, w1: Tensor, s1: Tensor, b1: Tensor | None, w2: Tensor, s2: Tensor, b2: Tensor | None,
+              activation: str, weight_format: str = "fp8_e4m3", block: Sequence[int] | None = None) -> Tensor:
+    return torch.ops.mlp_fuser.quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format,
+                                         list(block) if block else None)
+
+
+def quant_linear(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, weight_format: str = "fp8_e4m3",
+                 block: Sequence[int] | None = None) -> Tensor:
+    return torch.ops.mlp_fuser.quant_linear(x, w, s, b, weight_format, list(block) if block else None)

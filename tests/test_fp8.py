@@ -1,0 +1,256 @@
+"""FP8 weights: the kernels (under the interpreter on the CPU, bf16 on CUDA), the quant_* ops and patch on models
+whose projections are transformers' FP8Linear."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mlp_fuser
+from mlp_fuser import quant
+from mlp_fuser.kernels import fp8 as K8
+from mlp_fuser.kernels.common import INTERPRET
+from mlp_fuser.reference import rel_err
+
+CUDA = torch.cuda.is_available()
+KERNEL_DEVICE = "cuda" if CUDA else ("cpu" if INTERPRET else None)
+needs_kernels = pytest.mark.skipif(KERNEL_DEVICE is None, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+FMTS = ("block", "channel", "tensor")
+
+
+def quantized(N: int, K: int, fmt: str, block=(32, 64), device="cpu", g=None):
+    """A random float8 weight (N, K) with random positive scales in ``fmt``; (w, scale, block or None)."""
+    w = (torch.randn(N, K, generator=g) * 2).to(K8.FP8).to(device)
+    if fmt == "block":
+        s = torch.rand(K8.cdiv(N, block[0]), K8.cdiv(K, block[1]), generator=g) * 0.02 + 0.005
+        return w, s.to(device), block
+    if fmt == "channel":
+        return w, (torch.rand(N, generator=g) * 0.02 + 0.005).to(device), None
+    return w, torch.tensor(0.011, device=device), None
+
+
+def dequant64(w, s, block):
+    return K8.dequantize(K8.fp8_weight(w, s, block), torch.float64)
+
+
+# ---- the kernels ---------------------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("a8", [False, True])
+@pytest.mark.parametrize("M,N,K", [(3, 96, 200), (20, 130, 256)])
+def test_fp8_linear_matches_float64(fmt, gated, a8, M, N, K):
+    g = torch.Generator().manual_seed(M * N + K)
+    dt = torch.bfloat16 if CUDA else torch.float16
+    x = torch.randn(M, K, generator=g).to(KERNEL_DEVICE, dt)
+    w = K8.fp8_weight(*quantized(N, K, fmt, device=KERNEL_DEVICE, g=g))
+    u = K8.fp8_weight(*quantized(N, K, fmt, device=KERNEL_DEVICE, g=g)) if gated else None
+    bias = None if gated else torch.randn(N, generator=g).to(KERNEL_DEVICE, dt)
+    y = K8.fp8_linear(x, w, u, bias=bias, activation="silu" if gated else "gelu", a8=a8)
+    if a8:  # the kernels multiply the quantized activations: the reference does too
+        q, s = K8.quantize_rows_reference(x)
+        xx = q.double() * s.double().repeat_interleave(K8.A8_BLOCK, 1)[:, :K]
+    else:
+        xx = x.double()
+    ref = xx @ K8.dequantize(w, torch.float64).T
+    if gated:
+        ref = F.silu(ref) * (xx @ K8.dequantize(u, torch.float64).T)
+    else:
+        ref = F.gelu(ref + bias.double())
+    assert y.dtype == dt and y.shape == (M, N)
+    assert rel_err(y, ref) < (8e-3 if dt == torch.bfloat16 else 1e-3)
+
+
+@needs_kernels
+def test_fp8_linear_reads_a_transposed_weight_and_splits_k():
+    """The backward reads W transposed where it lies; split-K sums partials: both against float64."""
+    g = torch.Generator().manual_seed(1)
+    w, s, block = quantized(96, 160, "block", device=KERNEL_DEVICE, g=g)
+    fw = K8.fp8_weight(w, s, block)
+    wt = K8.Fp8Weight(fw.w.t(), fw.scale.t(), fw.block_k, fw.block_n)
+    dy = torch.randn(5, 96, generator=g).to(KERNEL_DEVICE, torch.float32)
+    for split in (1, 3):
+        cfg = K8.Config(16, 32, 32, split, 4, 1)
+        out = K8.fp8_linear(dy, wt, config=cfg)
+        assert rel_err(out, dy.double() @ K8.dequantize(fw, torch.float64)) < 1e-5
+
+
+def test_quantize_rows_reference_is_transformers_scheme():
+    """One scale per token and 128 columns: amax / 448, the quantized block's largest magnitude 448."""
+    x = torch.randn(4, 300, dtype=torch.float64)
+    q, s = K8.quantize_rows_reference(x)
+    assert q.dtype == K8.FP8 and s.shape == (4, 3)
+    blocks = F.pad(x, (0, 84)).view(4, 3, 128)
+    assert torch.allclose(s.double(), blocks.abs().amax(-1) / 448, rtol=1e-6)
+    assert (q.float().abs().view(4, -1)[:, :256].view(4, 2, 128).amax(-1) == 448).all()
+    deq = q.double() * s.double().repeat_interleave(128, 1)[:, :300]
+    assert rel_err(deq, x) < 0.05  # e4m3 keeps 3 mantissa bits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the quantization kernel runs on CUDA (the interpreter misrounds fp8 casts)")
+def test_quantize_rows_kernel_matches_reference():
+    x = torch.randn(37, 520, device="cuda", dtype=torch.bfloat16)
+    q, s = K8.quantize_rows(x)
+    q2, s2 = K8.quantize_rows_reference(x)
+    assert torch.equal(s, s2) and torch.equal(q.float(), q2.float())
+
+
+# ---- formats and their errors ------------------------------------------------------------------------------
+
+
+def test_fp8_weight_formats_and_errors():
+    w = torch.randn(300, 200).to(K8.FP8)
+    assert K8.fp8_weight(w, torch.ones(3, 2), (128, 128))[2:] == (128, 128)
+    assert K8.fp8_weight(w, torch.ones(300))[2:] == (1, 200)
+    assert K8.fp8_weight(w, torch.tensor(2.0)).scale.shape == (300, 1)
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if e8m0 is not None:  # UE8M0 scales are powers of two, exact in fp32
+        fw = K8.fp8_weight(w, torch.full((3, 2), 0.25).to(e8m0), (128, 128))
+        assert fw.scale.dtype == torch.float32 and (fw.scale == 0.25).all()
+    with pytest.raises(ValueError, match=r"must be \(3, 2\), got \(2, 2\)"):
+        K8.fp8_weight(w, torch.ones(2, 2), (128, 128))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        K8.fp8_weight(w.to(torch.float8_e5m2), torch.ones(300))
+    with pytest.raises(ValueError, match="fit no format"):
+        K8.fp8_weight(w, torch.ones(7))
+    with pytest.raises(ValueError, match="unknown weight_format 'int4'"):
+        quant.quant_linear(torch.randn(2, 200), w, torch.ones(300), None, "int4")
+    with pytest.raises(ValueError, match=r"must be \(2, 3\), got \(1, 1, 1\) \(argument 'w_down'\)"):
+        wd = torch.randn(200, 300).to(K8.FP8)
+        quant.quant_gated_mlp(torch.randn(2, 200), w, torch.ones(3, 2), None, w, torch.ones(3, 2), None, wd,
+                              torch.ones(1, 1, 1), None, "silu", block=(128, 128))
+    with pytest.raises(ValueError, match="in-features 200 != x's last dimension 100"):
+        quant.quant_linear(torch.randn(2, 100), w, torch.ones(300), None)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        quant.quant_linear(torch.randn(2, 200, dtype=torch.float64), w, torch.ones(300), None)
+
+
+# ---- the ops: values, gradients, torch.compile ---------------------------------------------------------------
+
+
+def _gated_args(K, I, O, fmt, g, biases=False):
+    out = []
+    for n, k in ((I, K), (I, K), (O, I)):
+        w, s, block = quantized(n, k, fmt, g=g)
+        out += [w, s, torch.randn(n, generator=g, requires_grad=True) if biases else None]
+    return out, block
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("biases", [False, True])
+def test_quant_gated_mlp_and_its_input_gradient(fmt, biases):
+    g = torch.Generator().manual_seed(7)
+    args, block = _gated_args(64, 96, 80, fmt, g, biases)
+    x = torch.randn(2, 3, 64, generator=g, requires_grad=True)
+    y = quant.quant_gated_mlp(x, *args, "silu", block=block)
+    xd = x.detach().double().requires_grad_()
+    wg, wu, wd = (dequant64(args[i], args[i + 1], block) for i in (0, 3, 6))
+    bd = [args[i].detach().double().requires_grad_() if biases else None for i in (2, 5, 8)]
+    ref = F.linear(F.silu(F.linear(xd, wg, bd[0])) * F.linear(xd, wu, bd[1]), wd, bd[2])
+    assert rel_err(y, ref) < 1e-5
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    ref.backward(dy.double())
+    assert rel_err(x.grad, xd.grad) < 1e-5
+    for i, b in zip((2, 5, 8), bd):
+        if biases:
+            assert rel_err(args[i].grad, b.grad) < 1e-5
+    assert args[0].grad is None and args[1].grad is None  # frozen weights
+
+
+def test_quant_mlp_quant_linear_and_compile():
+    g = torch.Generator().manual_seed(3)
+    w1, s1, block = quantized(96, 64, "block", g=g)
+    w2, s2, _ = quantized(48, 96, "block", g=g)
+    b1 = torch.randn(96, generator=g)
+    x = torch.randn(5, 64, generator=g, requires_grad=True)
+    y = quant.quant_mlp(x, w1, s1, b1, w2, s2, None, "gelu_tanh", block=block)
+    ref = F.linear(F.gelu(F.linear(x.double(), dequant64(w1, s1, block), b1.double()), approximate="tanh"),
+                   dequant64(w2, s2, block))
+    assert rel_err(y, ref) < 1e-5
+    (y * torch.arange(48.0)).sum().backward()
+    xd = x.detach().double().requires_grad_()
+    r = F.linear(F.gelu(F.linear(xd, dequant64(w1, s1, block), b1.double()), approximate="tanh"),
+                 dequant64(w2, s2, block))
+    (r * torch.arange(48.0, dtype=torch.float64)).sum().backward()
+    assert rel_err(x.grad, xd.grad) < 1e-5
+    lin = quant.quant_linear(x.detach(), w1, s1, b1, block=block)
+    assert rel_err(lin, F.linear(x.detach().double(), dequant64(w1, s1, block), b1.double())) < 1e-6
+    compiled = torch.compile(lambda t: quant.quant_mlp(t, w1, s1, b1, w2, s2, None, "gelu_tanh", block=block),
+                             fullgraph=True, backend="eager")
+    assert rel_err(compiled(x.detach()), ref) < 1e-5
+
+
+def test_quant_ops_pass_opcheck():
+    g = torch.Generator().manual_seed(5)
+    args, block = _gated_args(64, 96, 80, "block", g)
+    x = torch.randn(4, 64, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.mlp_fuser.quant_gated_mlp.default,
+                          (x, *args, "silu", "fp8_e4m3", list(block)),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+# ---- patch on FP8Linear models ------------------------------------------------------------------------------
+
+
+def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8):
+    """A tiny LLaMA whose every Linear but lm_head is transformers' FP8Linear, beside a twin holding the same
+    weights dequantized in plain Linears (what the FP8 model computes)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    twin = copy.deepcopy(model)
+    for (_, mod), (_, tmod) in zip(list(model.named_modules()), list(twin.named_modules())):
+        for name, c in list(mod.named_children()):
+            if type(c) is torch.nn.Linear and name != "lm_head":
+                N, K = c.weight.shape
+                bn, bk = fmt_block
+                wp = F.pad(c.weight.data, (0, (-K) % bk, 0, (-N) % bn))
+                blocks = wp.view(wp.shape[0] // bn, bn, wp.shape[1] // bk, bk)
+                s = blocks.abs().amax(dim=(1, 3)) / 448
+                q = (blocks / s[:, None, :, None]).to(K8.FP8).view_as(wp)[:N, :K].contiguous()
+                f = FP8Linear(K, N, block_size=fmt_block, has_bias=c.bias is not None)
+                f.weight.data, f.weight_scale_inv.data = q.to(weight_dtype), s
+                setattr(mod, name, f)
+                getattr(tmod, name).weight.data = dequant64(q, s, fmt_block).float()
+    return model, twin
+
+
+def test_patch_runs_an_fp8_llama_as_its_dequantized_twin():
+    model, twin = _fp8_llama()
+    mlp_fuser.patch(model)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.__dict__["forward"]).__name__ == "FusedModuleForward"
+    assert type(model.model.layers[0].self_attn.q_proj.__dict__["forward"]).__name__ == "FusedFp8Linear"
+    calls = []
+    handle = torch.library.register_kernel("mlp_fuser::quant_gated_mlp", "cpu",
+                                           lambda *a: calls.append(1) or quant._quant_gated_mlp(*a))
+    try:
+        ids = torch.randint(0, 100, (2, 9))
+        with torch.no_grad():
+            out, ref = model(ids).logits, twin(ids).logits
+    finally:
+        handle.destroy() if hasattr(handle, "destroy") else None
+    assert len(calls) == 2  # one fused op per layer
+    assert rel_err(out, ref) < 1e-5
+    mlp_fuser.unpatch(model)
+    assert "forward" not in mlp.__dict__
+
+
+def test_patch_leaves_an_unsupported_fp8_format_exactly_as_it_was(caplog):
+    model, _ = _fp8_llama(weight_dtype=torch.float8_e5m2)
+    before = {n: (type(m), dict(m.__dict__).get("forward")) for n, m in model.named_modules()}
+    with caplog.at_level("INFO", logger="mlp_fuser"):
+        mlp_fuser.patch(model)
+    assert {n: (type(m), dict(m.__dict__).get("forward")) for n, m in model.named_modules()} == before
+    assert "float8_e5m2" in caplog.text
