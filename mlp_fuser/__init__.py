@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from . import compat, moe, ops, quant, router  # noqa: F401  (register the mlp_fuser:: op family)
+from . import compat, config, moe, ops, quant, router  # noqa: F401  (register the mlp_fuser:: op family)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
 from .moe import moe_mlp  # noqa: F401
 from .ops import gated_mlp, mlp  # noqa: F401
@@ -26,6 +26,6 @@ _register_backend()
 experts.install()  # transformers' experts implementation "mlp_fuser", registered once transformers loads its MoE code
 
 __all__ = [
-    "ACTIVATIONS", "__version__", "backend", "explain", "gated_mlp", "get_activation", "is_patched", "make_backend",
-    "merge_gate_up", "mlp", "moe_mlp", "moe_router_topk", "patch", "split_gate_up", "unpatch",
+    "ACTIVATIONS", "__version__", "backend", "config", "explain", "gated_mlp", "get_activation", "is_patched",
+    "make_backend", "merge_gate_up", "mlp", "moe_mlp", "moe_router_topk", "patch", "split_gate_up", "unpatch",
 ]

@@ -8,7 +8,7 @@ versions are within the tested ranges (``TORCH``, ``TRITON``) and ``MLP_FUSER_PR
 not ``0``. Otherwise every call takes the public path: Triton's ``kernel[grid](...)`` launch, no launch plans, no
 Inductor renaming, the registered op through the dispatcher; correct, and slower on the host.
 
-``PRIVATE`` says which path is taken; ``refresh()`` recomputes it (after a change of ``config.private_apis``).
+``PRIVATE`` says which path is taken; ``refresh()`` recomputes it (setting ``config.private_apis`` calls it).
 
 The rest are not shortcuts but the only way to something, used on both paths, each with its public fallback where
 one exists (named in its comment): the dispatcher's keys behind the ops' Autograd and Autocast kernels, Dynamo's

@@ -1,42 +1,135 @@
-"""Run-time settings, read from the environment once and changeable from Python.
+"""mlp_fuser's run-time settings: one object, read and set from Python, each also set by an environment variable.
 
-- ``MLP_FUSER_IMPL``: force one implementation by name (see ``mlp_fuser.dispatch.IMPLS``), for tests
-  and benchmarks. Unset: the dispatcher chooses.
-- ``MLP_FUSER_TRITON_ON_CPU=1``: let the Triton implementations take CPU tensors; only meaningful with
-  ``TRITON_INTERPRET=1`` (the Triton interpreter), which is how the kernels are tested without a GPU.
-- ``MLP_FUSER_AUTOTUNE=0``: on CUDA, take the first eligible implementation in priority order instead of
-  timing the eligible ones once per shape bucket.
-- ``MLP_FUSER_TRITON_BACKWARD=1``: let the dispatcher also time the Triton backward GEMM (``triton_backward_gemm``:
-  dh = dy @ w_down with the activation's derivative in its epilogue) against cuBLAS dh + one Triton elementwise
-  pass (``cublas_backward_act``, the default). Off by default: it lost, and its autotuning takes tens of seconds
-  per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``MLP_FUSER_IMPL`` can still force it.
-- ``MLP_FUSER_MOE_TMA=1``: let the experts' dispatcher also time ``triton_moe_sorted_tma`` (the sorted path with the
-  weights read through TMA descriptors) where experts get more than 96 rows each. Off by default: faster on the GPU,
-  but heavier on the host, which bounds a prefill through ``patch`` (benchmarks/NOTES.md, Mixtures of experts,
-  "Large M"); ``MLP_FUSER_IMPL`` can force it.
-- ``MLP_FUSER_PLANS=0``: no launch plans (``mlp_fuser.plans``): every CUDA call takes the full path (validation,
-  dispatch, launch keys). For benchmarks and for ruling plans out when debugging.
-- ``MLP_FUSER_SITES=0``: a patched module's call site (``ops.EagerSite``) never runs a plan it matched itself: every
-  call goes through the eager entry (its checks, the plan's signature). For benchmarks and debugging.
-- ``MLP_FUSER_INDUCTOR_DIRECT=0``: Inductor's generated code calls the registered op through the dispatcher, as
-  for any custom op, instead of the op's Python entry (``mlp_fuser.inductor``). Applies to graphs compiled after
-  it is set (graphs already compiled, or loaded from Inductor's cache, keep the call they were generated with).
-- ``MLP_FUSER_PRIVATE=0``: never use torch's or Triton's private APIs (``mlp_fuser.compat``): Triton's own launch,
-  no launch plans, no Inductor renaming, every call through the registered op. They are also off where the installed
-  torch or Triton is outside the tested versions. Call ``mlp_fuser.compat.refresh()`` after changing
-  ``private_apis`` from Python.
+    import mlp_fuser
+    mlp_fuser.config.sites = False            # from here on
+    with mlp_fuser.config.patch(autotune=False):
+        ...                                   # for a block
+    print(mlp_fuser.config.settings())        # every setting's value
+
+Each setting takes its environment variable's value when mlp_fuser is imported (``reload()`` reads them again);
+setting a name that is not a setting raises ``AttributeError``. The settings:
+
+- ``force_impl`` (``MLP_FUSER_IMPL``, default None): force one implementation by name (``mlp_fuser.dispatch.IMPLS``,
+  ``mlp_fuser.moe.IMPLS``), for tests and benchmarks. None: the dispatcher chooses.
+- ``triton_on_cpu`` (``MLP_FUSER_TRITON_ON_CPU=1``, default False): let the Triton implementations take CPU tensors;
+  only meaningful with ``TRITON_INTERPRET=1`` (the Triton interpreter), which is how the kernels are tested without a
+  GPU.
+- ``autotune`` (``MLP_FUSER_AUTOTUNE=0`` turns it off, default True): on CUDA, time the eligible implementations once
+  per shape bucket; off: take the first eligible one in priority order.
+- ``triton_backward`` (``MLP_FUSER_TRITON_BACKWARD=1``, default False): let the dispatcher also time the Triton
+  backward GEMM (``triton_backward_gemm``: dh = dy @ w_down with the activation's derivative in its epilogue) against
+  cuBLAS dh + one Triton elementwise pass (``cublas_backward_act``). Off: it lost, and its autotuning takes tens of
+  seconds per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``force_impl`` can still force it.
+- ``moe_tma`` (``MLP_FUSER_MOE_TMA=1``, default False): let the experts' dispatcher also time
+  ``triton_moe_sorted_tma`` (the sorted path with the weights read through TMA descriptors) where experts get more
+  than 96 rows each. Off: faster on the GPU but heavier on the host, which bounds a prefill through ``patch``
+  (benchmarks/NOTES.md, Mixtures of experts, "Large M"); ``force_impl`` can force it.
+- ``quack`` (``MLP_FUSER_QUACK=0`` turns it off, default True): let the dispatcher consider QuACK's gated GEMM
+  (``quack_gated_*``, where quack-kernels is installed and the GPU is an sm90).
+- ``plans`` (``MLP_FUSER_PLANS=0`` turns them off, default True): launch plans (``mlp_fuser.plans``); off: every CUDA
+  call takes the full path (validation, dispatch, launch keys). For benchmarks and for ruling plans out when
+  debugging.
+- ``sites`` (``MLP_FUSER_SITES=0`` turns them off, default True): a patched module's call site (``ops.EagerSite``)
+  runs a plan it matched itself; off: every call goes through the eager entry (its checks, the plan's signature).
+- ``inductor_direct`` (``MLP_FUSER_INDUCTOR_DIRECT=0`` turns it off, default True): Inductor's generated code calls
+  the op's Python entry (``mlp_fuser.inductor``); off: the registered op through the dispatcher, as for any custom
+  op. Applies to graphs compiled after it is set (graphs already compiled, or loaded from Inductor's cache, keep the
+  call they were generated with).
+- ``private_apis`` (``MLP_FUSER_PRIVATE=0`` turns them off, default True): use torch's and Triton's private APIs
+  (``mlp_fuser.compat``) in the tested versions; off: Triton's own launch, no launch plans, no Inductor renaming,
+  every call through the registered op. Setting it applies at once (``compat.refresh()``).
+- ``check_routing`` (``MLP_FUSER_CHECK_ROUTING=1``, default False): check the experts op's routing ids on CUDA too
+  (a host sync per call; on the CPU they are always checked).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping
 
-force_impl: str | None = os.environ.get("MLP_FUSER_IMPL") or None
-triton_on_cpu: bool = os.environ.get("MLP_FUSER_TRITON_ON_CPU", "0") == "1"
-autotune: bool = os.environ.get("MLP_FUSER_AUTOTUNE", "1") != "0"
-triton_backward: bool = os.environ.get("MLP_FUSER_TRITON_BACKWARD", "0") == "1"
-moe_tma: bool = os.environ.get("MLP_FUSER_MOE_TMA", "0") == "1"
-plans: bool = os.environ.get("MLP_FUSER_PLANS", "1") != "0"
-sites: bool = os.environ.get("MLP_FUSER_SITES", "1") != "0"
-inductor_direct: bool = os.environ.get("MLP_FUSER_INDUCTOR_DIRECT", "1") != "0"
-private_apis: bool = os.environ.get("MLP_FUSER_PRIVATE", "1") != "0"
+
+def _on_if_1(v: str) -> bool:
+    return v == "1"
+
+
+def _on_unless_0(v: str) -> bool:
+    return v != "0"
+
+
+# setting -> (environment variable, its value when unset, how its text reads): the one map of the variables
+ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
+    "force_impl": ("MLP_FUSER_IMPL", "", lambda v: v or None),
+    "triton_on_cpu": ("MLP_FUSER_TRITON_ON_CPU", "0", _on_if_1),
+    "autotune": ("MLP_FUSER_AUTOTUNE", "1", _on_unless_0),
+    "triton_backward": ("MLP_FUSER_TRITON_BACKWARD", "0", _on_if_1),
+    "moe_tma": ("MLP_FUSER_MOE_TMA", "0", _on_if_1),
+    "quack": ("MLP_FUSER_QUACK", "1", _on_unless_0),
+    "plans": ("MLP_FUSER_PLANS", "1", _on_unless_0),
+    "sites": ("MLP_FUSER_SITES", "1", _on_unless_0),
+    "inductor_direct": ("MLP_FUSER_INDUCTOR_DIRECT", "1", _on_unless_0),
+    "private_apis": ("MLP_FUSER_PRIVATE", "1", _on_unless_0),
+    "check_routing": ("MLP_FUSER_CHECK_ROUTING", "0", _on_if_1),
+}
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> dict[str, object]:
+    """Every setting's value as the environment ``environ`` gives it."""
+    return {name: parse(environ.get(var, unset)) for name, (var, unset, parse) in ENV.items()}
+
+
+force_impl: str | None
+triton_on_cpu: bool
+autotune: bool
+triton_backward: bool
+moe_tma: bool
+quack: bool
+plans: bool
+sites: bool
+inductor_direct: bool
+private_apis: bool
+check_routing: bool
+
+
+def settings() -> dict[str, object]:
+    """Every setting's current value."""
+    return {name: getattr(_self, name) for name in ENV}
+
+
+def reload(environ: Mapping[str, str] = os.environ) -> None:
+    """Every setting from the environment again (as at import)."""
+    for name, value in from_env(environ).items():
+        setattr(_self, name, value)
+
+
+@contextlib.contextmanager
+def patch(**changes) -> Iterator[None]:
+    """Within the block, the given settings changed; their values before restored after it."""
+    before = {name: getattr(_self, name) for name in changes if name in ENV}
+    try:
+        for name, value in changes.items():
+            setattr(_self, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(_self, name, value)
+
+
+class _Config(types.ModuleType):
+    """This module's type: a setting's name is checked when set (a typo raises instead of being ignored), and
+    ``private_apis`` takes effect at once."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in ENV and name not in vars(self):
+            raise AttributeError(f"mlp_fuser.config has no setting {name!r}; the settings: {', '.join(ENV)}")
+        super().__setattr__(name, value)
+        compat = sys.modules.get("mlp_fuser.compat")
+        if name == "private_apis" and compat is not None:
+            compat.refresh()
+
+
+_self = sys.modules[__name__]
+vars(_self).update(from_env())
+_self.__class__ = _Config

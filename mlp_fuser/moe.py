@@ -29,7 +29,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +52,6 @@ _lib.define(
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _INT = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 # Checking ids for negative values reads them on the host: on CUDA only where asked (a sync per call otherwise).
-CHECK_ROUTING = os.environ.get("MLP_FUSER_CHECK_ROUTING", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -172,7 +170,7 @@ def _problem(x, ids, wts, wgu, bgu, wd, bd, activation):
 
 def _check_ids(ids: Tensor) -> None:
     """Ids below zero are no expert and no sentinel: an error, where reading them costs no host sync."""
-    if (ids.numel() and (not ids.is_cuda or CHECK_ROUTING) and not torch.compiler.is_compiling()
+    if (ids.numel() and (not ids.is_cuda or config.check_routing) and not torch.compiler.is_compiling()
             and (type(ids) is Tensor or not compat.is_fake(ids))):  # a plain tensor is never fake: no is_fake call
         low = int(ids.min())
         if low < 0:
@@ -512,7 +510,7 @@ def _forward(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit
         return _forward_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after,
                              up_offset)
     plain, graph, cuda, check, flat, T, k, H = hit
-    if check or CHECK_ROUTING:
+    if check or config.check_routing:
         _check_ids(ids)
     run = graph if cuda and torch.cuda.is_current_stream_capturing() else plain
     if not flat:

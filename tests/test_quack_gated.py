@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlp_fuser import dispatch
+from mlp_fuser import config, dispatch
 from mlp_fuser.kernels import quack_gated
 
 QUACK = [i for i in dispatch.IMPLS if i.name.startswith("quack_gated_")]
@@ -75,7 +75,7 @@ def test_one_candidate_per_config_and_the_constraints_each_declares(fake_quack, 
         assert impl.not_worth(_problem(M=64)) and impl.not_worth(_problem(M=65)) is None  # lost at M <= 64 (NOTES)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert "sm90" in QUACK[0].why_not(_problem())
-    monkeypatch.setattr(quack_gated, "enabled", False)
+    monkeypatch.setattr(config, "quack", False)
     assert "MLP_FUSER_QUACK=0" in QUACK[0].why_not(_problem())
 
 

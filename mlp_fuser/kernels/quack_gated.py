@@ -11,16 +11,16 @@ What it needs, each declared as the candidate's constraint (``dispatch``): ``qua
 importable (``pip install quack-kernels``), an sm90 GPU (the configs are Hopper's), bf16 or fp16, a gated MLP without
 biases whose gate and up weights are stored as one (``common.stored_as_one``: Phi-3's ``gate_up_proj``, or any model
 after ``mlp_fuser.merge_gate_up``), an activation quack's epilogue computes as ours does (``ACTIVATIONS``), and TMA's
-16-byte alignment of rows (K and I multiples of 8). ``MLP_FUSER_QUACK=0`` turns it off.
+16-byte alignment of rows (K and I multiples of 8). ``config.quack = False`` (``MLP_FUSER_QUACK=0``) turns it off.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import config
 from ..activations import ALIASES
 
 # our activation -> quack's gated activation with the same function: silu(g) * u, relu(g) * u, gelu_tanh(g) * u
@@ -33,8 +33,6 @@ CONFIGS = {
     "128x192": (128, 192, 1, 1, True),   # 3584x18944 M = 256, close at 4096x11008 M = 128-256
     "128x224c": (128, 224, 1, 2, False),  # cooperative: 4096x11008 and 4096x14336 at M = 128, 4096x14336 at M = 256
 }
-
-enabled: bool = os.environ.get("MLP_FUSER_QUACK", "1") != "0"
 
 
 @functools.cache
@@ -57,7 +55,7 @@ def _config(name: str):
 
 def why_not(activation: str | None, K: int, I: int) -> str | None:
     """None where quack's gated GEMM can run this MLP on the current CUDA device, else why not."""
-    if not enabled:
+    if not config.quack:
         return "MLP_FUSER_QUACK=0"
     if ALIASES.get(activation, activation) not in ACTIVATIONS:
         return f"activation {activation!r} has no quack epilogue"
