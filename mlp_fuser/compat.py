@@ -389,3 +389,10 @@ def autotuned_config(kernel) -> dict:
 
 
 refresh()
+
+
+def uncompiled(model):
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``model`` itself."""
+    if type(model).__name__ == "OptimizedModule":
+        return getattr(model, "_orig_mod", model)
+    return model

@@ -15,7 +15,8 @@ from . import compat, experts
 from ._dynamo_utils import fresh_code
 from .activations import get_activation
 from .fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
-from .patch import original_forward
+from .patch import fused_forwards_aside, original_forward
+from .patch_fp8 import fp8_site, fuse_fp8_linear
 from .patch_modules import weight_near_miss
 
 
@@ -28,6 +29,7 @@ class Report(PassReport):
     break_reasons: list[str] = field(default_factory=list)
     error: str | None = None  # what the forward raised under Dynamo, where it did
     verbose: bool = False  # str() gives the details
+    fp8_linears: list[str] = field(default_factory=list)  # lone FP8 layers patch runs through the FP8 GEMM
 
     def __bool__(self) -> bool:
         return bool(self.fused)
@@ -39,6 +41,10 @@ class Report(PassReport):
         ]
         if self.error:
             lines += ["", f"The forward raised while Dynamo captured it: {self.error}"]
+        if self.fp8_linears:
+            where = ", ".join(p for p, _ in fold(self.fp8_linears))
+            lines += ["", f"{len(self.fp8_linears)} other FP8 linear layer(s) run through mlp_fuser's FP8 GEMM under "
+                          f"patch (transformers' FP8 kernel does not load here): {where}"]
         return lines
 
     def _tail(self) -> list[str]:
@@ -179,11 +185,22 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
     """Capture ``model``'s graph(s) with Dynamo on the example inputs and report every MLP site and near miss.
 
     Nothing is rewritten or compiled; the model runs once (eagerly, graph by graph). ``model`` may be an
-    ``nn.Module`` (patched or not) or a function. MLP modules whose weights the op cannot read (float8, integer,
-    a tensor subclass) are near misses, whatever their forward does with them. Where the forward raises under
-    Dynamo, the report says what it raised instead of raising it. ``verbose=True``: ``str(report)`` is
-    ``report.details()``, one row per block.
+    ``nn.Module`` (patched or not, or what ``torch.compile`` returned for one) or a function. MLP modules whose
+    weights the op cannot read (integer, a tensor subclass, a float8 format the FP8 op does not take) are near
+    misses, whatever their forward does with them; FP8 MLP modules ``patch`` fuses are reported fused, their pattern
+    naming the weight format. On a patched model the report is of the modules as patch found them (what runs
+    fused, what does not and why). Where the forward raises under Dynamo, the report says what it raised instead
+    of raising it. ``verbose=True``: ``str(report)`` is ``report.details()``, one row per block.
     """
+    model = compat.uncompiled(model)
+    if not isinstance(model, torch.nn.Module):
+        return _explain(model, example_inputs, example_kwargs, activations, patterns, verbose)
+    with fused_forwards_aside(model):
+        return _explain(model, example_inputs, example_kwargs, activations, patterns, verbose)
+
+
+def _explain(model, example_inputs, example_kwargs, activations, patterns, verbose) -> Report:
+    """``explain`` for a model whose fused forwards, if any, are set aside."""
     acts = None if activations is None else {get_activation(a).name for a in activations}
     pats = set(patterns) if patterns else None
     graphs = []
@@ -212,9 +229,14 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
     if isinstance(model, torch.nn.Module):
         seen = {s.path for s in report.fused} | {m.path for m in report.near_misses}
         memo: dict = {}
+        options = dict(activations=acts, patterns=pats)
         for path, module in model.named_modules():
-            if path not in seen and (m := weight_near_miss(module, path, dict(activations=acts, patterns=pats),
-                                                           memo)) is not None:
+            if path not in seen and (site := fp8_site(module, path, options)) is not None:
+                report.fused.append(site)
+                seen |= {f"{path}.{name}" for name, _ in module.named_children()}
+            elif path not in seen and fuse_fp8_linear(module) is not None:
+                report.fp8_linears.append(path)
+            elif path not in seen and (m := weight_near_miss(module, path, options, memo)) is not None:
                 report.near_misses.append(m)
             elif path not in seen and (why := experts.unfused_reason(module)) is not None:
                 report.near_misses.append(NearMiss(path, "routed_experts", "experts", why))

@@ -10,6 +10,7 @@ the same kind, are proven once.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 
 import torch
@@ -48,35 +49,65 @@ def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None] | str:
     return "fp8_e4m3", block
 
 
-def _operands(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple[str, list[str]] | None:
-    """The proven op ("mlp" / "gated_mlp") and the child read for each weight, in the op's order; None when the
-    twin is not one MLP or its op reads a weight through a view or a bias of another child."""
+def _operands(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple | None:
+    """The proven op ("mlp" / "gated_mlp"), the child read for each weight in the op's order, the activation and the
+    twin's ``fx_pass.Site``; None when the twin is not one MLP or its op reads a weight through a view or a bias of
+    another child."""
     twin = copy.copy(module)
     twin._modules = {k: _stand_in(c) if any(c is p for p in projs) else c for k, c in module._modules.items()}
     twin._parameters = dict(module._parameters)
+    sites: list = []
     try:
-        proof = _prove(twin, _projections(twin), options)
+        proof = _prove(twin, _projections(twin), options, sites)
     except Exception:  # a structure the twin cannot stand in for
         return None
-    if proof is None or proof[4] is None:
+    if proof is None or proof[4] is None or not sites:
         return None
     operands = proof[4]
     gated = len(operands) >= 7 and operands[3][0] == "path"
-    weights = (1, 3, 5) if gated else (1, 3)
     children = []
-    for i in weights:
-        kind, path = operands[i][0], operands[i][1]
+    for i in (1, 3, 5) if gated else (1, 3):
+        kind, path = operands[i]
         if kind != "path" or not path.endswith(".weight") or path.count(".") != 1:
             return None
         child = path.split(".")[0]
-        bias = operands[i + 1]
-        if not (bias == ("constant", None) or bias == ("path", f"{child}.bias")):
+        if operands[i + 1] not in (("constant", None), ("path", f"{child}.bias")):
             return None
         children.append(child)
     if operands[0] != ("x",) or len(set(children)) != len(children):
         return None
-    act = operands[7 if gated else 5]
-    return ("gated_mlp" if gated else "mlp"), children, act[1]
+    return ("gated_mlp" if gated else "mlp"), children, operands[7 if gated else 5][1], sites[0]
+
+
+def _proof(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple | None:
+    """``_operands`` for the module in its current train/eval mode, kept by its structure."""
+    names = {id(c): name for name, c in module.named_children()}
+    key = (type(module), module.training, repr(sorted(options.items())),
+           tuple((names[id(c)], type(c), tuple(c.weight.shape), c.bias is not None) for c in projs))
+    if key not in _PROOFS:
+        if len(_PROOFS) >= _MAX_PROOFS:
+            _PROOFS.clear()
+        _PROOFS[key] = _operands(module, projs, options)
+    return _PROOFS[key]
+
+
+def _format(projs: list[nn.Module]) -> tuple[str, tuple[int, int] | None] | None:
+    """The one FP8 format every projection holds, or None."""
+    formats = {fp8_format(c) for c in projs}
+    return formats.pop() if len(formats) == 1 and isinstance(next(iter(formats)), tuple) else None
+
+
+def fp8_site(module: nn.Module, path: str, options: dict):
+    """The ``fx_pass.Site`` ``explain`` reports for an FP8 MLP module ``patch`` fuses (its pattern naming the weight
+    format), or None."""
+    projs = _projections(module)
+    fmt = _format(projs) if projs and "forward" not in module.__dict__ else None
+    found = _proof(module, projs, options) if fmt is not None else None
+    if found is None:
+        return None
+    site = found[3]
+    block = f" {fmt[1][0]}x{fmt[1][1]} blocks" if fmt[1] is not None else ""
+    return dataclasses.replace(site, path=path, pattern=f"{site.pattern} ({fmt[0]}{block})")
 
 
 def _direct(op_name: str, children: list[str], activation: str, block):
@@ -97,26 +128,16 @@ def _direct(op_name: str, children: list[str], activation: str, block):
 def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
     """The fused forward for an MLP module whose projections all hold FP8 weights of one format, else None."""
     projs = _projections(module)
-    if not projs or "forward" in module.__dict__:
+    if not projs or "forward" in module.__dict__ or (fmt := _format(projs)) is None:
         return None
-    formats = {fp8_format(c) for c in projs}
-    if len(formats) != 1 or not isinstance(fmt := formats.pop(), tuple):
-        return None
-    names = {id(c): name for name, c in module.named_children()}
     modes = {m: m.training for m in module.modules()}
     graphs = {}
     try:
         for training in (False, True):
             module.train(training)
-            key = (type(module), training, repr(sorted(options.items())),
-                   tuple((names[id(c)], type(c), tuple(c.weight.shape), c.bias is not None) for c in projs))
-            if key not in _PROOFS:
-                if len(_PROOFS) >= _MAX_PROOFS:
-                    _PROOFS.clear()
-                _PROOFS[key] = _operands(module, projs, options)
-            found = _PROOFS[key]
+            found = _proof(module, projs, options)
             if found is not None:
-                op_name, children, activation = found
+                op_name, children, activation, _ = found
                 graphs[training] = (None, None, _direct(op_name, children, activation, fmt[1]), None, None)
     finally:
         for m, training in modes.items():

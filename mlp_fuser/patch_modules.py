@@ -195,8 +195,10 @@ def _unreadable(t: Tensor) -> str | None:
         return f"{sharding.describe(t)} (of {t.dtype}): the op's kernels read plain tensors"
     if t.dtype in COMPUTE_DTYPES:
         return None
-    kind = "Float8" if "float8" in str(t.dtype) else "quantized"
-    return f"a {kind} tensor ({str(t.dtype).removeprefix('torch.')}): the op reads fp16, bf16, fp32 or fp64 weights"
+    dtype = str(t.dtype).removeprefix("torch.")
+    if "float8" in dtype:
+        return f"a Float8 tensor ({dtype}): the FP8 op reads float8_e4m3fn weights with their weight_scale_inv"
+    return f"a quantized tensor ({dtype}): the op reads fp16, bf16, fp32 or fp64 weights"
 
 
 def _stand_in(child: nn.Module) -> nn.Module:

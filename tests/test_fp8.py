@@ -254,3 +254,19 @@ def test_patch_leaves_an_unsupported_fp8_format_exactly_as_it_was(caplog):
         mlp_fuser.patch(model)
     assert {n: (type(m), dict(m.__dict__).get("forward")) for n, m in model.named_modules()} == before
     assert "float8_e5m2" in caplog.text
+
+
+def test_explain_reports_fp8_mlps_fused_and_the_lone_fp8_layers_patch_runs():
+    model, _ = _fp8_llama()
+    ids = torch.randint(0, 100, (1, 5))
+    for patched in (False, True):
+        if patched:
+            mlp_fuser.patch(model)
+        report = mlp_fuser.explain(model, ids)
+        assert sorted(s.path for s in report.fused) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+        assert {s.pattern for s in report.fused} == {"gated (fp8_e4m3 128x128 blocks)"}
+        assert len(report.fp8_linears) == 8 and "self_attn.q_proj" in str(report)
+    e5m2, _ = _fp8_llama(weight_dtype=torch.float8_e5m2)
+    report = mlp_fuser.explain(e5m2, ids)
+    assert not report.fused and len(report.near_misses) == 2
+    assert "float8_e5m2" in report.near_misses[0].reason

@@ -325,3 +325,19 @@ def test_per_module_patch_leaves_attention_as_eager_calls_it(monkeypatch):
     assert mlp_fuser.is_patched(model) and model.__dict__.get(_MODULES)
     model(input_ids=ids, labels=ids).loss.backward()
     assert set(seen) == eager == {(True, True)}, (set(seen), eager)
+
+
+def test_explain_reports_a_patched_or_compiled_model_as_patch_found_it():
+    """A patched model's MLPs run the fused op, not a Linear chain: explain still reports them, as does the module
+    torch.compile returns."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=50)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (1, 4))
+    before = mlp_fuser.explain(model, ids)
+    mlp_fuser.patch(model)
+    patched = mlp_fuser.explain(model, ids)
+    assert len(before.fused) == len(patched.fused) == 2
+    assert isinstance(model.model.layers[0].mlp.__dict__["forward"], FusedModuleForward)  # put back after
+    assert len(mlp_fuser.explain(torch.compile(model), ids).fused) == 2
