@@ -18,7 +18,8 @@ Weights and scales get no gradient (they are frozen, as in LoRA on an FP8 base);
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,9 +86,42 @@ def why_not_kernels(x: Tensor) -> str | None:
     return None
 
 
-def _a8(x2: Tensor) -> bool:
-    """Whether the fp8 tensor cores multiply (x quantized per token and 128 block): from A8_MIN_M rows, on sm89+."""
-    return x2.shape[0] >= A8_MIN_M
+def _why_not_a8(x: Tensor, M: int) -> str | None:
+    if (why := why_not_kernels(x)) is not None:
+        return why
+    if M < A8_MIN_M:
+        return f"{M} rows < {A8_MIN_M}: the weight bytes bound the time, so x is not quantized"
+    return None
+
+
+class Impl(NamedTuple):
+    """A way to run the quant_* ops: its name, and why it cannot run a call (x, rows), or None."""
+
+    name: str
+    why_not: Callable[[Tensor, int], str | None]
+
+
+# From the top down, the first that can run a call runs it.
+IMPLS = (
+    Impl("fp8_w8a8", _why_not_a8),  # x quantized per token and 128 columns, the fp8 tensor cores multiply
+    Impl("fp8_w8a16", lambda x, M: why_not_kernels(x)),  # weights cast on chip, x as it is
+    Impl("aten_dequantize", lambda x, M: None),  # each weight dequantized to x's dtype, then aten
+)
+
+
+def choose(x: Tensor, M: int) -> str:
+    return next(i.name for i in IMPLS if i.why_not(x, M) is None)
+
+
+def describe(x: Tensor, M: int) -> str:
+    """Which implementation runs a call with x and M rows, and why each one above it does not."""
+    lines = []
+    for impl in IMPLS:
+        why = impl.why_not(x, M)
+        if why is None:
+            return "\n".join([*lines, f"{impl.name}: runs"])
+        lines.append(f"{impl.name}: {why}")
+    return "\n".join(lines)
 
 
 # ---- forward -------------------------------------------------------------------------------------------------
@@ -96,9 +130,10 @@ def _a8(x2: Tensor) -> bool:
 def _run(x: Tensor, weights, activation, gated: bool) -> Tensor:
     """The op's value for checked weights ``[(name, Fp8Weight, bias)]``: kernels where they run, else aten."""
     lead, width = x.shape[:-1], x.shape[-1]
-    if why_not_kernels(x) is None:
-        x2 = x.reshape(-1, width)
-        a8 = _a8(x2)
+    x2 = x.reshape(-1, width)
+    impl = choose(x, x2.shape[0])
+    if impl != "aten_dequantize":
+        a8 = impl == "fp8_w8a8"
         if len(weights) == 1:
             y = fp8_kernels.fp8_linear(x2, weights[0][1], bias=weights[0][2], a8=a8)
         else:

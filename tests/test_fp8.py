@@ -270,3 +270,10 @@ def test_explain_reports_fp8_mlps_fused_and_the_lone_fp8_layers_patch_runs():
     report = mlp_fuser.explain(e5m2, ids)
     assert not report.fused and len(report.near_misses) == 2
     assert "float8_e5m2" in report.near_misses[0].reason
+
+
+def test_the_implementation_table_says_why_each_row_cannot_run():
+    x = torch.randn(4, 64)
+    assert quant.choose(x, 4) == "aten_dequantize"
+    text = quant.describe(x, 4)
+    assert "fp8_w8a8: x is on cpu" in text and text.endswith("aten_dequantize: runs")
