@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from . import compat, config, moe, ops, quant, router  # noqa: F401  (register the mlp_fuser:: op family)
+from . import compat, config, moe, ops, quant, quant_moe, router  # noqa: F401  (register the mlp_fuser:: op family)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
 from .moe import moe_mlp  # noqa: F401
 from .ops import gated_mlp, mlp  # noqa: F401

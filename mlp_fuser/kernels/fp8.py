@@ -73,6 +73,79 @@ def fp8_weight(w: Tensor, scale: Tensor, block: tuple[int, int] | list[int] | No
                      f"(1 element), per channel ({N},) or per block with a block size")
 
 
+class Fp8Experts(NamedTuple):
+    """Stacked float8 expert weights (E, N, K) as the experts kernels read them: scales as a 3-D fp32 view
+    ``scale[e, srow(n), k // block_k]``, srow(n) = n // block_n; for a gate/up weight whose halves were quantized
+    apart (transformers quantizes gate_proj and up_proj each, then stacks them), up row u = I + n reads scale row
+    ``up_soff + n // block_n`` (``up_soff`` 0: one grid over all rows)."""
+
+    w: Tensor
+    scale: Tensor
+    block_n: int
+    block_k: int
+    up_soff: int = 0
+
+    @property
+    def k_scaled(self) -> bool:
+        return self.block_k < self.w.shape[2]
+
+    def srows(self) -> Tensor:
+        """The scale row of each of the N weight rows (the reference's and the tests' reading of the format)."""
+        N = self.w.shape[1]
+        r = torch.arange(N, device=self.scale.device) // self.block_n
+        if self.up_soff:
+            half = N // 2
+            r[half:] = self.up_soff + torch.arange(N - half, device=self.scale.device) // self.block_n
+        return r
+
+
+def fp8_experts(w: Tensor, scale: Tensor, block: tuple[int, int] | list[int] | None = None, gated: bool = False,
+                interleaved: bool = False) -> Fp8Experts:
+    """``w`` (E, N, K) float8_e4m3fn with ``scale`` as transformers' ``FP8Experts`` stores it: per block (``block``
+    = (block_n, block_k): scale (E, ⌈N/bn⌉, ⌈K/bk⌉); for gated concatenated gate/up, (E, 2·⌈I/bn⌉, ⌈K/bk⌉) is read
+    as each half quantized apart where I is no multiple of bn, as checkpoints quantize them), per channel ((E, N) or
+    (E, N, 1)), per tensor ((E,) or (E, 1, 1)), or gated, per tensor for each half ((E, 2, 1)); fp32 or UE8M0
+    scales. Raises ValueError naming what does not fit."""
+    if w.dim() != 3 or w.dtype != FP8:
+        raise ValueError(f"mlp_fuser: FP8 expert weights must be 3-D float8_e4m3fn, got {tuple(w.shape)} {w.dtype}")
+    E, N, K = w.shape
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"mlp_fuser: FP8 weight scales must be float32 or float8_e8m0fnu, got {scale.dtype}")
+    s = scale.float() if scale.dtype != torch.float32 else scale
+    halves = gated and not interleaved and N % 2 == 0
+    shape = tuple(s.shape)
+    if block is not None:
+        bn, bk = int(block[0]), int(block[1])
+        if bn <= 0 or bk <= 0:
+            raise ValueError(f"mlp_fuser: FP8 block sizes must be positive, got {(bn, bk)}")
+        want = (E, cdiv(N, bn), cdiv(K, bk))
+        split = (E, 2 * cdiv(N // 2, bn), cdiv(K, bk))
+        if halves and shape == split and (N // 2) % bn:  # checkpoints quantize gate_proj and up_proj each
+            return Fp8Experts(w, s, bn, min(bk, K), cdiv(N // 2, bn))
+        if shape == want or (want[1:] == (1, 1) and s.numel() == E):
+            return Fp8Experts(w, s.reshape(want), bn, min(bk, K))
+        raise ValueError(f"mlp_fuser: FP8 block scales for expert weights {(E, N, K)} in {bn} x {bk} blocks must be "
+                         f"{want}" + (f" (or {split}, gate and up quantized apart)" if halves else "")
+                         + f", got {shape}")
+    if s.numel() == E and (s.dim() == 1 or shape == (E, 1, 1)):
+        return Fp8Experts(w, s.reshape(E, 1, 1).expand(E, N, 1), 1, K)
+    if shape in ((E, N), (E, N, 1)):
+        return Fp8Experts(w, s.reshape(E, N, 1), 1, K)
+    if halves and shape == (E, 2, 1):
+        return Fp8Experts(w, s, N // 2, K)
+    raise ValueError(f"mlp_fuser: FP8 scales {shape} fit no format of expert weights {(E, N, K)}: per tensor ({E},), "
+                     f"per channel ({E}, {N})" + (f", per half ({E}, 2, 1)" if halves else "")
+                     + " or per block with a block size")
+
+
+def dequantize_experts(fe: Fp8Experts, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The expert weights the scales describe, w · s, in ``dtype`` (the reference; never on the fused path)."""
+    K = fe.w.shape[2]
+    s = fe.scale[:, fe.srows()].repeat_interleave(fe.block_k, 2)[:, :, :K]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return (fe.w.to(acc) * s.to(acc)).to(dtype)
+
+
 def dequantize(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """The weight the scales describe, w · s, in ``dtype`` (the reference; never on the fused path)."""
     N, K = fw.w.shape

@@ -1,0 +1,167 @@
+"""Routed experts on quantized weights: ``mlp_fuser::quant_moe_mlp``, ``moe_mlp`` with its weights stored as
+transformers' ``FP8Experts`` stores them.
+
+    quant_moe_mlp(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down, activation, weight_format,
+                  block=None, interleaved=False, limit=None, clamp_after=False, up_offset=0.0)
+    = moe_mlp(x, topk_ids, topk_weights, W_gate_up, None, W_down, None, activation, interleaved, limit, clamp_after,
+              up_offset)
+
+where each W is the weight its stored form ``w`` (E, N, K) and scales ``s`` describe (``kernels.fp8.fp8_experts``:
+``weight_format`` "fp8_e4m3", float8_e4m3fn weights with fp32 or UE8M0 scales per ``block = [block_n, block_k]``,
+gate and up quantized as one or apart, per channel, per tensor). No biases (``FP8Experts`` has none). Expert ids
+>= E contribute nothing; x in fp16, bf16 or fp32, the output in x's dtype.
+
+Today every device runs the aten reference: each expert's weights dequantized to x's dtype, then
+``moe.reference`` (the CUDA kernels reading the float8 weights as stored come next). The weights are frozen; x and
+topk_weights get gradients, through that reference on the
+dequantized weights (on CUDA too: a dequantized copy per call where gradients are needed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import compat, moe
+from .kernels import fp8 as fp8_kernels
+from .quant import FORMATS, why_not_kernels
+
+PAIRS_MAX = 64  # up to this many token-expert pairs a GEMV per pair (the "pairs" path), above it the sorted GEMMs
+_FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
+
+_lib = torch.library.Library("mlp_fuser", "FRAGMENT")
+_lib.define(
+    "quant_moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor s_gate_up, "
+    "Tensor w_down, Tensor s_down, str activation, str weight_format, SymInt[]? block=None, bool interleaved=False, "
+    "float? limit=None, bool clamp_after=False, float up_offset=0.0) -> Tensor")
+
+
+def _experts(name: str, w: Tensor, s: Tensor, fmt: str, block, gated: bool, interleaved: bool):
+    if fmt not in FORMATS:
+        raise ValueError(f"mlp_fuser: unknown weight_format {fmt!r}; known: {', '.join(FORMATS)}")
+    try:
+        return fp8_kernels.fp8_experts(w, s, block, gated, interleaved)
+    except ValueError as e:
+        raise ValueError(f"{str(e).removesuffix('.')} (argument '{name}')") from None
+
+
+def _checked(x, ids, wts, wgu, sgu, wd, sd, activation, fmt, block, interleaved, limit, clamp_after, up_offset):
+    """(Fp8Experts of gate/up, of down, Gate) for a call, or TypeError / ValueError naming what was wrong."""
+    if x.dtype not in _FLOAT_X:
+        raise TypeError(f"mlp_fuser::quant_moe_mlp: x must be float16, bfloat16 or float32, got {x.dtype}")
+    if wgu.dim() != 3 or wd.dim() != 3:
+        raise ValueError(f"mlp_fuser::quant_moe_mlp: w_gate_up and w_down must be 3-D, got {tuple(wgu.shape)} and "
+                         f"{tuple(wd.shape)}")
+    gated = wgu.shape[1] == 2 * wd.shape[2]
+    fgu = _experts("w_gate_up", wgu, sgu, fmt, block, gated, bool(interleaved))
+    fd = _experts("w_down", wd, sd, fmt, block, False, False)
+    _check_shapes(x, ids, wts, wgu, wd, activation)
+    for name, t in (("s_gate_up", sgu), ("s_down", sd)):
+        if t.device != x.device:
+            raise ValueError(f"mlp_fuser::quant_moe_mlp: {name} is on {t.device} but x is on {x.device}")
+    return fgu, fd, moe._gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
+
+
+def _check_shapes(x, ids, wts, wgu, wd, activation) -> None:
+    """moe_mlp's checks on x, the routing and the weights' shapes and devices (not their dtypes: float8 here)."""
+    fake = [torch.empty_strided(t.shape, t.stride(), dtype=x.dtype, device="meta") for t in (wgu, wd)]
+    problem = moe._problem(x.to("meta") if x.device.type != "meta" else x, ids.to("meta"), wts.to("meta"), fake[0],
+                           None, fake[1], None, activation)
+    if problem is None:
+        for name, t in (("topk_ids", ids), ("topk_weights", wts), ("w_gate_up", wgu), ("w_down", wd)):
+            if t.device != x.device:
+                raise ValueError(f"mlp_fuser::quant_moe_mlp: {name} is on {t.device} but x is on {x.device}")
+        return
+    exc, msg = problem
+    raise exc(f"mlp_fuser::quant_moe_mlp: {msg}")
+
+
+# ---- forward: the kernels where they run, else the reference ------------------------------------------------
+
+
+def reference(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: moe.Gate) -> Tensor:
+    """Each expert's weights dequantized to x's dtype, then ``moe.reference`` (differentiable in x and the routing
+    weights): what transformers computes on FP8 experts dequantized at load."""
+    wgu = fp8_kernels.dequantize_experts(fgu, x2.dtype)
+    wd = fp8_kernels.dequantize_experts(fd, x2.dtype)
+    return moe.reference(x2, ids2, wts2, wgu, None, wd, None, gate)
+
+
+def kernel_why_not(x: Tensor, fgu, fd) -> str | None:
+    """Why the experts kernels cannot run this call (the reference runs instead), or None."""
+    why = why_not_kernels(x)
+    if why is not None:
+        return why
+    for name, fe in (("w_gate_up", fgu), ("w_down", fd)):
+        if fe.k_scaled and fe.block_k % 16:
+            return f"{name}'s scale blocks are {fe.block_k} wide along K: the kernels step K in multiples of 16"
+    return None
+
+
+def path(T: int, k: int) -> str:
+    """The kernels' path: a GEMV per pair for few pairs (decode), else the sorted grouped GEMMs."""
+    return "pairs" if T * k <= PAIRS_MAX else "sorted"
+
+
+def _run(x2, ids2, wts2, fgu, fd, gate: moe.Gate) -> Tensor:
+    return reference(x2, ids2, wts2, fgu, fd, gate)
+
+
+def _flat(x, ids, wts):
+    H, k = x.shape[-1], ids.shape[-1]
+    T = math.prod(x.shape[:-1])
+    return T, x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k)
+
+
+def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False, limit=None,
+             clamp_after=False, up_offset=0.0):
+    fgu, fd, gate = _checked(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
+                             clamp_after, up_offset)
+    moe._check_ids(ids)
+    T, x2, ids2, wts2 = _flat(x, ids, wts)
+    if T == 0:
+        return x.new_zeros(x.shape)
+    return _run(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
+
+
+_lib.impl("quant_moe_mlp", _forward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::quant_moe_mlp", lib=_lib)
+def _fake(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False, limit=None,
+          clamp_after=False, up_offset=0.0):
+    _checked(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit, clamp_after,
+             up_offset)
+    return x.new_empty(x.shape)
+
+
+def _autograd(keyset, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False,
+              limit=None, clamp_after=False, up_offset=0.0):
+    """With gradients needed (x or topk_weights): the reference on the dequantized weights, which autograd
+    differentiates; else the op below autograd."""
+    if torch.is_grad_enabled() and compat.any_requires_grad(x, wts):
+        fgu, fd, gate = _checked(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
+                                 clamp_after, up_offset)
+        moe._check_ids(ids)
+        T, x2, ids2, wts2 = _flat(x, ids, wts)
+        return reference(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
+    with compat.below_autograd():
+        return torch.ops.mlp_fuser.quant_moe_mlp.default.redispatch(
+            keyset & compat.AFTER_AUTOGRAD, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block,
+            interleaved, limit, clamp_after, up_offset)
+
+
+_lib.impl("quant_moe_mlp", _autograd, "Autograd", with_keyset=True)
+
+
+def quant_moe_mlp(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, s_gate_up: Tensor,
+                  w_down: Tensor, s_down: Tensor, activation: str, weight_format: str = "fp8_e4m3",
+                  block: Sequence[int] | None = None, interleaved: bool = False, limit: float | None = None,
+                  clamp_after: bool = False, up_offset: float = 0.0) -> Tensor:
+    """Routed experts on quantized weights as one op: ``torch.ops.mlp_fuser.quant_moe_mlp`` (the module's docstring)."""
+    return torch.ops.mlp_fuser.quant_moe_mlp.default(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
+                                                     activation, weight_format, list(block) if block else None,
+                                                     interleaved, limit, clamp_after, up_offset)

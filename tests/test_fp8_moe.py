@@ -1,0 +1,188 @@
+"""FP8 routed experts: mlp_fuser::quant_moe_mlp (formats, gates, sentinels, errors, gradients) against float64
+references written here, on the weights as transformers' FP8Experts stores them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _moe_cases import sentinels
+
+from mlp_fuser import quant_moe
+from mlp_fuser.kernels import fp8 as K8
+from mlp_fuser.reference import rel_err
+
+FP8 = torch.float8_e4m3fn
+# (format, block): per 32 x 64 block, gate and up quantized apart (I not a multiple of the block), per channel, per
+# tensor, per tensor for each half of gate/up (FP8Experts without a block size)
+FORMATS = [("block", (32, 64)), ("apart", (32, 64)), ("channel", None), ("tensor", None), ("halves", None)]
+
+
+def expand(s: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
+    """A scale grid (E, R, C) spread over (E, rows, cols) in bn x bk blocks, float64."""
+    return s.double().repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]
+
+
+def quantized_experts(E: int, N: int, K: int, fmt: str, block, g: torch.Generator, gated: bool = False):
+    """Random float8 experts (E, N, K), their scales in ``fmt`` and the weights they describe in float64."""
+    w = (torch.randn(E, N, K, generator=g) * 2).to(FP8)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g) * 0.02 + 0.005
+
+    if fmt == "block":
+        bn, bk = block
+        s = rand(E, -(-N // bn), -(-K // bk))
+        full = expand(s, N, K, bn, bk)
+    elif fmt == "apart":  # gate rows [0, I) and up rows [I, 2I) each on their own grid
+        bn, bk = block
+        half = -(-(N // 2) // bn)
+        s = rand(E, 2 * half, -(-K // bk))
+        full = torch.cat([expand(s[:, :half], N // 2, K, bn, bk), expand(s[:, half:], N // 2, K, bn, bk)], 1)
+    elif fmt == "channel":
+        s = rand(E, N)
+        full = s.double()[:, :, None].expand(E, N, K)
+    elif fmt == "tensor":
+        s = rand(E)
+        full = s.double()[:, None, None].expand(E, N, K)
+    else:  # halves
+        s = rand(E, 2, 1)
+        full = s.double().repeat_interleave(N // 2, 1).expand(E, N, K)
+    return w, s, w.double() * full
+
+
+def reference64(x, ids, wts, wgu, wd, act="silu", limit=None, up_offset=0.0, interleaved=False, gated=True):
+    """y in float64, a pair at a time; ids >= E contribute nothing."""
+    T, k = ids.shape
+    E = wgu.shape[0]
+    y = [torch.zeros(wd.shape[1], dtype=torch.float64) for _ in range(T)]
+    fn = {"silu": F.silu, "gelu": F.gelu}[act]
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e >= E:
+                continue
+            gu = wgu[e] @ x[t].double()
+            if gated:
+                g, u = (gu[0::2], gu[1::2]) if interleaved else gu.chunk(2)
+                if limit is not None:
+                    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+                h = fn(g) * (u + up_offset)
+            else:
+                h = fn(gu)
+            y[t] = y[t] + wts[t, j].double() * (wd[e] @ h)
+    return torch.stack(y)
+
+
+def routing(g, T, k, E):
+    ids = torch.randint(0, E, (T, k), generator=g)
+    drop = torch.rand(T, k, generator=g) < 0.2
+    ids = torch.where(drop, sentinels(g, (T, k), E), ids)
+    return ids, torch.rand(T, k, generator=g)
+
+
+def case(fmt, block, T=7, k=3, E=4, H=96, I=48, gated=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = 2 * I if gated else I
+    wgu, sgu, wgu64 = quantized_experts(E, N, H, fmt, block, g, gated)
+    dfmt = "block" if fmt == "apart" else "tensor" if fmt == "halves" else fmt
+    wd, sd, wd64 = quantized_experts(E, H, I, dfmt, block, g)
+    x = torch.randn(T, H, generator=g)
+    ids, wts = routing(g, T, k, E)
+    return x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64)
+
+
+@pytest.mark.parametrize("fmt,block", FORMATS)
+def test_quant_moe_mlp_matches_float64(fmt, block):
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block)
+    y = quant_moe.quant_moe_mlp(x, ids, wts, wgu, sgu, wd, sd, "silu", block=block)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert rel_err(y, reference64(x, ids, wts, wgu64, wd64)) < 1e-5
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_quant_moe_mlp_clamped_gate_and_plain_experts(interleaved):
+    """GPT-OSS's gate (clamped, up + 1) in either layout; plain experts (act(x @ W1ᵀ)); a (T, 1, H) x."""
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), seed=1)
+    x = x * 3  # so that the clamps bite
+    y = quant_moe.quant_moe_mlp(x[:, None], ids[:, None], wts[:, None], wgu, sgu, wd, sd, "silu", block=(32, 64),
+                                interleaved=interleaved, limit=0.7, up_offset=1.0)
+    ref = reference64(x, ids, wts, wgu64, wd64, limit=0.7, up_offset=1.0, interleaved=interleaved)
+    assert rel_err(y[:, 0], ref) < 1e-5
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("channel", None, gated=False, seed=2)
+    y = quant_moe.quant_moe_mlp(x, ids, wts, wgu, sgu, wd, sd, "gelu")
+    assert rel_err(y, reference64(x, ids, wts, wgu64, wd64, act="gelu", gated=False)) < 1e-5
+
+
+def test_quant_moe_mlp_ue8m0_scales_and_only_sentinels():
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if e8m0 is None:
+        pytest.skip("this torch has no float8_e8m0fnu")
+    x, ids, wts, (wgu, sgu, wd, sd), _ = case("block", (32, 64), seed=3)
+    p2 = [torch.exp2(torch.round(torch.log2(s))) for s in (sgu, sd)]  # powers of two: exact as UE8M0
+    y = quant_moe.quant_moe_mlp(x, ids, wts, wgu, p2[0].to(e8m0), wd, p2[1].to(e8m0), "silu", block=(32, 64))
+    ref = reference64(x, ids, wts, wgu.double() * expand(p2[0], 96, 96, 32, 64), wd.double() * expand(p2[1], 96, 48,
+                                                                                                       32, 64))
+    assert rel_err(y, ref) < 1e-5
+    none = quant_moe.quant_moe_mlp(x, torch.full_like(ids, 4), wts, wgu, sgu, wd, sd, "silu", block=(32, 64))
+    assert torch.equal(none, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("fmt,block", [FORMATS[0], FORMATS[3]])
+def test_quant_moe_mlp_input_gradients(fmt, block):
+    """dx and d topk_weights against float64 autograd; the frozen weights get none."""
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block, seed=4)
+    x.requires_grad_()
+    wts.requires_grad_()
+    y = quant_moe.quant_moe_mlp(x, ids, wts, wgu, sgu, wd, sd, "silu", block=block)
+    x64, w64 = x.detach().double().requires_grad_(), wts.detach().double().requires_grad_()
+    ref = reference64(x64, ids, w64, wgu64, wd64)
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    ref.backward(dy.double())
+    assert rel_err(x.grad, x64.grad) < 1e-5
+    assert rel_err(wts.grad, w64.grad) < 1e-5
+
+
+def test_quant_moe_mlp_errors_name_the_argument():
+    x, ids, wts, (wgu, sgu, wd, sd), _ = case("block", (32, 64))
+    op = quant_moe.quant_moe_mlp
+    with pytest.raises(ValueError, match=r"must be \(4, 3, 2\).*\(4, 4, 2\).*got \(4, 2, 2\) \(argument 'w_gate_up'\)"):
+        op(x, ids, wts, wgu, sgu[:, :2], wd, sd, "silu", block=(32, 64))
+    with pytest.raises(ValueError, match=r"must be \(4, 3, 1\), got \(4, 2, 1\) \(argument 'w_down'\)"):
+        op(x, ids, wts, wgu, sgu, wd, sd[:, :2], "silu", block=(32, 64))
+    with pytest.raises(ValueError, match=r"in 64 x 64 blocks must be \(4, 2, 2\)"):
+        op(x, ids, wts, wgu, sgu, wd, sd, "silu", block=(64, 64))
+    with pytest.raises(ValueError, match="fit no format"):
+        op(x, ids, wts, wgu, sgu, wd, sd, "silu")
+    with pytest.raises(ValueError, match="unknown weight_format 'int4'"):
+        op(x, ids, wts, wgu, sgu, wd, sd, "silu", "int4", block=(32, 64))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        op(x, ids, wts, wgu.to(torch.float8_e5m2), sgu, wd, sd, "silu", block=(32, 64))
+    with pytest.raises(ValueError, match="w_gate_up takes 96 input features but x has 95"):
+        op(x[:, :95], ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64))
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        op(x.double(), ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64))
+    with pytest.raises(ValueError, match="topk_ids holds -1"):
+        op(x, ids - 1 - ids.clamp(max=0), wts, wgu, sgu, wd, sd, "silu", block=(32, 64))
+
+
+def test_quant_moe_mlp_passes_opcheck_and_compiles():
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), seed=5)
+    torch.library.opcheck(torch.ops.mlp_fuser.quant_moe_mlp.default,
+                          (x.requires_grad_(), ids, wts, wgu, sgu, wd, sd, "silu", "fp8_e4m3", [32, 64]),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    compiled = torch.compile(lambda t: quant_moe.quant_moe_mlp(t, ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64)),
+                             fullgraph=True, backend="eager")
+    assert rel_err(compiled(x.detach()), reference64(x.detach(), ids, wts, wgu64, wd64)) < 1e-5
+
+
+def test_fp8_experts_reads_each_format():
+    """The kernels' reading of a format (scale row per weight row) as the tests' independent expansion has it."""
+    g = torch.Generator().manual_seed(6)
+    for (fmt, block), N in itertools.product(FORMATS, (40, 96)):  # I = 20: one grid and halves apart alike (3, 2, 2)
+        w, s, full = quantized_experts(3, N, 70, fmt, block, g)
+        fe = K8.fp8_experts(w, s, block, gated=fmt != "block" or N == 96)
+        assert torch.equal(K8.dequantize_experts(fe, torch.float64), full)
