@@ -379,16 +379,6 @@ def test_configs_fit_shared_memory():
     assert moe.rows_bucket(2048, 2, 8) == 128 and moe.rows_bucket(64, 8, 64) == 16
 
 
-def test_default_config_gemv_programs(monkeypatch):
-    """The GEMVs' default keeps every SM streaming: at T = 1 the widest BLOCK_N that still gives two programs per SM."""
-    monkeypatch.setattr(moe, "INTERPRET", False)
-    assert moe.default_config("down_tokens", 1, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 8
-    assert moe.default_config("down_tokens", 32, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 32
-    assert moe.default_config("gate_up_pairs", 1, 8, 128, 2048, 768, torch.bfloat16)["BLOCK_N"] == 16
-    assert moe.default_config("gate_up", 2048, 2, 8, 4096, 14336, torch.bfloat16)["BLOCK_M"] == 128
-    assert moe.default_config("gate_up", 2048, 2, 8, 4096, 14336, torch.float32)["num_stages"] == 2  # fp32: 3 too big
-
-
 @requires_cuda
 @pytest.mark.parametrize("T", [9, 600])  # 600 · 8 pairs: the torch routing (beyond one Triton program)
 @pytest.mark.parametrize("path", moe.PATHS)

@@ -51,10 +51,11 @@ def k_loop_bytes(stages: int, block_m: int, block_k: int, block_n: int, n_weight
     return stages * (block_m * block_k + n_weights * block_k * block_n) * itemsize
 
 
-def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int) -> bool:
-    """Whether ``k_loop_bytes`` fit in the shared memory budget (200 KiB of an sm90's 227, the rest left to the
-    epilogue); an upper bound of what Triton allocates (benchmarks/NOTES.md, shared memory rule)."""
-    return k_loop_bytes(stages, block_m, block_k, block_n, n_weights, itemsize) <= 200 * 1024
+def k_loop_fits(stages: int, block_m: int, block_k: int, block_n: int, n_weights: int, itemsize: int,
+                budget: int = 200 * 1024) -> bool:
+    """Whether ``k_loop_bytes`` fit in the shared memory budget (by default 200 KiB of an sm90's 227, the rest left
+    to the epilogue); an upper bound of what Triton allocates (benchmarks/NOTES.md, shared memory rule)."""
+    return k_loop_bytes(stages, block_m, block_k, block_n, n_weights, itemsize) <= budget
 
 
 @cache

@@ -41,9 +41,11 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
     TensorDescriptor = None
 
 from ..activations import get_activation
-from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2
+from . import moe_tuning
+from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2, num_sms
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
+from .moe_tuning import _cfg
 
 __all__ = ["ExpertAct", "moe_align", "moe_gate_up", "moe_down", "moe_down_combine", "moe_combine", "moe_gate_up_pairs",
            "moe_down_tokens", "moe_experts", "experts_plan", "moe_reference", "default_config", "combine_counts",
@@ -469,7 +471,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     S = T * k
     E = w_gu.shape[0]
     _gate_up_layout(w_gu, I, interleaved)  # its shape check, before any early return
-    cfg = config or default_config("gate_up", T, k, E, H, I, x.dtype)
+    cfg = config or default_config("gate_up", T, k, E, H, I, x.dtype, x.device)
     h = torch.empty((S, I), dtype=x.dtype, device=x.device)
     n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or I == 0:
@@ -537,7 +539,7 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
     S, I = h.shape
     E, H = w_d.shape[0], w_d.shape[1]
     k = routing.k if routing is not None else ids.shape[1]
-    cfg = config or default_config("down", S // max(k, 1), k, E, H, I, h.dtype)
+    cfg = config or default_config("down", S // max(k, 1), k, E, H, I, h.dtype, h.device)
     out = torch.empty((S, H), dtype=torch.float32, device=h.device)
     n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or H == 0:
@@ -742,7 +744,7 @@ def _gate_up_pairs_args(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | Non
     k = ids.shape[1]
     E = w_gu.shape[0]
     gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
-    cfg = config or default_config("gate_up_pairs", T, k, E, H, I, x.dtype)
+    cfg = config or default_config("gate_up_pairs", T, k, E, H, I, x.dtype, x.device)
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     ints = (E, k, I, H, up_row, x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), *w_gu.stride(), b.stride(0),
             b.stride(-1))
@@ -771,7 +773,7 @@ def _down_tokens_args(h_dtype: torch.dtype, ids: Tensor, wts: Tensor, w_d: Tenso
     """The down_tokens launch but its tensors: grid, integer arguments, constexprs (for h and y contiguous)."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    cfg = config or default_config("down_tokens", T, k, E, H, I, h_dtype)
+    cfg = config or default_config("down_tokens", T, k, E, H, I, h_dtype, w_d.device)
     b = b_d if b_d is not None else w_d
     ints = (E, H, I, ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0),
             b.stride(-1), H)
@@ -800,7 +802,7 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     E, H, I = w_d.shape
 
     def cfg(kind: str) -> dict:
-        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype)
+        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype, x.device)
 
     if path == "pairs":
         h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"))
@@ -867,8 +869,8 @@ def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
     (``_desc``), the kernels through ``launch``; a weight that lost its 16-byte alignment takes ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    up = cfgs.get("gate_up_tma") or default_config("gate_up_tma", T, k, E, H, I, x.dtype)
-    down = cfgs.get("down_tma") or default_config("down_tma", T, k, E, H, I, x.dtype)
+    up = cfgs.get("gate_up_tma") or default_config("gate_up_tma", T, k, E, H, I, x.dtype, x.device)
+    down = cfgs.get("down_tma") or default_config("down_tma", T, k, E, H, I, x.dtype, x.device)
     align = align_plan(ids, E, up["BLOCK_M"])
 
     def tma(x, ids, wts, w_gu, b_gu, w_d, b_d):
@@ -886,8 +888,8 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
     T, k = ids.shape
     E, H, I = w_d.shape
     S, dtype, device = T * k, x.dtype, x.device
-    up = cfgs.get("gate_up") or default_config("gate_up", T, k, E, H, I, dtype)
-    down = cfgs.get("down") or default_config("down", T, k, E, H, I, dtype)
+    up = cfgs.get("gate_up") or default_config("gate_up", T, k, E, H, I, dtype, device)
+    down = cfgs.get("down") or default_config("down", T, k, E, H, I, dtype, device)
     no_memset, pdl = _FUSED.get(path, (False, False))
     unsorted, combine = path.startswith("unsorted"), path in _FUSED
     blocks = None if unsorted else (max_blocks(S, E, up["BLOCK_M"]), up["BLOCK_M"])
@@ -951,45 +953,9 @@ def moe_reference(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
     return y.to(x.dtype)
 
 
-# ---- configs --------------------------------------------------------------------------------------
+# ---- configs: the device's table (moe_tuning), the first candidate that fills its SMs -------------------------
 
-
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-
-
-# Candidates per kind and M bucket (rows per touched expert, rounded up to 16, 64 or 128), which a GPU run times.
-# Two weight tiles per K step in gate_up; every one fits k_loop_fits in bf16.
-CONFIGS: dict[str, dict[int, list[dict]]] = {  # in order of preference (benchmarks/NOTES.md, "Mixtures of experts")
-    "gate_up": {
-        16: [_cfg(16, 64, 128, 4, 4), _cfg(16, 32, 128, 4, 5), _cfg(16, 64, 64, 4, 6), _cfg(16, 32, 256, 4, 4)],
-        64: [_cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 3), _cfg(32, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 3)],
-        128: [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 8, 4),
-              _cfg(128, 128, 64, 8, 4), _cfg(64, 128, 64, 8, 4)],
-    },
-    "down": {
-        16: [_cfg(16, 128, 128, 4, 4), _cfg(16, 64, 128, 4, 5), _cfg(16, 32, 256, 4, 4), _cfg(16, 64, 256, 4, 4)],
-        64: [_cfg(64, 64, 64, 4, 4), _cfg(32, 128, 128, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 128, 8, 3)],
-        128: [_cfg(128, 256, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(64, 256, 64, 8, 3),
-              _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4)],
-    },
-    # weights by TMA (benchmarks/NOTES.md, "Large M"): measured at 128 rows per expert only
-    "gate_up_tma": {
-        128: [_cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 128, 8, 3)],
-    },
-    "down_tma": {
-        128: [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 128, 8, 3)],
-    },
-    "gate_up_pairs": {
-        1: [_cfg(1, 16, 256, 4, 3), _cfg(1, 32, 256, 4, 3), _cfg(1, 16, 512, 4, 3), _cfg(1, 8, 512, 4, 3),
-            _cfg(1, 32, 128, 4, 4)],
-    },
-    "down_tokens": {
-        1: [_cfg(1, 32, 256, 4, 3), _cfg(1, 16, 256, 4, 3), _cfg(1, 64, 128, 4, 3), _cfg(1, 16, 512, 4, 3),
-            _cfg(1, 8, 512, 4, 3), _cfg(1, 32, 512, 8, 3)],
-    },
-}
-_SMS = 132  # the H200's SMs: default_config's rule of thumb for the GEMVs (the dispatcher times CONFIGS)
+CONFIGS = moe_tuning.H200  # the measured candidates (benchmarks sweep them)
 _INTERPRET_CONFIG = {  # the CPU interpreter: small tiles, so that masking at the edges is exercised
     "gate_up": _cfg(16, 32, 32, 4, 1), "down": _cfg(16, 32, 32, 4, 1),
     "gate_up_tma": _cfg(16, 32, 32, 4, 1), "down_tma": _cfg(16, 32, 32, 4, 1),
@@ -1004,43 +970,47 @@ def rows_bucket(T: int, k: int, E: int) -> int:
     return 16 if rows <= 24 else 64 if rows <= 96 else 128
 
 
-def _filling(candidates: list[dict], S: int, E: int, N: int) -> dict:
-    """The first candidate whose grid fills every SM once (blocks × column tiles >= the SM count), else the one with
-    the most programs: too few programs leave SMs idle while the weights stream."""
+def _filling(candidates: list[dict], S: int, E: int, N: int, sms: int) -> dict:
+    """The first candidate whose grid fills every SM once (blocks × column tiles >= ``sms``), else the one with the
+    most programs: too few programs leave SMs idle while the weights stream."""
     touched = max(1, min(E, S))
 
     def programs(c):
         bm = c["BLOCK_M"]
         return (touched if bm <= 16 else cdiv(S, bm) + touched // 2) * cdiv(N, c["BLOCK_N"])
 
-    return next((c for c in candidates if programs(c) >= _SMS), max(candidates, key=programs))
+    return next((c for c in candidates if programs(c) >= sms), max(candidates, key=programs))
 
 
-def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
-    """The first candidate of CONFIGS[kind] for this size's M bucket, with fewer stages where fp32 tiles do not fit
-    shared memory; under the interpreter one small config. Cached: it runs on every call of the op."""
-    return dict(_default_config(kind, T, k, E, H, I, dtype, INTERPRET))
+def default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype,
+                   device: torch.device | None = None) -> dict:
+    """The first candidate of ``device``'s table (``moe_tuning.table``; the current CUDA device where None) for this
+    size's M bucket that fills its SMs, with fewer stages where fp32 tiles do not fit its shared memory; under the
+    interpreter one small config. Cached: it runs on every call of the op."""
+    if kind not in CONFIGS:
+        raise ValueError(f"default_config: kind must be one of {tuple(CONFIGS)}, not {kind!r}")
+    if INTERPRET:
+        return dict(_INTERPRET_CONFIG[kind])
+    if device is None or (device.type == "cuda" and device.index is None):
+        device = torch.device("cuda", torch.cuda.current_device())
+    return dict(_default_config(kind, T, k, E, H, I, dtype, device))
 
 
 @functools.lru_cache(maxsize=4096)
-def _default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype, interpret: bool) -> dict:
-    if kind not in CONFIGS:
-        raise ValueError(f"default_config: kind must be one of {tuple(CONFIGS)}, not {kind!r}")
-    if interpret:
-        return dict(_INTERPRET_CONFIG[kind])
-    buckets = CONFIGS[kind]
+def _default_config(kind: str, T: int, k: int, E: int, H: int, I: int, dtype: torch.dtype,
+                    device: torch.device) -> dict:
+    buckets, sms = moe_tuning.table(device)[kind], num_sms(device)
     if kind in ("gate_up_tma", "down_tma"):  # one bucket: the path is timed only where it was measured
-        cfg = dict(_filling(buckets[128], T * k, E, I if kind == "gate_up_tma" else H))
+        cfg = dict(_filling(buckets[128], T * k, E, I if kind == "gate_up_tma" else H, sms))
     elif kind in ("gate_up", "down"):
-        cfg = dict(_filling(buckets[rows_bucket(T, k, E)], T * k, E, I if kind == "gate_up" else H))
+        cfg = dict(_filling(buckets[rows_bucket(T, k, E)], T * k, E, I if kind == "gate_up" else H, sms))
     else:  # a GEMV per row: the first candidate with two programs per SM, else the one with the most programs
         rows, width = (T * k, I) if kind == "gate_up_pairs" else (T, H)
         programs = [rows * cdiv(width, c["BLOCK_N"]) for c in buckets[1]]
-        enough = [c for c, n in zip(buckets[1], programs) if n >= 2 * _SMS]
+        enough = [c for c, n in zip(buckets[1], programs) if n >= 2 * sms]
         cfg = dict(enough[0] if enough else buckets[1][programs.index(max(programs))])
-    n_weights = 2 if kind in ("gate_up", "gate_up_tma") else 1
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize, budget = torch.empty((), dtype=dtype).element_size(), moe_tuning.smem_budget(device)
     while cfg["num_stages"] > 2 and not k_loop_fits(cfg["num_stages"], cfg["BLOCK_M"], cfg["BLOCK_K"],
-                                                    cfg["BLOCK_N"], n_weights, itemsize):
+                                                    cfg["BLOCK_N"], moe_tuning.n_weights(kind), itemsize, budget):
         cfg["num_stages"] -= 1
     return cfg

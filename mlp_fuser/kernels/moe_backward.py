@@ -281,7 +281,7 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     S = T * k
     gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
     if routing is None:
-        routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype)["BLOCK_M"])
+        routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype, x.device)["BLOCK_M"])
     dy = dy.to(x.dtype)
     dev = x.device
     if S == 0 or H == 0 or I == 0 or E == 0:
@@ -344,7 +344,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         k = ids.shape[1]
         E, _, I = w_d.shape
         _check(x, act)
-        routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype)["BLOCK_M"])
+        routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype, x.device)["BLOCK_M"])
         h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved)
         y = moe_combine(moe_down(h, routing, wts, w_d, b_d), ids, E, x.dtype)
         ctx.save_for_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, *routing[:3])
