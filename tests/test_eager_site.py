@@ -231,7 +231,7 @@ def test_a_patched_module_calls_through_a_site():
     x = torch.randn(2, 3, 32)
     with torch.no_grad():
         y = mlp(x)
-    forward, _, direct, _ = mlp.forward.graphs[False]
+    forward, _, direct = mlp.forward.graphs[False][:3]
     assert isinstance(direct.__globals__["op"], ops.EagerSite)
     torch.testing.assert_close(y, type(mlp).forward(mlp, x))
 

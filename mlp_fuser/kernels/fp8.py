@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, num_sms
+from .common import INTERPRET, cdiv, dot_precision, num_sms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -196,23 +196,28 @@ def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @triton.jit
 def _scaled_dot(w_ptrs, x_ptrs, s_ptrs, xs_ptrs, k, k_hi, offs_k, mask_m, acc,
-                K_SCALED: tl.constexpr, A8: tl.constexpr, SCALE_BK: tl.constexpr):
+                K_SCALED: tl.constexpr, A8: tl.constexpr, SCALE_BK: tl.constexpr, PRECISION: tl.constexpr,
+                F16: tl.constexpr):
     """acc += (w tile · its scales) @ x tileᵀ for the K step at k: accᵀ's (BLOCK_N, BLOCK_M) tile in fp32.
     ``s_ptrs``: the weight rows' scales of this step's K block."""
     kmask = (k + offs_k) < k_hi
     w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
     x = tl.load(x_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
     if not A8:
-        w = w.to(x.dtype)
+        if F16:  # float8 -> float16 is one conversion per pair on sm89+, -> bfloat16 two
+            w = w.to(tl.float16)
+            x = x.to(tl.float16)
+        else:
+            w = w.to(x.dtype)
     if K_SCALED or A8:
-        part = tl.dot(w, tl.trans(x))
+        part = tl.dot(w, tl.trans(x), input_precision=PRECISION)
         if K_SCALED:
             part = part * tl.load(s_ptrs)[:, None]
         if A8:
             part = part * tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[None, :]
         acc += part
     else:
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
     return acc
 
 
@@ -221,8 +226,9 @@ def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, wu_ptr, wus_ptr, b_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
-    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, K_SCALED: tl.constexpr, A8: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, K_SCALED: tl.constexpr, A8: tl.constexpr, PRECISION: tl.constexpr,
+    F16: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # -- which output tile (grouped along M for L2 reuse of the weight panels) and which K range --------------
@@ -255,10 +261,10 @@ def _fp8_linear_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         acc = _scaled_dot(w_ptrs, x_ptrs, s_ptrs + (k // SCALE_BK) * stride_sk, xs_ptrs, k, k_hi,
-                          offs_k, mask_m, acc, K_SCALED, A8, SCALE_BK)
+                          offs_k, mask_m, acc, K_SCALED, A8, SCALE_BK, PRECISION, F16)
         if GATED:
             acc_u = _scaled_dot(wu_ptrs, x_ptrs, su_ptrs + (k // SCALE_BK) * stride_sk, xs_ptrs, k,
-                                k_hi, offs_k, mask_m, acc_u, K_SCALED, A8, SCALE_BK)
+                                k_hi, offs_k, mask_m, acc_u, K_SCALED, A8, SCALE_BK, PRECISION, F16)
         w_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
@@ -336,7 +342,7 @@ def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.
 
 def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tensor | None = None,
                activation: str | None = None, a8: bool = False, config: Config | None = None,
-               out_dtype: torch.dtype | None = None) -> Tensor:
+               out_dtype: torch.dtype | None = None, f16: bool = False) -> Tensor:
     """y (M, N) = act(x @ (w·s)ᵀ + bias) [· (x @ (up·s)ᵀ)] for 2-D x (M, K) in bf16/fp16/fp32, any strides.
     ``a8``: quantize x per token and 128-wide K block and multiply in fp8 (needs the fp8 tensor cores)."""
     M, K = x.shape
@@ -374,6 +380,7 @@ def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tenso
         xq.stride(0), xq.stride(1), w.w.stride(0), w.w.stride(1), w.scale.stride(0), w.scale.stride(1),
         y.stride(0), y.stride(1),
         SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled, A8=a8,
+        PRECISION=dot_precision(x.dtype), F16=f16 and not a8,
         GATED=gated, ACT=act.triton_fn if act else None, HAS_ACT=act is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
