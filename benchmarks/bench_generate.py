@@ -244,6 +244,7 @@ def _without_sites(model, ids):
 def generate_fn(model, path, ids):
     """``n -> tokens`` for one path, and a cleanup to run after it."""
     import mlp_fuser
+    from mlp_fuser.patch import experts
 
     kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids))
     cleanup = []
@@ -256,7 +257,7 @@ def generate_fn(model, path, ids):
         model.forward = torch.compile(model.forward, backend=backend)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
     elif path == "experts":
-        model.set_experts_implementation(mlp_fuser.experts.NAME)
+        model.set_experts_implementation(experts.NAME)
         cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
     elif path in ("static", "static_backend", "static_kept", "static_fuser"):
         from transformers import CompileConfig
@@ -266,7 +267,7 @@ def generate_fn(model, path, ids):
                 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
                 ExpertsInterface.register(KEPT, grouped_mm_experts_forward)
-            model.set_experts_implementation(KEPT if path == "static_kept" else mlp_fuser.experts.NAME)
+            model.set_experts_implementation(KEPT if path == "static_kept" else experts.NAME)
             cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
         cc = CompileConfig(fullgraph=True, backend=mlp_fuser.backend if path == "static_backend" else "inductor")
         cc._compile_all_devices = True  # transformers compiles on CUDA only unless told (for --tiny on the CPU)
@@ -387,6 +388,7 @@ def unit_rows(args, unit: str) -> list[tuple[str, str]]:
 
 def run(args, results):
     import mlp_fuser
+    from mlp_fuser.patch import experts
 
     device, dtype = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
     model = build(args.model, device, dtype, args.tiny, args.layers)
@@ -492,7 +494,7 @@ def run(args, results):
                         m = models[path] = model if i == 0 else twin(model)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
                         if path == "experts":
-                            m.set_experts_implementation(mlp_fuser.experts.NAME)
+                            m.set_experts_implementation(experts.NAME)
                         elif path in ("patch", "patch_merged", "patch_nosite"):
                             mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
                             if path == "patch_nosite":
@@ -617,7 +619,7 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
         return timed
 
     # a patched MLP's launch plans: the host time of each callee (cuBLAS's F.linear, torch.empty, a Triton launch)
-    from mlp_fuser import plans
+    from mlp_fuser.runtime import plans
     plan_globals = [plan.__globals__ for plan in plans.PLANS.values()]
     saved = [dict(g) for g in plan_globals]
     for g in plan_globals:
@@ -662,7 +664,7 @@ def host_split(label, model, gen, device, tokens=16):
     (``torch.cuda.set_sync_debug_mode``)."""
     import warnings
 
-    from mlp_fuser import ops
+    from mlp_fuser.ops import dense as ops
 
     acc = dict(fwd=0.0, fwd_n=0, op=0.0, op_n=0)
     real_op, t_fwd = ops._forward, [0.0]
@@ -907,7 +909,7 @@ def run_parallel(args, argv: list[str], n: int) -> list[dict]:
     (the paths of a group take turns on one GPU; no ratio mixes GPUs). Their rows are merged in the single-process
     order, and the tokens compared with eager's across workers. A worker that ends early leaves its remaining
     units as "not reached"."""
-    from mlp_fuser.bench import spread
+    from mlp_fuser.tools.bench import spread
 
     todo = units(args)
     workers = spread(todo, lambda u: UNIT_COST[(u[0], int(u[1]))], n, [sys.executable, os.path.abspath(__file__)], argv,
@@ -972,7 +974,7 @@ def main(argv=None) -> int:
     import logging
 
     import mlp_fuser
-    from mlp_fuser import dispatch
+    from mlp_fuser.dispatch import dense as dispatch
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("mlp_fuser").setLevel(logging.INFO)  # fused counts per graph, and each kernel choice
@@ -997,9 +999,9 @@ def main(argv=None) -> int:
     run(args, results)
     log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3], *k[8:10])): v
                                   for k, v in dispatch._choice_cache.items()})
-    if mlp_fuser.moe._chosen:
+    if mlp_fuser.ops.moe._chosen:
         log("routed experts' choices:", {f"T<={k[2]} k={k[3]} E={k[4]} H={k[5]} I={k[6]}": v.name
-                                         for k, v in mlp_fuser.moe._chosen.items()})
+                                         for k, v in mlp_fuser.ops.moe._chosen.items()})
     print("\n".join(write(results, args.out)))
     return 0
 

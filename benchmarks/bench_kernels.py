@@ -67,7 +67,7 @@ def act_mul_sweep():
 
 
 def small_m_sweep():
-    from mlp_fuser import dispatch
+    from mlp_fuser.dispatch import dense as dispatch
     g = torch.Generator(device="cuda").manual_seed(1)
     impls = [i for i in dispatch.IMPLS if i.triton]
     names = [i.name for i in impls] + ["compile"]
@@ -102,7 +102,8 @@ def graph_gap():
     the op, to see whether the op's wrapper or the graph costs time (SwiGLU 4096x11008 bf16)."""
     from triton.testing import do_bench
 
-    from mlp_fuser import config, dispatch
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import dense as dispatch
 
     g = torch.Generator(device="cuda").manual_seed(3)
     K, I = 4096, 11008
@@ -137,8 +138,10 @@ def graph_gap():
 def _host_times(module, patched, w, x):
     """(label, implementation chosen or "", host µs per call) for each variant of ``overhead`` at one shape and M."""
     import mlp_fuser
-    from mlp_fuser import config, dispatch, plans
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import dense as dispatch
     from mlp_fuser.kernels import common
+    from mlp_fuser.runtime import plans
 
     op = torch.ops.mlp_fuser.gated_mlp.default
     M, K, I = x.shape[0], x.shape[-1], w[0].shape[0]
@@ -306,9 +309,9 @@ def _splitk_us(h, w, ref, tol, config):
 
 def down_sweep(shapes=((4096, 11008), (3584, 18944), (8192, 3584)), ms=(1, 16, 32, 64, 128)):
     """The down projection: cuBLAS against linear_splitk's default and a grid of configs (see the module doc)."""
-    from mlp_fuser.bench import measure_ceilings
     from mlp_fuser.kernels.splitk import splitk_config
     from mlp_fuser.reference import rel_err
+    from mlp_fuser.tools.bench import measure_ceilings
 
     _, tbps = measure_ceilings()
     g = torch.Generator(device="cuda").manual_seed(0)

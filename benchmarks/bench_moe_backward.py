@@ -4,7 +4,7 @@
 
 Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8, silu, gate|up concatenated), bf16, random top-k routing.
 For each T: ours = ``moe_experts_autograd`` (the sorted Triton forward, ``moe_backward``); theirs = autograd through
-``mlp_fuser.moe.reference`` (torch._grouped_mm both ways). Timed as CUDA-graph medians: the training step of the
+``mlp_fuser.ops.moe.reference`` (torch._grouped_mm both ways). Timed as CUDA-graph medians: the training step of the
 experts (forward + backward) and, with ``--backward``, the backward alone as well; peak memory of one step above
 what the inputs hold; with ``--sweep``, the backward alone over a few tile configs of each of its kernels (the
 others at their defaults), the fastest printed. Every gradient checked against float64 autograd
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from mlp_fuser.kernels import moe  # noqa: E402
 from mlp_fuser.kernels.moe import ExpertAct  # noqa: E402
 from mlp_fuser.kernels.moe_backward import moe_backward, moe_experts_autograd  # noqa: E402
-from mlp_fuser.moe import Gate, reference  # noqa: E402
+from mlp_fuser.ops.moe import Gate, reference  # noqa: E402
 from mlp_fuser.reference import rel_err  # noqa: E402
 
 SIZE = (64, 40, 8, 4) if TINY else (2048, 768, 128, 8)  # H, I, E, k

@@ -157,11 +157,12 @@ def profile_step(step, label):
 
 def run_variant(name, model, ids, args, counter):
     import mlp_fuser
+    from mlp_fuser.patch import experts
 
     torch._dynamo.reset()
     counter.fused = 0
     if name in ("experts", "compile-experts"):
-        model.set_experts_implementation(mlp_fuser.experts.NAME)
+        model.set_experts_implementation(experts.NAME)
     if name in ("eager", "experts"):
         forward = model
     elif name in ("compile", "compile-experts"):

@@ -2,7 +2,7 @@
 
     python3 benchmarks/explain_sweep.py [--jobs 2] [--timeout-s 90] [--max-params 50e6] [--out sweep.json] [TYPE ...]
 
-Each type runs in a process of its own (``mlp_fuser._hf.tiny_model``, then ``mlp_fuser.explain``), so that one
+Each type runs in a process of its own (``mlp_fuser.tools.models.tiny_model``, then ``mlp_fuser.explain``), so that one
 family's crash, hang or memory does not end the sweep; a toy above ``--max-params`` parameters is reported, not run
 (multimodal families keep their full-size towers). Prints one line per type as it ends, then a summary: how many
 types built and ran, how many had MLPs fused, which had none (and their near misses), which failed and why.
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 ONE = """
 import json, sys, time
 import mlp_fuser
-from mlp_fuser._hf import example_inputs, model_from_config, tiny_config, toy_parameters
+from mlp_fuser.tools.models import example_inputs, model_from_config, tiny_config, toy_parameters
 t, limit = sys.argv[1], float(sys.argv[2])
 t0 = time.time()
 try:

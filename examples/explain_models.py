@@ -11,7 +11,7 @@ import sys
 import torch
 
 import mlp_fuser
-from mlp_fuser._hf import example_inputs, tiny_model
+from mlp_fuser.tools.models import example_inputs, tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma2", "phi3", "gpt2", "opt", "gpt_neox", "bert"]
 

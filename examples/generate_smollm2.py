@@ -15,7 +15,7 @@ import time
 import torch
 
 import mlp_fuser
-from mlp_fuser._hf import load_smollm2
+from mlp_fuser.tools.models import load_smollm2
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=24)

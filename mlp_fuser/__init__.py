@@ -2,11 +2,11 @@
 
 __version__ = "0.1.0"
 
-from . import compat, config, moe, ops, quant, quant_moe, router  # noqa: F401  (register the mlp_fuser:: op family)
+from . import compat, config, quant, quant_moe  # noqa: F401  (config, compat as attributes; quant* register ops)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
-from .moe import moe_mlp  # noqa: F401
-from .ops import gated_mlp, mlp  # noqa: F401
-from .router import moe_router_topk  # noqa: F401
+from .ops.dense import gated_mlp, mlp  # noqa: F401
+from .ops.moe import moe_mlp  # noqa: F401
+from .ops.router import moe_router_topk  # noqa: F401
 
 
 def _register_backend() -> None:
@@ -17,10 +17,10 @@ def _register_backend() -> None:
         pass
 
 
-from . import experts  # noqa: E402
-from .backend import backend, make_backend  # noqa: E402, F401
 from .explain import explain  # noqa: E402, F401
-from .patch import is_patched, merge_gate_up, patch, split_gate_up, unpatch  # noqa: E402, F401
+from .graph.backend import backend, make_backend  # noqa: E402, F401
+from .patch import experts  # noqa: E402
+from .patch.api import is_patched, merge_gate_up, patch, split_gate_up, unpatch  # noqa: E402, F401
 
 _register_backend()
 experts.install()  # transformers' experts implementation "mlp_fuser", registered once transformers loads its MoE code

@@ -4,7 +4,7 @@
 - ``explain TARGET [--details]``: TARGET is a HF model type (``llama``, ``gpt2``, ``qwen3``...: a tiny random model
   of that family is built) or a local checkpoint folder or ``.gguf`` file; prints ``mlp_fuser.explain``'s report
   (``--details``: one row per block).
-- ``bench [ARGS]``: the GPU benchmark, ``mlp_fuser.bench.main(ARGS)``.
+- ``bench [ARGS]``: the GPU benchmark, ``mlp_fuser.tools.bench.main(ARGS)``.
 
 Results go to stdout, progress to stderr.
 """
@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 import mlp_fuser
 
-from . import __version__, _hf, bench, demo
+from . import __version__
+from .tools import bench, demo
+from .tools import models as _hf
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=sorted(demo.DTYPES), default="float32")
     e.add_argument("--details", action="store_true", help="one row per block (else identical blocks fold into one)")
 
-    bench_help = "the GPU benchmark (needs CUDA); its arguments are passed to mlp_fuser.bench.main"
+    bench_help = "the GPU benchmark (needs CUDA); its arguments are passed to mlp_fuser.tools.bench.main"
     sub.add_parser("bench", help=bench_help, add_help=False)
     return ap
 

@@ -9,8 +9,9 @@
 Each setting takes its environment variable's value when mlp_fuser is imported (``reload()`` reads them again);
 setting a name that is not a setting raises ``AttributeError``. The settings:
 
-- ``force_impl`` (``MLP_FUSER_IMPL``, default None): force one implementation by name (``mlp_fuser.dispatch.IMPLS``,
-  ``mlp_fuser.moe.IMPLS``), for tests and benchmarks. None: the dispatcher chooses.
+- ``force_impl`` (``MLP_FUSER_IMPL``, default None): force one implementation by name
+  (``mlp_fuser.dispatch.dense.IMPLS``, ``mlp_fuser.ops.moe.IMPLS``), for tests and benchmarks.
+  None: the dispatcher chooses.
 - ``triton_on_cpu`` (``MLP_FUSER_TRITON_ON_CPU=1``, default False): let the Triton implementations take CPU tensors;
   only meaningful with ``TRITON_INTERPRET=1`` (the Triton interpreter), which is how the kernels are tested without a
   GPU.
@@ -26,13 +27,13 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   (benchmarks/NOTES.md, Mixtures of experts, "Large M"); ``force_impl`` can force it.
 - ``quack`` (``MLP_FUSER_QUACK=0`` turns it off, default True): let the dispatcher consider QuACK's gated GEMM
   (``quack_gated_*``, where quack-kernels is installed and the GPU is an sm90).
-- ``plans`` (``MLP_FUSER_PLANS=0`` turns them off, default True): launch plans (``mlp_fuser.plans``); off: every CUDA
+- ``plans`` (``MLP_FUSER_PLANS=0`` turns them off, default True): launch plans (``runtime/plans.py``); off: every CUDA
   call takes the full path (validation, dispatch, launch keys). For benchmarks and for ruling plans out when
   debugging.
 - ``sites`` (``MLP_FUSER_SITES=0`` turns them off, default True): a patched module's call site (``ops.EagerSite``)
   runs a plan it matched itself; off: every call goes through the eager entry (its checks, the plan's signature).
 - ``inductor_direct`` (``MLP_FUSER_INDUCTOR_DIRECT=0`` turns it off, default True): Inductor's generated code calls
-  the op's Python entry (``mlp_fuser.inductor``); off: the registered op through the dispatcher, as for any custom
+  the op's Python entry (``runtime/inductor.py``); off: the registered op through the dispatcher, as for any custom
   op. Applies to graphs compiled after it is set (graphs already compiled, or loaded from Inductor's cache, keep the
   call they were generated with).
 - ``private_apis`` (``MLP_FUSER_PRIVATE=0`` turns them off, default True): use torch's and Triton's private APIs

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat, experts
-from ._dynamo_utils import fresh_code
+from . import compat
 from .activations import get_activation
-from .fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
-from .patch import fused_forwards_aside, original_forward
+from .graph._dynamo_utils import fresh_code
+from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
+from .patch import experts
+from .patch.api import fused_forwards_aside, original_forward
+from .patch.modules import weight_near_miss
 from .patch_fp8 import fp8_site, fuse_fp8_linear
-from .patch_modules import weight_near_miss
 
 
 @dataclass

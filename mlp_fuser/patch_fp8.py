@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import quant
-from .patch_modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
+from .patch.modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _OPS = {"mlp": torch.ops.mlp_fuser.quant_mlp.default, "gated_mlp": torch.ops.mlp_fuser.quant_gated_mlp.default}

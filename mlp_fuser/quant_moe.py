@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import compat, moe
+from . import compat
 from .kernels import fp8 as fp8_kernels
+from .ops import moe
 from .quant import FORMATS, why_not_kernels
 
 PAIRS_MAX = 64  # up to this many token-expert pairs a GEMV per pair (the "pairs" path), above it the sorted GEMMs

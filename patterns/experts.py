@@ -19,7 +19,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from mlp_fuser.moe import Gate, gates
+from mlp_fuser.ops.moe import Gate, gates
 
 from .common import val
 

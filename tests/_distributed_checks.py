@@ -33,9 +33,9 @@ def check(fn):
 def counting():
     """What was fused meanwhile, in a list: one entry per fused op call run eagerly (``patch``) and per site the
     graph pass fused (the backend, whose compiled training graph runs the op's pieces)."""
-    import mlp_fuser.fx_pass as fx_pass
-    import mlp_fuser.ops as ops
-    from mlp_fuser.patch_modules import OPS
+    from mlp_fuser.graph import fx_pass
+    from mlp_fuser.ops import dense as ops
+    from mlp_fuser.patch.modules import OPS
 
     calls, inner = [], (ops._forward, ops._forward_saving, fx_pass.fuse_mlps)
 
@@ -368,7 +368,7 @@ def _hf_run(path: str, how: str, train: bool):
     ref.train(train)
     fused = fuse(model, how, inductor=False)
     if how == "patch":  # each MLP module on its own (not Dynamo over the whole model)
-        from mlp_fuser.patch_modules import FusedModuleForward
+        from mlp_fuser.patch.modules import FusedModuleForward
 
         assert all(isinstance(m.mlp.__dict__.get("forward"), FusedModuleForward) for m in model.model.layers)
     torch.manual_seed(2)

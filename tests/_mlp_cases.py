@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlp_fuser.dispatch import MLPArgs
+from mlp_fuser.dispatch.dense import MLPArgs
 from mlp_fuser.reference import reference_gate_up, reference_mlp
 
 

@@ -9,7 +9,7 @@ from _hf_models import count_ops
 from conftest import requires_cuda
 
 import mlp_fuser
-from mlp_fuser.backend import inductor_compiler
+from mlp_fuser.graph.backend import inductor_compiler
 
 MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -59,7 +59,7 @@ def test_each_mode_matches_eager_and_reaches_inductor(mode, compile_fx_spy):
 @pytest.mark.parametrize("mode, options", [(m, None) for m in MODES] + [(None, {"triton.cudagraphs": True})])
 def test_op_calls_take_the_eager_choice_exactly_where_inductor_runs_without_cuda_graphs(mode, options, monkeypatch):
     # Without CUDA graphs every launch costs host time, so the dispatcher's choice for eager calls applies.
-    from mlp_fuser import ops
+    from mlp_fuser.ops import dense as ops
 
     torch._dynamo.reset()
     seen, real = [], ops._forward
@@ -127,7 +127,7 @@ def test_inductor_gets_the_direct_call_without_our_backend_too():
     # while Dynamo traces (Inductor is imported by then), so Inductor's code calls the op's entry as the backend's does.
     from torch._inductor.utils import run_and_get_code
 
-    from mlp_fuser import inductor
+    from mlp_fuser.runtime import inductor
 
     inductor.uninstall()  # as in a process where our backend never ran
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlp_fuser import bench
+from mlp_fuser.tools import bench
 
 
 def _bench_generate():
@@ -214,7 +214,7 @@ def test_generate_benchmark_spreads_its_units_over_workers_and_merges_them(tmp_p
     # order, the compile group's tokens compared with eager's from the other worker.
     import json
 
-    from mlp_fuser import bench
+    from mlp_fuser.tools import bench
 
     bench_generate = _bench_generate()
     todo = ["d0:1", "d0:8", "d1:1", "d1:8", "d2:1", "d2:8", "p0", "p1"]

@@ -34,7 +34,7 @@ def _row(**kw):
 
 
 def test_moe_targets_and_check():
-    from mlp_fuser.bench_moe import finish
+    from mlp_fuser.tools.bench_moe import finish
 
     assert finish(_row())["target"].startswith("yes (>= 2.5x grouped_mm: 3.00x")
     assert finish(_row(graph_us={"ours": 300.0, "grouped_mm": 600.0}))["target"].startswith("NO")
@@ -51,7 +51,7 @@ def test_moe_targets_and_check():
 def test_moe_reference64_matches_transformers_eager():
     import torch
 
-    from mlp_fuser.bench_moe import build_experts, reference64, rel_err, routing
+    from mlp_fuser.tools.bench_moe import build_experts, reference64, rel_err, routing
 
     mod = build_experts("qwen3_moe", 32, 16, 6, 2, torch.float32, "cpu")
     g = torch.Generator().manual_seed(3)
@@ -132,7 +132,7 @@ def test_train_qwen3moe_small_tiny(tmp_path):
 
 
 def test_moe_row_where_ours_failed_says_so():
-    from mlp_fuser.bench_moe import finish, format_row
+    from mlp_fuser.tools.bench_moe import finish, format_row
 
     row = finish(_row(errors={"grouped_mm": 1e-3}, graph_us={"grouped_mm": 600.0},
                       skipped={"ours": "failed: OutOfMemoryError"}, impl="?"))

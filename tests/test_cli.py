@@ -1,4 +1,4 @@
-"""The command line: ``python -m mlp_fuser {demo,explain,bench}`` and the helpers in ``mlp_fuser._hf``."""
+"""The command line: ``python -m mlp_fuser {demo,explain,bench}`` and the helpers in ``mlp_fuser.tools.models``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mlp_fuser
-from mlp_fuser import _hf, cli
+from mlp_fuser import cli
+from mlp_fuser.tools import models as _hf
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()

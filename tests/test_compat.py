@@ -15,8 +15,9 @@ from conftest import KERNEL_DEVICE
 from test_launcher import FakeKernel
 
 import mlp_fuser  # noqa: F401 (registers the ops)
-from mlp_fuser import compat, config, ops
+from mlp_fuser import compat, config
 from mlp_fuser.kernels import common
+from mlp_fuser.ops import dense as ops
 from mlp_fuser.reference import rel_err
 
 

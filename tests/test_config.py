@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import mlp_fuser
-from mlp_fuser import compat, config, moe
+from mlp_fuser import compat, config
 from mlp_fuser.kernels import quack_gated
+from mlp_fuser.ops import moe
 
 DEFAULTS = dict(force_impl=None, triton_on_cpu=False, autotune=True, triton_backward=False, moe_tma=False, quack=True,
                 plans=True, sites=True, inductor_direct=True, private_apis=True, check_routing=False)
@@ -40,7 +41,7 @@ def test_the_eleven_variables_map_onto_the_settings():
 def test_environment_at_import_reaches_the_code_that_reads_it():
     """In a fresh process with every variable set: the settings, and the two once read outside config.py."""
     code = ("import json, torch, mlp_fuser; from types import SimpleNamespace as S\n"
-            "from mlp_fuser import moe; from mlp_fuser.kernels import quack_gated\n"
+            "from mlp_fuser.ops import moe; from mlp_fuser.kernels import quack_gated\n"
             "ids = S(numel=lambda: 4, is_cuda=True, min=lambda: torch.tensor(-1))\n"
             "try:\n    moe._check_ids(ids); checked = False\n"
             "except ValueError:\n    checked = True\n"

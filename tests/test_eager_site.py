@@ -9,8 +9,11 @@ import pytest
 import torch
 from _mlp_cases import make_case
 
-from mlp_fuser import compat, config, dispatch, ops, plans
+from mlp_fuser import compat, config
+from mlp_fuser.dispatch import dense as dispatch
+from mlp_fuser.ops import dense as ops
 from mlp_fuser.reference import reference_mlp
+from mlp_fuser.runtime import plans
 
 
 @pytest.fixture

@@ -10,8 +10,10 @@ import torch
 from _mlp_cases import make_case
 from conftest import CUDA_ONLY, poisoned_empty
 
-from mlp_fuser import config, dispatch, plans
+from mlp_fuser import config
+from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.reference import reference_mlp, rel_err
+from mlp_fuser.runtime import plans
 
 pytestmark = CUDA_ONLY
 
@@ -230,7 +232,7 @@ PLAN_SIZES = [  # (M, K, I, O, gated, act, bias, lead): decode shapes of the 1B-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("impl", sorted(plans.PLANNED))
 def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
-    """The first call of a signature builds its launch plan (mlp_fuser.plans); later calls with fresh tensors of that
+    """The first call of a signature builds its launch plan (runtime/plans.py); later calls with fresh tensors of that
     signature run the plan (integers for pointers, one workspace, Triton's C launch function called directly) and
     match float64 as the unfused module does, with freed memory poisoned first and no host synchronisation."""
     monkeypatch.setattr(config, "force_impl", impl)
@@ -522,9 +524,9 @@ def test_gpu_linear_splitk_down_is_right_race_free_and_deterministic(M, N, K, dt
 
 
 def test_gpu_bench_times_the_variants_of_a_row_in_turns():
-    """mlp_fuser.bench's ShapeSetup.time (SmolLM2's MLP, M=16): graphs captured for every variant, then timed in
+    """mlp_fuser.tools.bench's ShapeSetup.time (SmolLM2's MLP, M=16): graphs captured for every variant, then timed in
     turns; each variant gets its error against fp32 and finite, positive graph and plain times."""
-    from mlp_fuser import bench
+    from mlp_fuser.tools import bench
 
     setup = bench.ShapeSetup(5, torch.bfloat16)
     errs, times = setup.time(16, {"fused": bench.fused, "eager": reference_mlp}, rounds=4)
@@ -559,7 +561,7 @@ def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backw
     full path not called again), and every step's output and gradients equal the full path's (plans off) exactly,
     with freed memory poisoned with NaN before each step."""
     import mlp_fuser
-    from mlp_fuser import ops
+    from mlp_fuser.ops import dense as ops
 
     torch.manual_seed(0)
     make = _GatedMLP if kind.startswith("gated") else _PlainMLP
@@ -606,7 +608,7 @@ def test_gpu_a_patched_modules_site_runs_its_plan(M, monkeypatch):
     """No gradients, bf16: the first call of a shape goes through the eager entry; later ones run the plan from the
     module's call site (no ``_forward``), with the full path's result bit for bit (plans off: the same kernels)."""
     import mlp_fuser
-    from mlp_fuser import ops
+    from mlp_fuser.ops import dense as ops
 
     torch.manual_seed(0)
     mlp = mlp_fuser.patch(_GatedMLP(256, 704, False).cuda().to(torch.bfloat16))

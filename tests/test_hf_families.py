@@ -88,7 +88,7 @@ def test_bloom_training_gelu_is_a_named_near_miss():
 def test_apertus_xielu_is_a_named_near_miss_and_left_alone():
     """Apertus' MLP applies xIELU, an activation with learned scalars: explain names what it reads, patch leaves the
     model as it was."""
-    from mlp_fuser._hf import example_inputs, tiny_model
+    from mlp_fuser.tools.models import example_inputs, tiny_model
 
     model = tiny_model("apertus")
     inputs = example_inputs(model)
@@ -106,7 +106,7 @@ def test_deepseek_v4_clamped_shared_experts_are_named_near_misses_and_left_alone
     """DeepSeek-V4's shared experts clamp gate and up to its swiglu_limit before act·mul: explain names both sites
     and the clamp, and patch leaves them as they were; its routed experts, whose clamped SwiGLU the experts op
     computes, are fused."""
-    from mlp_fuser._hf import example_inputs, tiny_model
+    from mlp_fuser.tools.models import example_inputs, tiny_model
 
     model = tiny_model("deepseek_v4")
     inputs = example_inputs(model)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 
 from mlp_fuser.activations import ACTIVATIONS
-from mlp_fuser.dispatch import BACKWARD_BY_NAME, m_bucket
+from mlp_fuser.dispatch.dense import BACKWARD_BY_NAME, m_bucket
 from mlp_fuser.kernels import act_mul, backward, common, fused_mlp_small_m, gate_up_act, gemm, swapab
 from mlp_fuser.reference import reference_gate_up, reference_mlp, rel_err
 

@@ -1,5 +1,5 @@
 """merge_gate_up / split_gate_up and patch(merge_gate_up=True): gate and up re-stored as the halves of one buffer
-(mlp_fuser/patch.py), so the op runs one GEMM for both, or quack's gated GEMM where it is installed."""
+(mlp_fuser/patch/api.py), so the op runs one GEMM for both, or quack's gated GEMM where it is installed."""
 
 import inspect
 
@@ -8,7 +8,7 @@ import torch
 from _hf_models import build
 
 import mlp_fuser
-from mlp_fuser import dispatch
+from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.kernels.common import stored_as_one
 
 

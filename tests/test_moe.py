@@ -408,12 +408,12 @@ def test_opcheck(biases):
 
 # ---- 5. the Triton implementations, under the interpreter ---------------------------------------------------------
 
-TRITON = [i.name for i in mlp_fuser.moe.IMPLS if i.triton]
+TRITON = [i.name for i in mlp_fuser.ops.moe.IMPLS if i.triton]
 
 
 @pytest.fixture
 def triton_impl(monkeypatch, request):
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "force_impl", request.param)
@@ -444,7 +444,7 @@ def test_triton(triton_impl, dtype, case):
     from conftest import KERNEL_DEVICE  # the interpreter's CPU here, the GPU there
 
     args = [a.to(KERNEL_DEVICE) if a is not None else None for a in args]
-    reason = mlp_fuser.moe.IMPLS_BY_NAME[triton_impl].why_not(_problem(args, act, kw))
+    reason = mlp_fuser.ops.moe.IMPLS_BY_NAME[triton_impl].why_not(_problem(args, act, kw))
     if reason is not None:  # forced onto a layout it cannot read (TMA, interleaved rows): an error naming why
         with pytest.raises(ValueError, match=f"{triton_impl}.*{re.escape(reason)}"):
             mlp_fuser.moe_mlp(*args, act, **kw)
@@ -454,11 +454,11 @@ def test_triton(triton_impl, dtype, case):
         y = mlp_fuser.moe_mlp(*args, act, **kw)
         cpu = [a.cpu() if a is not None else None for a in args]
         torch.testing.assert_close(y.cpu().double(), naive(*cpu, act, **kw), **tol)
-    assert mlp_fuser.moe.chosen(_problem(args, act, kw)) == triton_impl
+    assert mlp_fuser.ops.moe.chosen(_problem(args, act, kw)) == triton_impl
 
 
 def _problem(args, act, kw):
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     x, ids, _, wgu, bgu, wd, bd = args
     gate = moe._gate(wgu, wd, act, kw.get("interleaved", False), kw.get("limit"), False, kw.get("up_offset", 0.0))
@@ -469,8 +469,8 @@ def _problem(args, act, kw):
 def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
     """triton_moe_sorted_tma is a candidate only with MLP_FUSER_MOE_TMA=1, at more than 96 rows per expert, on weights
     whose gate and up rows are not interleaved; the setting is part of the choice's key and of the call's signature."""
-    from mlp_fuser import moe
     from mlp_fuser.kernels import moe as kmoe
+    from mlp_fuser.ops import moe
 
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(kmoe, "INTERPRET", True)  # a CPU problem passes the Hopper check on a GPU machine too
@@ -496,16 +496,16 @@ def test_triton_needs_opt_in(monkeypatch):
     """Forced onto CPU tensors without triton_on_cpu: a clear error, not a crash inside Triton."""
     monkeypatch.setattr(config, "triton_on_cpu", False)
     monkeypatch.setattr(config, "force_impl", "triton_moe_sorted")
-    mlp_fuser.moe.reset()
+    mlp_fuser.ops.moe.reset()
     with pytest.raises(ValueError, match="triton_moe_sorted"):
         mlp_fuser.moe_mlp(*make(5, 2, 4), "silu")
-    mlp_fuser.moe.reset()
+    mlp_fuser.ops.moe.reset()
 
 
 def test_choice_for_plain_calls_and_for_graph_captures(monkeypatch):
     """A call captured in a CUDA graph takes the implementation fastest on the GPU alone; other calls the one
     fastest with the host's time (at one token they differ: fewer launches against less GPU time)."""
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     x, ids, wts, wgu, bgu, wd, bd = make(3, 2, 4)
     gate = moe._gate(wgu, wd, "silu", False, None, False, 0.0)
@@ -524,7 +524,8 @@ def test_choice_for_plain_calls_and_for_graph_captures(monkeypatch):
 def test_eager_entry_skips_the_dispatcher_only_where_nothing_needs_it(monkeypatch):
     """eager_moe_mlp computes plain calls right away (the same result as the registered op) and hands calls with
     gradients, autocast or a dispatch mode to the registered op."""
-    from mlp_fuser import compat, moe
+    from mlp_fuser import compat
+    from mlp_fuser.ops import moe
 
     if not compat.PRIVATE:
         pytest.skip("the public path never skips the dispatcher")  # the CPU and GPU machines take the private path
@@ -548,7 +549,7 @@ def test_eager_entry_skips_the_dispatcher_only_where_nothing_needs_it(monkeypatc
 
 def _calls(*args, act="silu", **kw):
     """The op through its eager entry and through the dispatcher."""
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     return [lambda: moe.eager_moe_mlp(*args, act, **kw), lambda: mlp_fuser.moe_mlp(*args, act, **kw)]
 
@@ -556,7 +557,7 @@ def _calls(*args, act="silu", **kw):
 def test_bad_calls_after_good_ones_still_raise():
     """A call that breaks a rule raises its named error on its first and every later call, after good calls of the
     same shapes and of others (the cache of plain calls never admits it)."""
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     moe.reset()
     x, ids, *rest = make(5, 2, 4)
@@ -591,9 +592,9 @@ def test_bad_calls_after_good_ones_still_raise():
 def test_cache_misses_on_a_changed_config(monkeypatch):
     """The settings are part of a call's signature: forcing another implementation, turning Triton on CPU tensors
     off, or autotuning off takes the full path again (which raises where the forced implementation cannot run)."""
-    from mlp_fuser import moe
     from mlp_fuser.kernels import common
     from mlp_fuser.kernels import moe as kmoe
+    from mlp_fuser.ops import moe
 
     launches = []
     real = kmoe.launch
@@ -630,7 +631,7 @@ def test_cached_calls_equal_the_full_path(impl, monkeypatch):
     differs only in its weights' strides, or in its leading dimensions, is a signature of its own."""
     from conftest import poisoned_empty
 
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "force_impl", impl)
@@ -711,7 +712,7 @@ def test_plan_launches_what_moe_experts_launches(monkeypatch, path, n_launches):
 @requires_cuda
 def test_cached_calls_take_the_graph_choice_while_capturing(monkeypatch):
     """A signature's later calls run the choice for plain calls, and the one for CUDA graphs while capturing."""
-    from mlp_fuser import moe
+    from mlp_fuser.ops import moe
 
     ran = []
 

@@ -1,5 +1,5 @@
 """The routed experts' Triton backward (mlp_fuser.kernels.moe_backward) against float64 autograd through the aten
-reference (mlp_fuser.moe.reference), every gradient, on every layout it supports."""
+reference (mlp_fuser.ops.moe.reference), every gradient, on every layout it supports."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 from mlp_fuser.kernels.moe import ExpertAct
 from mlp_fuser.kernels.moe_backward import moe_backward, moe_experts_autograd
 from mlp_fuser.kernels.moe_routing import moe_align
-from mlp_fuser.moe import Gate, reference
+from mlp_fuser.ops.moe import Gate, reference
 from mlp_fuser.reference import rel_err
 
 NAMES = ("dx", "dwts", "dw_gu", "db_gu", "dw_d", "db_d")

@@ -10,8 +10,10 @@ import torch
 from _hf_models import count_ops
 
 import mlp_fuser
-from mlp_fuser import _hf, experts, fx_pass
-from mlp_fuser.patch_modules import FusedModuleForward
+from mlp_fuser.graph import fx_pass
+from mlp_fuser.patch import experts
+from mlp_fuser.patch.modules import FusedModuleForward
+from mlp_fuser.tools import models as _hf
 
 MOE_OP = frozenset({"mlp_fuser::moe_mlp"})
 CORE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]

@@ -12,8 +12,9 @@ from _mlp_cases import make_case
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, requires_cuda
 
 import mlp_fuser
-from mlp_fuser import config, dispatch
+from mlp_fuser import config
 from mlp_fuser.activations import ACTIVATIONS
+from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.reference import rel_err
 
 TRITON_IMPLS = [i.name for i in dispatch.IMPLS if i.triton]

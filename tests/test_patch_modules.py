@@ -1,5 +1,5 @@
 """patch per module: where a model's MLPs are modules of their own, each gets a fused forward and the rest of the
-model stays eager (mlp_fuser/patch_modules.py)."""
+model stays eager (mlp_fuser/patch/modules.py)."""
 
 import copy
 
@@ -10,8 +10,8 @@ from _hf_models import count_ops
 from torch import nn
 
 import mlp_fuser
-from mlp_fuser.patch import _MODULES
-from mlp_fuser.patch_modules import FusedModuleForward, fuse_module
+from mlp_fuser.patch.api import _MODULES
+from mlp_fuser.patch.modules import FusedModuleForward, fuse_module
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +195,7 @@ def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypat
     """A patched MLP computes the op right in its forward (no dispatcher hop, the implementation chosen for eager
     calls) for plain tensors, with gradients through the op's autograd.Function applied right there; autocast, a
     dispatch mode and torch.compile all get the registered op, and every route gives the module's own result."""
-    from mlp_fuser import ops
+    from mlp_fuser.ops import dense as ops
 
     model = _llama(1)
     mlp = model.model.layers[0].mlp

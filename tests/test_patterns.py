@@ -570,7 +570,7 @@ def test_fuse_mlps_on_an_fx_graph_with_get_attr():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from mlp_fuser.fx_pass import fuse_mlps
+    from mlp_fuser.graph.fx_pass import fuse_mlps
 
     class Functional(nn.Module):
         def __init__(self):

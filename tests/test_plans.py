@@ -1,4 +1,4 @@
-"""mlp_fuser.plans: a later call with the same signature runs the recorded launches with integers for pointers.
+"""mlp_fuser.runtime.plans: a later call with the same signature runs the recorded launches with integers for pointers.
 
 Plans launch compiled kernels, which only exist on a GPU (tests/test_gpu.py checks planned results there). Here
 every Launcher answers with a stand-in compiled kernel that records its arguments, so the plan's wiring is checked
@@ -13,8 +13,11 @@ import torch
 import torch.nn.functional as F
 from _mlp_cases import make_case
 
-from mlp_fuser import activations, compat, config, dispatch, ops, plans, reference
+from mlp_fuser import activations, compat, config, reference
+from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.kernels import backward, common
+from mlp_fuser.ops import dense as ops
+from mlp_fuser.runtime import plans
 
 act_mul_kernels = importlib.import_module("mlp_fuser.kernels.act_mul")  # the package exports a function of that name
 

@@ -32,12 +32,12 @@ PRIVATE_ATTRS = frozenset({
 _MODULE_DICTS = ("nn.Module's own dicts: read on every call of a patched module, where a call through compat costs "
                  "host time, and replaced in a proof's twin; the public named_* iterators skip None and cannot replace")
 ALLOWED: dict[tuple[str, str], str] = {
-    ("mlp_fuser/patch_modules.py", "_modules"): _MODULE_DICTS,
-    ("mlp_fuser/patch_modules.py", "_parameters"): _MODULE_DICTS,
-    ("mlp_fuser/patch_modules.py", "_buffers"): _MODULE_DICTS,
-    ("mlp_fuser/patch_router.py", "_modules"): _MODULE_DICTS,
-    ("mlp_fuser/patch_router.py", "_parameters"): _MODULE_DICTS,
-    ("mlp_fuser/patch_router.py", "_buffers"): _MODULE_DICTS,
+    ("mlp_fuser/patch/modules.py", "_modules"): _MODULE_DICTS,
+    ("mlp_fuser/patch/modules.py", "_parameters"): _MODULE_DICTS,
+    ("mlp_fuser/patch/modules.py", "_buffers"): _MODULE_DICTS,
+    ("mlp_fuser/patch/router.py", "_modules"): _MODULE_DICTS,
+    ("mlp_fuser/patch/router.py", "_parameters"): _MODULE_DICTS,
+    ("mlp_fuser/patch/router.py", "_buffers"): _MODULE_DICTS,
     ("mlp_fuser/patch_fp8.py", "_modules"): _MODULE_DICTS,
     ("mlp_fuser/patch_fp8.py", "_parameters"): _MODULE_DICTS,
     ("mlp_fuser/patch_fp8.py", "_buffers"): _MODULE_DICTS,

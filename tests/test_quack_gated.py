@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlp_fuser import config, dispatch
+from mlp_fuser import config
+from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.kernels import quack_gated
 
 QUACK = [i for i in dispatch.IMPLS if i.name.startswith("quack_gated_")]

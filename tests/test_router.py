@@ -12,9 +12,12 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, poisoned_empty
 from mlp_fuser.patterns import router_topk
 
 import mlp_fuser
-from mlp_fuser import _hf, config, fx_pass, router
+from mlp_fuser import config
+from mlp_fuser.graph import fx_pass
 from mlp_fuser.kernels import router as kernel
-from mlp_fuser.patch_router import FusedRouterForward, fuse_router
+from mlp_fuser.ops import router
+from mlp_fuser.patch.router import FusedRouterForward, fuse_router
+from mlp_fuser.tools import models as _hf
 
 ROUTER_OP = frozenset({"mlp_fuser::moe_router_topk"})
 

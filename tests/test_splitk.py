@@ -45,7 +45,7 @@ def test_counters_zeroed_by_the_gate_up_kernel(impl, dtype, monkeypatch):
     """The two launches of triton_gemm_splitk and triton_swapab: their gate/up kernel zeroes the split-K kernel's
     arrival counters, which start as garbage here (poisoned), so a counter left unzeroed leaves tiles unwritten or
     reduced twice."""
-    from mlp_fuser import dispatch
+    from mlp_fuser.dispatch import dense as dispatch
 
     M, K, I, O = 5, 48, 1024, 40  # I long enough for the default config to split it, on the GPU and the CPU
     assert splitk._plan(M, O, I, splitk.splitk_config(M, O, I, dtype.itemsize, torch.device(KERNEL_DEVICE)))[1] > 1

@@ -26,9 +26,12 @@ from conftest import KERNEL_DEVICE, poisoned_empty
 from torch._dynamo.backends.debugging import aot_eager
 
 import mlp_fuser
-from mlp_fuser import compat, config, dispatch, fx_pass, ops
-from mlp_fuser.backend import pass_options
+from mlp_fuser import compat, config
+from mlp_fuser.dispatch import dense as dispatch
+from mlp_fuser.graph import fx_pass
+from mlp_fuser.graph.backend import pass_options
 from mlp_fuser.kernels import backward as kernels_backward
+from mlp_fuser.ops import dense as ops
 from mlp_fuser.reference import reference_mlp, rel_err
 
 BACKWARDS = ["recompute", "save"]

@@ -134,7 +134,7 @@ def _break_the_pass(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the graph pass")
 
-    monkeypatch.setattr(importlib.import_module("mlp_fuser.fx_pass"), "fuse_mlps", broken)
+    monkeypatch.setattr(importlib.import_module("mlp_fuser.graph.fx_pass"), "fuse_mlps", broken)
     return _sequential()[0], torch._dynamo.exc.BackendCompilerFailed, "a bug in the graph pass", "", {}
 
 
@@ -142,7 +142,7 @@ def _break_the_op(monkeypatch):
     def broken(*args):
         return ValueError, "broken validation"
 
-    monkeypatch.setattr(importlib.import_module("mlp_fuser.ops"), "_problem", broken)
+    monkeypatch.setattr(importlib.import_module("mlp_fuser.ops.dense"), "_problem", broken)
     return _sequential()[0], ValueError, "broken validation", "", {}
 
 

@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import compat, config, plans
-from .kernels import act_mul, fused_mlp_small_m, gate_up_act, quack_gated
-from .kernels.backward import act_mul_backward, mlp_backward
-from .kernels.common import gate_up_as_one, is_gate_up_as_one, m_bucket
-from .kernels.splitk import linear_splitk, splitk_config, splitk_counters
-from .kernels.swapab import gate_up_act_swapab
-from .reference import reference_mlp, reference_mlp_backward
+from .. import compat, config
+from ..kernels import act_mul, fused_mlp_small_m, gate_up_act, quack_gated
+from ..kernels.backward import act_mul_backward, mlp_backward
+from ..kernels.common import gate_up_as_one, is_gate_up_as_one, m_bucket
+from ..kernels.splitk import linear_splitk, splitk_config, splitk_counters
+from ..kernels.swapab import gate_up_act_swapab
+from ..reference import reference_mlp, reference_mlp_backward
+from ..runtime import plans
 
 log = logging.getLogger("mlp_fuser")
 ImplFn = Callable[..., Tensor]  # called as fn(*MLPArgs) -> y2 (M, O)

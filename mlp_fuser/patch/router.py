@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._dynamo_utils import fresh_code
+from ..graph._dynamo_utils import fresh_code
+from ..patterns import router_topk
 from .experts import _plain_forward
-from .patterns import router_topk
 
 _PLAIN_ATTRS = (bool, int, float, str, type(None))
 

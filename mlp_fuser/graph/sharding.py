@@ -23,8 +23,8 @@ from copy import deepcopy
 import torch
 from torch.fx import GraphModule, Node
 
-from . import compat
-from .patterns.common import arg, dependents, is_fn, is_method, val
+from .. import compat
+from ..patterns.common import arg, dependents, is_fn, is_method, val
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -227,7 +227,7 @@ def proof(module, x, gm: GraphModule, example_inputs: list, report):
     """``patch``'s proof for a module whose graph holds DTensors: the rewritten graph's forward and its input getters
     when the graph is one lowered MLP (x → from_local → to_local → op → from_local → redistribute → to_local), the
     mesh among its inputs; None otherwise (the module keeps its forward)."""
-    from .patch_modules import OPS, _getter
+    from ..patch.modules import OPS, _getter
 
     if len(report.fused) != 1 or report.near_misses:
         return None

@@ -27,7 +27,7 @@ import torch
 
 import mlp_fuser
 
-from ._hf import load_smollm2, log, step
+from .models import load_smollm2, log, step
 
 PROMPT = "Explain in two sentences why the sky is blue."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

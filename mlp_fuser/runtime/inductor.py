@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from . import compat, config
+from .. import compat, config
 
 log = logging.getLogger("mlp_fuser")
 _installed: dict[str, object] = {}  # op name -> the lowering ours wraps (Inductor's fallback)

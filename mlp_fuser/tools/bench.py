@@ -37,8 +37,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import compat, dispatch
-from .reference import reference_mlp, rel_err
+from .. import compat
+from ..dispatch import dense as dispatch
+from ..reference import reference_mlp, rel_err
 
 MS = [1, 16, 32, 64, 128, 256, 512, 2048, 8192]
 # (name, gated, activation, biases, K, I)

@@ -38,10 +38,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import compat, config
-from .compat import launch_source
-from .kernels.backward import act_mul_backward_launcher
-from .kernels.common import Launcher, stored_as_one
+from .. import compat, config
+from ..compat import launch_source
+from ..kernels.backward import act_mul_backward_launcher
+from ..kernels.common import Launcher, stored_as_one
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)

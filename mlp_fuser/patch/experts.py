@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from . import compat
-from .moe import Gate, eager_moe_mlp, gates
+from .. import compat
+from ..ops.moe import Gate, eager_moe_mlp, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
 

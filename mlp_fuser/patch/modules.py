@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import compat, fx_pass, sharding
-from ._dynamo_utils import fresh_code
-from .ops import EAGER, EagerSite
-from .patterns.common import dependents, dropout_active, is_dropout
+from .. import compat
+from ..graph import fx_pass, sharding
+from ..graph._dynamo_utils import fresh_code
+from ..ops.dense import EAGER, EagerSite
+from ..patterns.common import dependents, dropout_active, is_dropout
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
 # A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, the

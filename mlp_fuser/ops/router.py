@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import config
-from .kernels import router as kernel
+from .. import config
+from ..kernels import router as kernel
 
 _lib = torch.library.Library("mlp_fuser", "FRAGMENT")
 _lib.define("moe_router_topk(Tensor logits, int k, bool renorm, ScalarType out_dtype) -> (Tensor, Tensor)")

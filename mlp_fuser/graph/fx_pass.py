@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from mlp_fuser import compat, sharding
+from mlp_fuser import compat
 from mlp_fuser import patterns as P
-from mlp_fuser.ops import _PLAIN
+from mlp_fuser.graph import sharding
+from mlp_fuser.ops.dense import _PLAIN
 from mlp_fuser.patterns import experts as routed
 from mlp_fuser.patterns import router_topk
 from mlp_fuser.patterns.common import dropout_active, input_name, is_dropout, same, same_shape, val

@@ -2,7 +2,7 @@
 
 - Per module (the default, where it applies): every submodule that *is* an MLP (LLaMA's ``LlamaMLP``, GPT-NeoX's,
   Falcon's, ...) gets a forward that runs the fused op, proven equal by capturing that module alone with Dynamo
-  and the graph pass (``patch_modules.py``). The rest of the model runs eagerly, untouched.
+  and the graph pass (``patch/modules.py``). The rest of the model runs eagerly, untouched.
 - Whole model (where no submodule is an MLP, or ``per_module=False``): the model's forward runs through Dynamo
   with the fusing pass and no Inductor. Working from the captured graph (not from class names) is what finds MLPs
   split across modules (BERT's ``BertIntermediate.dense → GELU`` then ``BertOutput.dense``) and sees HF's control
@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._dynamo_utils import fresh_code
-from .backend import FilterFn, check_filter, make_backend, pass_options
+from ..graph._dynamo_utils import fresh_code
+from ..graph.backend import FilterFn, check_filter, make_backend, pass_options
+from ..kernels.common import stored_as_one
+from ..ops.dense import _PLAIN
+from ..patch_fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
 from .experts import FusedExpertsForward, fuse_experts, spec
-from .kernels.common import stored_as_one
-from .ops import _PLAIN
-from .patch_fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
-from .patch_modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
-from .patch_router import FusedRouterForward, fuse_router
+from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
+from .router import FusedRouterForward, fuse_router
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs

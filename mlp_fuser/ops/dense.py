@@ -45,13 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import compat, config, dispatch, inductor, plans
-from .activations import ACTIVATIONS, ALIASES, get_activation
-from .dispatch import MLPArgs
-from .dispatch import new_args as _args
-from .kernels import act_mul as act_mul_kernel
-from .kernels.common import stored_as_one
-from .reference import reference_mlp_backward
+from .. import compat, config
+from ..activations import ACTIVATIONS, ALIASES, get_activation
+from ..dispatch import dense as dispatch
+from ..dispatch.dense import MLPArgs
+from ..dispatch.dense import new_args as _args
+from ..kernels import act_mul as act_mul_kernel
+from ..kernels.common import stored_as_one
+from ..reference import reference_mlp_backward
+from ..runtime import inductor, plans
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
 _lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, bool save_preact=False) "

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import compat, fx_pass, ops
-from . import patterns as registry
-from .activations import get_activation
-from .inductor import install as install_direct_calls
+from .. import compat
+from .. import patterns as registry
+from ..activations import get_activation
+from ..ops import dense as ops
+from ..runtime.inductor import install as install_direct_calls
+from . import fx_pass
 
 log = logging.getLogger("mlp_fuser")
 _graph_ids = itertools.count()

@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import moe
+from ..ops import moe
 
 # (label, family, H, I, E, k)
 SIZES = {

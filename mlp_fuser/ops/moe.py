@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import compat, config
-from .activations import ACTIVATIONS, get_activation
-from .kernels.common import next_power_of_2
+from .. import compat, config
+from ..activations import ACTIVATIONS, get_activation
+from ..kernels.common import next_power_of_2
 
 log = logging.getLogger("mlp_fuser")
 
@@ -285,7 +285,7 @@ class Impl:
 def _triton(path: str) -> ImplFn:
     """The Triton kernels (``kernels/moe.py``) through one of their paths."""
     def impl(x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
-        from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
+        from ..kernels import moe as kmoe  # imported on first use: nothing is compiled before
 
         return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, _expert_act(gate), gate.interleaved, path)
     return impl
@@ -294,7 +294,7 @@ def _triton(path: str) -> ImplFn:
 def _triton_plan(path: str) -> Callable[[tuple], Callable[..., Tensor]]:
     """``kernels.moe.experts_plan`` for one of the paths: the launches' integer arguments worked out once."""
     def plan(args):
-        from .kernels import moe as kmoe
+        from ..kernels import moe as kmoe
 
         gate = args[-1]
         return kmoe.experts_plan(*args[:-1], _expert_act(gate), gate.interleaved, path)
@@ -303,7 +303,7 @@ def _triton_plan(path: str) -> Callable[[tuple], Callable[..., Tensor]]:
 
 @functools.lru_cache(maxsize=256)
 def _expert_act(gate: Gate):
-    from .kernels import moe as kmoe
+    from ..kernels import moe as kmoe
 
     return kmoe.ExpertAct(gate.activation, 0.0, gate.limit, gate.clamp_after, gate.up_offset)
 
@@ -321,13 +321,13 @@ def _one_token(p: Problem) -> str | None:
 
 
 def _tma_ok(p: Problem) -> str | None:
-    from .kernels import moe as kmoe
+    from ..kernels import moe as kmoe
 
     return kmoe.tma_shape_why_not(torch.device(p.device), p.dtype, p.H, p.I, p.gate.interleaved)
 
 
 def _many_rows(p: Problem) -> str | None:
-    from .kernels import moe as kmoe
+    from ..kernels import moe as kmoe
 
     if not config.moe_tma:
         return "off by default: lighter on the GPU, heavier on the host (MLP_FUSER_MOE_TMA=1 times it)"

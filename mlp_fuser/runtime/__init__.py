@@ -1,0 +1,1 @@
+"""Host-time shortcuts under the ops: recorded launch plans and Inductor's direct call."""
