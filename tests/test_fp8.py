@@ -277,3 +277,27 @@ def test_the_implementation_table_says_why_each_row_cannot_run():
     assert quant.choose(x, 4) == "aten_dequantize"
     text = quant.describe(x, 4)
     assert "fp8_w8a8: x is on cpu" in text and text.endswith("aten_dequantize: runs")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="peak memory of the CUDA kernels")
+@pytest.mark.parametrize("M", [1, 64, 512])
+def test_no_bf16_copy_of_a_weight_exists_in_hbm(M):
+    """The op reads the float8 weights where they lie: its peak above x, weights and y stays far below one weight
+    in bf16 (what a dequantizing path would allocate)."""
+    g = torch.Generator().manual_seed(0)
+    K, I = 2048, 8192
+    args, block = [], (128, 128)
+    for n, k in ((I, K), (I, K), (K, I)):
+        w, s, _ = quantized(n, k, "block", block=block, g=g)
+        args += [w.cuda(), s.cuda(), None]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    quant.quant_gated_mlp(x, *args, "silu", block=block)  # compiled and warm
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = quant.quant_gated_mlp(x, *args, "silu", block=block)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
+    h_and_workspace = M * I * (2 + 2 * 4) + M * K * 4 * 16 + (1 << 20)  # h, x quantized, split-K partials, counters
+    assert extra <= h_and_workspace < I * K * 2 // 2
