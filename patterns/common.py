@@ -36,6 +36,20 @@ def arg(n: Node, i: int, name: str, default=None):
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
+def module_path(n: Node) -> str:
+    """The dotted path of the innermost module that produced ``n`` (``model.layers.0.mlp.gate_proj``)."""
+    stack = n.meta.get("nn_module_stack") or {}
+    return clean_path(list(stack.values())[-1][0]) if stack else ""
+
+
+def clean_path(path: str) -> str:
+    """A module stack's path (``L['self']._modules['model'].layers[0]``) as users write it (``model.layers.0``)."""
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?(\.__self__)?\.?|^self\.?", "", path)  # the root: L['self'], L['args'][0]
+    path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip(".")
+
+
 def val(n):
     """The node's example value (a fake tensor under Dynamo), or None."""
     if not isinstance(n, Node):

@@ -21,7 +21,6 @@ the failed check:
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +33,16 @@ from mlp_fuser.graph import sharding
 from mlp_fuser.ops.dense import _PLAIN
 from mlp_fuser.patterns import experts as routed
 from mlp_fuser.patterns import router_topk
-from mlp_fuser.patterns.common import dropout_active, input_name, is_dropout, same, same_shape, val
+from mlp_fuser.patterns.common import (
+    clean_path,
+    dropout_active,
+    input_name,
+    is_dropout,
+    module_path,
+    same,
+    same_shape,
+    val,
+)
 
 log = logging.getLogger("mlp_fuser")
 
@@ -83,23 +91,6 @@ class PassReport:
         if self.routers:
             text += f"; {len(self.routers)} router top-k fused"
         return text
-
-
-# ---- module paths ----------------------------------------------------------------------------------
-
-
-def module_path(n: Node) -> str:
-    """The dotted path of the innermost module that produced ``n`` (``model.layers.0.mlp.gate_proj``)."""
-    stack = n.meta.get("nn_module_stack") or {}
-    return clean_path(list(stack.values())[-1][0]) if stack else ""
-
-
-def clean_path(path: str) -> str:
-    """A module stack's path (``L['self']._modules['model'].layers[0]``) as users write it (``model.layers.0``)."""
-    path = re.sub(r"^L\['[^']*'\](\[\d+\])?(\.__self__)?\.?|^self\.?", "", path)  # the root: L['self'], L['args'][0]
-    path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return path.strip(".")
 
 
 def node_text(n) -> str:

@@ -24,7 +24,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .. import compat
-from ..patterns.common import arg, dependents, is_fn, is_method, val
+from ..patterns.common import arg, is_fn, is_method, module_path, val
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -144,8 +144,6 @@ def lower(gm: GraphModule, copy: bool = False) -> tuple[GraphModule, list[tuple[
     misses. A graph without DTensors is returned as it is."""
     if DTensor is None or not any(is_dtensor(val(n)) for n in gm.graph.nodes if n.op == "placeholder"):
         return gm, []
-    from .fx_pass import module_path
-
     if copy:
         gm = GraphModule(gm, deepcopy(gm.graph))
 
@@ -222,42 +220,3 @@ def placeholder_getter(value):
     if DeviceMesh is not None and isinstance(value, DeviceMesh):
         return lambda module: value
     return None
-
-def proof(module, x, gm: GraphModule, example_inputs: list, report):
-    """``patch``'s proof for a module whose graph holds DTensors: the rewritten graph's forward and its input getters
-    when the graph is one lowered MLP (x → from_local → to_local → op → from_local → redistribute → to_local), the
-    mesh among its inputs; None otherwise (the module keeps its forward)."""
-    from ..patch.modules import OPS, _getter
-
-    if len(report.fused) != 1 or report.near_misses:
-        return None
-    g = gm.graph
-    placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(example_inputs) or any(n.op == "get_attr" for n in g.nodes):
-        return None
-    names = {id(t): name for name, t in module.named_parameters(remove_duplicate=False)}
-    getters, x_node = [], None
-    for node, value in zip(placeholders, example_inputs):
-        mesh = placeholder_getter(value)
-        if value is x:
-            x_node = node
-        getters.append(None if value is x else _getter(names[id(value)]) if id(value) in names else mesh)
-        if getters[-1] is None and value is not x:
-            return None
-    ops = [n for n in g.nodes if n.op == "call_function" and n.target in OPS]
-    output = next(n for n in g.nodes if n.op == "output")
-    if x_node is None or len(ops) != 1 or len(output.args[0]) != 1:
-        return None
-    x_local, result = ops[0].args[0], output.args[0][0]
-    # the output: to_local(redistribute(from_local(op, mesh, (Partial(),))))
-    red = result.args[0] if is_method(result, "to_local") else None
-    back = red.args[0] if is_method(red, "redistribute") else None
-    if not (is_fn(back, *FROM_LOCAL) and back.args[0] is ops[0]):
-        return None
-    src = x_local.args[0] if is_method(x_local, "to_local") else None
-    if not (is_fn(src, *FROM_LOCAL) and src.args[0] is x_node):
-        return None
-    allowed = {src, x_local, ops[0], back, red, result, output}
-    if any(u not in allowed for u in dependents(x_node)):
-        return None  # the graph does more with the input than the MLP
-    return gm.forward, getters, None, None, None

@@ -28,7 +28,7 @@ from .. import compat
 from ..graph import fx_pass, sharding
 from ..graph._dynamo_utils import fresh_code
 from ..ops.dense import EAGER, EagerSite
-from ..patterns.common import dependents, dropout_active, is_dropout
+from ..patterns.common import dependents, dropout_active, is_dropout, is_fn, is_method
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
 # A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, the
@@ -245,7 +245,7 @@ def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict) ->
 
 def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Proof | None:
     if any(sharding.placeholder_getter(v) for v in example_inputs):  # a tensor-parallel MLP, the mesh an input
-        return sharding.proof(module, x, gm, example_inputs, report)
+        return _sharded_proof(module, x, gm, example_inputs, report)
     if len(report.fused) != 1 or report.near_misses:
         return None
     g = gm.graph
@@ -317,6 +317,44 @@ def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, 
     namespace = {"op": EagerSite(op.target)}  # the entry, with the call's plan found by tensor guards once seen
     exec(f"def direct(m, x):\n    return op({', '.join(args)})\n", namespace)  # noqa: S102 (source built above)
     return namespace["direct"]
+
+
+def _sharded_proof(module, x, gm, example_inputs: list, report) -> Proof | None:
+    """The proof for a module whose graph holds DTensors: the rewritten graph's forward and its input getters
+    when the graph is one lowered MLP (x → from_local → to_local → op → from_local → redistribute → to_local), the
+    mesh among its inputs; None otherwise (the module keeps its forward)."""
+    if len(report.fused) != 1 or report.near_misses:
+        return None
+    g = gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs) or any(n.op == "get_attr" for n in g.nodes):
+        return None
+    names = {id(t): name for name, t in module.named_parameters(remove_duplicate=False)}
+    getters, x_node = [], None
+    for node, value in zip(placeholders, example_inputs):
+        mesh = sharding.placeholder_getter(value)
+        if value is x:
+            x_node = node
+        getters.append(None if value is x else _getter(names[id(value)]) if id(value) in names else mesh)
+        if getters[-1] is None and value is not x:
+            return None
+    ops = [n for n in g.nodes if n.op == "call_function" and n.target in OPS]
+    output = next(n for n in g.nodes if n.op == "output")
+    if x_node is None or len(ops) != 1 or len(output.args[0]) != 1:
+        return None
+    x_local, result = ops[0].args[0], output.args[0][0]
+    # the output: to_local(redistribute(from_local(op, mesh, (Partial(),))))
+    red = result.args[0] if is_method(result, "to_local") else None
+    back = red.args[0] if is_method(red, "redistribute") else None
+    if not (is_fn(back, *sharding.FROM_LOCAL) and back.args[0] is ops[0]):
+        return None
+    src = x_local.args[0] if is_method(x_local, "to_local") else None
+    if not (is_fn(src, *sharding.FROM_LOCAL) and src.args[0] is x_node):
+        return None
+    allowed = {src, x_local, ops[0], back, red, result, output}
+    if any(u not in allowed for u in dependents(x_node)):
+        return None  # the graph does more with the input than the MLP
+    return gm.forward, getters, None, None, None
 
 
 def _getter(name: str) -> Callable[[nn.Module], Tensor]:

@@ -1,0 +1,128 @@
+"""The package's layers: every import (module-level or inside a function) points down the order below or stays
+within its layer, and no import circle exists (type-only imports aside). The README's "How it works" draws this."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Bottom to top; a module may import its own layer and those before it. The package's __init__ (the public API)
+# sits above the library; tools and the command line use that API.
+LAYERS = [
+    ("base", ["mlp_fuser.compat", "mlp_fuser.config", "mlp_fuser.activations", "mlp_fuser.reference"]),
+    ("kernels", ["mlp_fuser.kernels"]),
+    ("runtime", ["mlp_fuser.runtime"]),
+    ("dispatch", ["mlp_fuser.dispatch"]),
+    ("ops", ["mlp_fuser.ops", "mlp_fuser.quant", "mlp_fuser.quant_moe"]),
+    ("patterns", ["mlp_fuser.patterns"]),
+    ("graph", ["mlp_fuser.graph"]),
+    ("patch", ["mlp_fuser.patch", "mlp_fuser.patch_fp8"]),
+    ("explain", ["mlp_fuser.explain"]),
+    ("api", ["mlp_fuser"]),
+    ("tools", ["mlp_fuser.tools", "mlp_fuser.cli", "mlp_fuser.__main__"]),
+]
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (patterns/ ships as mlp_fuser.patterns)."""
+    found = {}
+    for pkg, base in (("mlp_fuser", ROOT / "mlp_fuser"), ("mlp_fuser.patterns", ROOT / "patterns")):
+        for f in base.rglob("*.py"):
+            parts = f.relative_to(base).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((pkg, *parts))] = f
+    return found
+
+
+def _layer(module: str) -> int:
+    """The index of the layer owning ``module``: its longest matching prefix."""
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS in tests/test_layers.py"
+    return best[1]
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    """Line numbers of imports under ``if TYPE_CHECKING:``."""
+    lines = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+            lines |= {m.lineno for s in n.body for m in ast.walk(s) if isinstance(m, ast.ImportFrom | ast.Import)}
+    return lines
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {imported package module: line}, for every import in the module's file, at any depth."""
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip, edges = _type_only(tree), {}
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for n in ast.walk(tree):
+            if getattr(n, "lineno", None) in skip:
+                continue
+            if isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    up = package.split(".")[: len(package.split(".")) - (n.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                # `from pkg import sub` imports the submodule; `from pkg import name` the package itself
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in n.names]
+            else:
+                continue
+            for t in targets:
+                while t not in modules and "." in t:  # `import mlp_fuser.x.y` of a name inside x
+                    t = t.rpartition(".")[0]
+                if t in modules and t != name:
+                    edges.setdefault(t, n.lineno)
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import circle of ``graph`` as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in graph[m]:
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def upward(graph: dict[str, dict[str, int]]) -> list[str]:
+    return [f"{m} (layer {LAYERS[_layer(m)][0]}) imports {t} (layer {LAYERS[_layer(t)][0]}) at line {line}"
+            for m, edges in sorted(graph.items()) for t, line in edges.items() if _layer(t) > _layer(m)]
+
+
+def test_every_import_goes_down():
+    assert upward(import_graph(_modules())) == []
+
+
+def test_no_import_circle():
+    assert _cycle(import_graph(_modules())) is None
+
+
+def test_the_check_sees_upward_imports_and_circles():
+    modules = _modules()
+    graph = import_graph(modules)
+    assert graph["mlp_fuser.ops.dense"].get("mlp_fuser.dispatch.dense")  # a relative import, resolved
+    assert "mlp_fuser.patterns" in graph["mlp_fuser.graph.fx_pass"]  # `from mlp_fuser import patterns`
+    graph["mlp_fuser.kernels.common"] = {**graph["mlp_fuser.kernels.common"], "mlp_fuser.ops.moe": 1}
+    assert any(u.startswith("mlp_fuser.kernels.common (layer kernels) imports") for u in upward(graph))
+    assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
