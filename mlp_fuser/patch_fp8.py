@@ -16,11 +16,12 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from . import quant
+from . import compat, quant
 from .patch.modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _OPS = {"mlp": torch.ops.mlp_fuser.quant_mlp.default, "gated_mlp": torch.ops.mlp_fuser.quant_gated_mlp.default}
+_COMPUTE = {"mlp": quant.compute_mlp, "gated_mlp": quant.compute_gated_mlp}  # the ops' own kernels, as plain calls
 _PROOFS: dict = {}  # structure key -> (op name, [child name per weight]) or None; a few entries per process
 _MAX_PROOFS = 256
 
@@ -111,15 +112,22 @@ def fp8_site(module: nn.Module, path: str, options: dict):
 
 
 def _direct(op_name: str, children: list[str], activation: str, block):
-    op = _OPS[op_name]
+    """``(module, x) -> y``: the op on the children's weights, scales and biases as stored; computed right there
+    (no dispatcher hop, no autograd node) where ``compat.plain_call`` allows it, else through the registered op."""
+    op, compute = _OPS[op_name], _COMPUTE[op_name]
     block = list(block) if block is not None else None
 
     def direct(m, x):
-        args = []
+        args, biases = [], []
         for name in children:
-            p = m._modules[name]._parameters
+            child = m._modules[name]
+            p = child._parameters
             s = p.get("weight_scale_inv")
-            args += [p["weight"], s if s is not None else m._modules[name]._buffers["weight_scale_inv"], p.get("bias")]
+            b = p.get("bias")
+            args += [p["weight"], s if s is not None else child._buffers["weight_scale_inv"], b]
+            biases.append(b)
+        if compat.plain_call(x, biases):
+            return compute(x, *args, activation, "fp8_e4m3", block)
         return op(x, *args, activation, "fp8_e4m3", block)
 
     return direct
@@ -163,7 +171,10 @@ class FusedFp8Linear:
         p = m._parameters
         s = p.get("weight_scale_inv")
         s = s if s is not None else m._buffers["weight_scale_inv"]
-        return torch.ops.mlp_fuser.quant_linear.default(x, p["weight"], s, p.get("bias"), "fp8_e4m3", self.block)
+        b = p.get("bias")
+        if compat.plain_call(x, (b,)):
+            return quant.compute_linear(x, p["weight"], s, b, "fp8_e4m3", self.block)
+        return torch.ops.mlp_fuser.quant_linear.default(x, p["weight"], s, b, "fp8_e4m3", self.block)
 
     def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
         return _plain_forward, (self.module,)

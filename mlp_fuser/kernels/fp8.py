@@ -20,6 +20,7 @@ act(y); the bias last before the activation.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -28,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, dot_precision, num_sms
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, num_sms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -322,6 +323,7 @@ class Config(NamedTuple):
     group_m: int = 8
 
 
+@cache
 def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.device) -> Config:
     """Small M: 64 weight rows a program, K split until about two programs per SM stream weights; large M: square
     tiles, no split."""
@@ -338,6 +340,9 @@ def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.
     tiles = cdiv(M, bm) * cdiv(N, bn)
     split = max(1, min(cdiv(num_sms(device), tiles), cdiv(K, 4 * 128), 8))
     return Config(bm, bn, 128, split, 8 if bm * bn >= 128 * 128 else 4, 3)
+
+
+_launch = Launcher(_fp8_linear_kernel)
 
 
 def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tensor | None = None,
@@ -374,13 +379,19 @@ def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tenso
         parts = counters = y
     act = get_activation(activation) if activation is not None else None
     u = up if gated else w
-    _fp8_linear_kernel[(tiles, split)](
-        xq, xs, w.w, w.scale, u.w, u.scale, bias if bias is not None else y, y, parts, counters,
-        M, N, K, k_per_split,
-        xq.stride(0), xq.stride(1), w.w.stride(0), w.w.stride(1), w.scale.stride(0), w.scale.stride(1),
-        y.stride(0), y.stride(1),
-        SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled, A8=a8,
-        PRECISION=dot_precision(x.dtype), F16=f16 and not a8,
+    b = bias if bias is not None else y
+    sxm, sxk = xq.stride()
+    (swn, swk), (ssn, ssk), (sym, syn) = w.w.stride(), w.scale.stride(), y.stride()
+    scale_bk = w.block_k if w.k_scaled else A8_BLOCK
+    precision, use_f16 = dot_precision(x.dtype), f16 and not a8
+    key = (x.get_device(), x.dtype, y.dtype, b.dtype, M, N, K, k_per_split, sxm, sxk, swn, swk, ssn, ssk, sym, syn,
+           aligned(xq, xs, w.w, w.scale, u.w, u.scale, b, y, parts, counters), w.block_n, scale_bk, w.k_scaled, a8,
+           precision, use_f16, gated, act.name if act else None, bias is not None, split, cfg)
+    _launch(
+        key, (tiles, split),
+        xq, xs, w.w, w.scale, u.w, u.scale, b, y, parts, counters,
+        M, N, K, k_per_split, sxm, sxk, swn, swk, ssn, ssk, sym, syn,
+        SCALE_BN=w.block_n, SCALE_BK=scale_bk, K_SCALED=w.k_scaled, A8=a8, PRECISION=precision, F16=use_f16,
         GATED=gated, ACT=act.triton_fn if act else None, HAS_ACT=act is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
