@@ -11,10 +11,11 @@ where each W is the weight its stored form ``w`` (E, N, K) and scales ``s`` desc
 gate and up quantized as one or apart, per channel, per tensor). No biases (``FP8Experts`` has none). Expert ids
 >= E contribute nothing; x in fp16, bf16 or fp32, the output in x's dtype.
 
-Today every device runs the aten reference: each expert's weights dequantized to x's dtype, then
-``moe.reference`` (the CUDA kernels reading the float8 weights as stored come next). The weights are frozen; x and
-topk_weights get gradients, through that reference on the
-dequantized weights (on CUDA too: a dequantized copy per call where gradients are needed).
+On CUDA from sm89 the experts kernels (``kernels/moe.py``: the "pairs" GEMVs for up to PAIRS_MAX token-expert
+pairs, else the sorted grouped GEMMs) read the float8 weights as stored and dequantize each tile in registers
+(W8A16); elsewhere the aten reference dequantizes each expert's weights to x's dtype and runs ``moe.reference``.
+The weights are frozen; x and topk_weights get gradients, through that reference on the dequantized weights (on
+CUDA too: a dequantized copy per call where gradients are needed).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import compat
+from . import compat, config
 from .kernels import fp8 as fp8_kernels
 from .ops import moe
 from .quant import FORMATS, why_not_kernels
@@ -93,7 +94,7 @@ def reference(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: moe.Gate) -
 
 def kernel_why_not(x: Tensor, fgu, fd) -> str | None:
     """Why the experts kernels cannot run this call (the reference runs instead), or None."""
-    why = why_not_kernels(x)
+    why = None if x.device.type == "cpu" and config.triton_on_cpu else why_not_kernels(x)
     if why is not None:
         return why
     for name, fe in (("w_gate_up", fgu), ("w_down", fd)):
@@ -108,6 +109,12 @@ def path(T: int, k: int) -> str:
 
 
 def _run(x2, ids2, wts2, fgu, fd, gate: moe.Gate) -> Tensor:
+    if kernel_why_not(x2, fgu, fd) is None:
+        from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
+
+        T, k = ids2.shape
+        return kmoe.moe_experts(x2, ids2, wts2, fgu.w, None, fd.w, None, moe._expert_act(gate), gate.interleaved,
+                                path(T, k), scales=(fgu, fd))
     return reference(x2, ids2, wts2, fgu, fd, gate)
 
 

@@ -4,14 +4,17 @@ references written here, on the weights as transformers' FP8Experts stores them.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _moe_cases import sentinels
+from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty
 
-from mlp_fuser import quant_moe
+from mlp_fuser import config, quant_moe
 from mlp_fuser.kernels import fp8 as K8
+from mlp_fuser.kernels import moe as kmoe
 from mlp_fuser.reference import rel_err
 
 FP8 = torch.float8_e4m3fn
@@ -186,3 +189,64 @@ def test_fp8_experts_reads_each_format():
         w, s, full = quantized_experts(3, N, 70, fmt, block, g)
         fe = K8.fp8_experts(w, s, block, gated=fmt != "block" or N == 96)
         assert torch.equal(K8.dequantize_experts(fe, torch.float64), full)
+
+
+# ---- the experts kernels on float8 weights (the interpreter on the CPU, in fp16; bf16 on CUDA) ------------------
+
+KERNEL_DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 tl.dot is wrong
+BAR = 2e-2 if HAS_CUDA else 5e-3  # h rounded to x's dtype once, y once
+
+
+def kernel_case(fmt, block, seed, interleaved=False):
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block, seed=seed)
+    dev = KERNEL_DEVICE
+    x = (x * 4).to(KERNEL_DTYPE)  # outputs of O(1)
+    fgu = K8.fp8_experts(wgu.to(dev), sgu.to(dev), block, gated=True, interleaved=interleaved)
+    fd = K8.fp8_experts(wd.to(dev), sd.to(dev), block)
+    return (x.to(dev), ids.to(dev), wts.to(dev), fgu, fd), (x, ids, wts, wgu64, wd64)
+
+
+@pytest.mark.parametrize("path", ["pairs", "sorted", "sorted_fused_nomemset", "unsorted", "sorted_tma"])
+@pytest.mark.parametrize("fmt,block", FORMATS + [("block", (16, 16))])
+def test_experts_kernels_read_float8_weights(path, fmt, block):
+    """Each path's kernels on float8 weights and their scales (per K step, per row once), sentinel ids among the
+    routing, against float64 on the weights the scales describe; outputs start as NaN."""
+    (x, ids, wts, fgu, fd), ref = kernel_case(fmt, block, seed=7)
+    with poisoned_empty():
+        y = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, path, scales=(fgu, fd))
+    assert y.dtype == KERNEL_DTYPE and y.shape == x.shape
+    expected = reference64(*ref)
+    assert expected.abs().max() > 0.1
+    assert rel_err(y.cpu(), expected, math.inf) < BAR
+
+
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_experts_kernels_fp8_clamped_gate(path, interleaved):
+    """GPT-OSS's gate (clamped, up + 1) in either layout of gate and up rows (scale rows follow the layout)."""
+    (x, ids, wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64) = kernel_case("block", (32, 64), seed=8,
+                                                                          interleaved=interleaved)
+    x, x64 = x * 3, x64 * 3
+    act = kmoe.ExpertAct("silu", limit=0.7, up_offset=1.0)
+    with poisoned_empty():
+        y = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, act, interleaved, path, scales=(fgu, fd))
+    expected = reference64(x64, ids64, wts64, wgu64, wd64, limit=0.7, up_offset=1.0, interleaved=interleaved)
+    assert rel_err(y.cpu(), expected, math.inf) < BAR
+
+
+@pytest.mark.parametrize("T", [2, 30])
+def test_quant_moe_mlp_runs_the_kernels(T, monkeypatch):
+    """The op runs the kernels where they can run (here: Triton on the CPU tensors), the pairs path for few pairs and
+    the sorted one above PAIRS_MAX, with no dequantized weight."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(config, "triton_on_cpu", True)
+    calls = []
+    real = kmoe.moe_experts
+    monkeypatch.setattr(kmoe, "moe_experts", lambda *a, **kw: calls.append(a[9]) or real(*a, **kw))
+    monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=T, seed=9)
+    dev = KERNEL_DEVICE
+    y = quant_moe.quant_moe_mlp(x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev),
+                                wd.to(dev), sd.to(dev), "silu", block=(32, 64))
+    assert calls == ["pairs" if T * 3 <= quant_moe.PAIRS_MAX else "sorted"]
+    assert rel_err(y.cpu(), reference64(x.to(KERNEL_DTYPE), ids, wts, wgu64, wd64), math.inf) < BAR

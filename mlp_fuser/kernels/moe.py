@@ -123,6 +123,59 @@ def expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn
     return ACT(acc_g)
 
 
+@triton.jit
+def fp8_gate_up_acc(
+    x_ptr, wg_ptr, wu_ptr, sg_ptrs, su_ptrs, offs_m, offs_n, mask_m, mask_n, K,
+    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_sk,
+    HAS_UP: tl.constexpr, K_SCALED: tl.constexpr, SBK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``gemm.gate_up_acc`` on float8 weights (W8A16): each weight tile cast to x's dtype in registers; the weight
+    rows' scales (``sg_ptrs``/``su_ptrs``: column 0 of each row's scale row) multiply each K step's product where
+    they change along K (K_SCALED; BLOCK_K divides SBK), else the whole sum once."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_n[None, :] * stride_wgn
+    wu_ptrs = wu_ptr + offs_k[:, None] * stride_wuk + offs_n[None, :] * stride_wun
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
+        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0).to(x.dtype)
+        if K_SCALED:
+            s_k = (k * BLOCK_K // SBK) * stride_sk
+            acc_g += tl.dot(x, wg, input_precision=PRECISION) * tl.load(sg_ptrs + s_k)[None, :]
+        else:
+            acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+        if HAS_UP:
+            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0).to(x.dtype)
+            if K_SCALED:
+                acc_u += tl.dot(x, wu, input_precision=PRECISION) * tl.load(su_ptrs + s_k)[None, :]
+            else:
+                acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wgk
+        wu_ptrs += BLOCK_K * stride_wuk
+    if not K_SCALED:
+        acc_g = acc_g * tl.load(sg_ptrs)[None, :]
+        if HAS_UP:
+            acc_u = acc_u * tl.load(su_ptrs)[None, :]
+    return acc_g, acc_u
+
+
+@triton.jit
+def scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP: tl.constexpr, UP_SOFF, UP_SROW,
+               SBN: tl.constexpr):
+    """Pointers to column 0 of the scale rows of expert e's gate rows GATE_STEP·n and up rows (scale row
+    UP_SOFF + (UP_SROW + GATE_STEP·n) // SBN), for the columns offs_n of h (past N: the last one's)."""
+    rows = tl.minimum(offs_n, N - 1) * GATE_STEP
+    s_e = s_ptr + e * stride_se
+    return s_e + (rows // SBN) * stride_sn, s_e + (UP_SOFF + (UP_SROW + rows) // SBN) * stride_sn
+
+
 # ---- sorted path: grouped GEMMs over BLOCK_M-row blocks of one expert each ---------------------------
 
 
@@ -131,12 +184,14 @@ def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW,
     ids_ptr, E, stride_it, stride_ij, count_ptr, N_COUNTS,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
     ZERO_COUNTS: tl.constexpr, BLOCK_C: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
@@ -164,11 +219,19 @@ def _moe_gate_up_kernel(
 
     # -- gate and up tiles of expert e from one gathered x tile, two fp32 accumulators ---------------
     w_e = w_ptr + e * stride_we
-    acc_g, acc_u = gate_up_acc(
-        x_ptr, w_e, w_e + UP_ROW * stride_wn, tokens, offs_n, mask_m, mask_n, K,
-        stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk,
-        GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
+    if FP8:  # float8 weights: each tile cast in registers, the expert's scales per K step or once
+        sg_ptrs, su_ptrs = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP, UP_SOFF, UP_SROW, SBN)
+        acc_g, acc_u = fp8_gate_up_acc(
+            x_ptr, w_e, w_e + UP_ROW * stride_wn, sg_ptrs, su_ptrs, tokens, offs_n, mask_m, mask_n, K,
+            stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk, stride_sk,
+            GATED, K_SCALED, SBK, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+    else:
+        acc_g, acc_u = gate_up_acc(
+            x_ptr, w_e, w_e + UP_ROW * stride_wn, tokens, offs_n, mask_m, mask_n, K,
+            stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk,
+            GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
     h = expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
                         GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -189,11 +252,12 @@ def _moe_down_kernel(
     h_ptr, w_ptr, b_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_wt, stride_wj,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW,
     ids_ptr, y_ptr, count_ptr, E, stride_it, stride_ij, stride_yt,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PER_PAIR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of the output ---------------
     pid_b = tl.program_id(0)
@@ -227,11 +291,19 @@ def _moe_down_kernel(
 
     # -- h rows of the pairs (K = I columns) times Wd[e]ᵀ -------------------------------------------
     w_e = w_ptr + e * stride_we
-    acc, _ = gate_up_acc(
-        h_ptr, w_e, w_e, pairs.to(tl.int64), offs_n, mask_m, mask_n, K,
-        K, 1, stride_wn, stride_wk, stride_wn, stride_wk,
-        False, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
+    if FP8:
+        s_rows, _ = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, 1, 0, 0, SBN)
+        acc, _ = fp8_gate_up_acc(
+            h_ptr, w_e, w_e, s_rows, s_rows, pairs.to(tl.int64), offs_n, mask_m, mask_n, K,
+            K, 1, stride_wn, stride_wk, stride_wn, stride_wk, stride_sk,
+            False, K_SCALED, SBK, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+    else:
+        acc, _ = gate_up_acc(
+            h_ptr, w_e, w_e, pairs.to(tl.int64), offs_n, mask_m, mask_n, K,
+            K, 1, stride_wn, stride_wk, stride_wn, stride_wk,
+            False, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
 
     # -- epilogue: bias, routing weight; one fp32 row per pair --------------------------------------
     if HAS_BIAS:
@@ -370,10 +442,12 @@ def _moe_gate_up_pairs_kernel(
     x_ptr, ids_ptr, w_ptr, b_ptr, h_ptr,
     E, K_TOP, N, K, UP_ROW,
     stride_xm, stride_xk, stride_it, stride_ij, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
 ):
     # -- pair p = t·k + j, its expert, BLOCK_N columns of h ------------------------------------------
     p = tl.program_id(0)
@@ -391,16 +465,28 @@ def _moe_gate_up_pairs_kernel(
     wu_ptrs = wg_ptrs + UP_ROW * stride_wn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if FP8:  # float8 weights (cast in registers below): the expert's scale rows
+        sg_ptrs, su_ptrs = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP, UP_SOFF, UP_SROW, SBN)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)[None, :]
         w_mask = mask_n[:, None] & (offs_k[None, :] < k_left)
-        acc_g += tl.sum(tl.load(wg_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        part_g = tl.sum(tl.load(wg_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        if K_SCALED:  # a scale per K block: this step's (BLOCK_K divides SBK)
+            part_g = part_g * tl.load(sg_ptrs + (k * BLOCK_K // SBK) * stride_sk)
+        acc_g += part_g
         if GATED:
-            acc_u += tl.sum(tl.load(wu_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+            part_u = tl.sum(tl.load(wu_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+            if K_SCALED:
+                part_u = part_u * tl.load(su_ptrs + (k * BLOCK_K // SBK) * stride_sk)
+            acc_u += part_u
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
+    if FP8 and not K_SCALED:  # a scale per row: once
+        acc_g = acc_g * tl.load(sg_ptrs)
+        if GATED:
+            acc_u = acc_u * tl.load(su_ptrs)
 
     h = expert_epilogue(acc_g[None, :], acc_u[None, :], b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
                         GATED, HAS_BIAS, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
@@ -413,7 +499,9 @@ def _moe_down_tokens_kernel(
     h_ptr, ids_ptr, wts_ptr, w_ptr, b_ptr, y_ptr,
     E, N, K,
     stride_it, stride_ij, stride_wt, stride_wj, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_yt,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW,
     HAS_BIAS: tl.constexpr, K_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
 ):
     # -- token t, BLOCK_N columns of y; its k experts one after the other, in j order ----------------
     t = tl.program_id(0)
@@ -428,13 +516,20 @@ def _moe_down_tokens_kernel(
             h_ptrs = h_ptr + (t * K_TOP + j).to(tl.int64) * K + offs_k
             w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
             o = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if FP8:  # float8 weights: expert e's scale rows
+                s_rows, _ = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, 1, 0, 0, SBN)
             for k in range(0, tl.cdiv(K, BLOCK_K)):
                 k_left = K - k * BLOCK_K
                 h = tl.load(h_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)[None, :]
                 w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                o += tl.sum(w.to(tl.float32) * h, axis=1)
+                part = tl.sum(w.to(tl.float32) * h, axis=1)
+                if K_SCALED:
+                    part = part * tl.load(s_rows + (k * BLOCK_K // SBK) * stride_sk)
+                o += part
                 h_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K * stride_wk
+            if FP8 and not K_SCALED:
+                o = o * tl.load(s_rows)
             if HAS_BIAS:
                 o += tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
             y += tl.load(wts_ptr + t * stride_wt + j * stride_wj).to(tl.float32) * o
@@ -454,18 +549,39 @@ def _gate_up_layout(w_gu: Tensor, I: int, interleaved: bool) -> tuple[bool, int,
     return (True, 2, 1) if interleaved else (True, 1, I)
 
 
+def _scale_args(fe, up_row: int = 0) -> tuple:
+    """The kernels' scale arguments (s_ptr, its three strides, UP_SOFF, UP_SROW) for float8 weights ``fe``
+    (``fp8.Fp8Experts``), stand-ins never read for float weights (None). ``up_row``: the up half's first row."""
+    if fe is None:
+        return (None, 0, 0, 0, 0, 0)
+    sc = fe.scale
+    return (sc, *sc.stride(), fe.up_soff, 0 if fe.up_soff else up_row)
+
+
+def _scale_constexprs(fe, block_k: int) -> dict:
+    """FP8, K_SCALED, SBN, SBK and BLOCK_K (a K step never straddles a scale block) for ``_scale_args``' weights."""
+    if fe is None:
+        return {"FP8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k}
+    if fe.k_scaled:
+        while fe.block_k % block_k:
+            block_k //= 2
+    return {"FP8": True, "K_SCALED": fe.k_scaled, "SBN": fe.block_n, "SBK": fe.block_k if fe.k_scaled else 1,
+            "BLOCK_K": block_k}
+
+
 def _launch_opts(config: dict) -> dict:
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
 def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                 interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None,
-                counts: Tensor | None = None, pdl: bool = False) -> Tensor:
+                counts: Tensor | None = None, pdl: bool = False, scale=None) -> Tensor:
     """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
     pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's).
     ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k).
     ``counts``: an int32 buffer (``combine_counts``) that the kernel zeroes for ``moe_down_combine``, which then
-    needs no memset launch; ``pdl``: the kernel lets a down kernel launched with ``pdl`` start early (Hopper)."""
+    needs no memset launch; ``pdl``: the kernel lets a down kernel launched with ``pdl`` start early (Hopper).
+    ``scale``: w_gu is float8 with these scales (``fp8.Fp8Experts``), dequantized tile by tile in registers."""
     T, H = x.shape
     k = routing.k if routing is not None else ids.shape[1]
     S = T * k
@@ -484,7 +600,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, n_counts, constexprs = _gate_up_args(
         x, ids, k, (n_blocks, routing.block_m) if routing is not None else None, w_gu, b_gu, act, I, interleaved, cfg,
-        counts.numel() if counts is not None else None, pdl)
+        counts.numel() if counts is not None else None, pdl, scale)
     launch(_moe_gate_up_kernel, grid, x, w_gu, b, h, *blocks, *ints, ids if routing is None else None, *ints_ids,
            counts, n_counts, **constexprs)
     return h
@@ -492,7 +608,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
 
 def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int] | None, w_gu: Tensor,
                   b_gu: Tensor | None, act: ExpertAct, I: int, interleaved: bool, cfg: dict, n_counts: int | None,
-                  pdl: bool) -> tuple[tuple, tuple, tuple, int | None, dict]:
+                  pdl: bool, scale=None) -> tuple[tuple, tuple, tuple, int | None, dict]:
     """The gate_up launch but its tensors (for h contiguous): grid, the integers before ids and after it, the
     counters' size, constexprs. ``blocks``: the routing's (blocks, BLOCK_M), None for every pair its own block."""
     T, H = x.shape
@@ -502,12 +618,13 @@ def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int]
     b = b_gu if b_gu is not None else w_gu
     n_blocks, block_m = blocks if blocks is not None else (S, PER_PAIR_BLOCK_M)
     grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
-    ints = (S, k, I, H, up_row, x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1))
+    ints = (S, k, I, H, up_row, x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
+            *_scale_args(scale, up_row))
     ints_ids = (E, ids.stride(0), ids.stride(1)) if blocks is None else (None,) * 3
     return grid, ints, ints_ids, n_counts, dict(
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
-        PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        PER_PAIR=blocks is None, ZERO_COUNTS=n_counts is not None,
+        PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        **_scale_constexprs(scale, cfg["BLOCK_K"]), PER_PAIR=blocks is None, ZERO_COUNTS=n_counts is not None,
         BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
         LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg))
 
@@ -533,7 +650,8 @@ PER_PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: one live row in it
 
 
 def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-          y: Tensor | None, config: dict | None, counts: Tensor | None = None, pdl: bool = False) -> Tensor:
+          y: Tensor | None, config: dict | None, counts: Tensor | None = None, pdl: bool = False,
+          scale=None) -> Tensor:
     """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well (its
     counters ``counts`` where the gate/up kernel zeroed them, else a memset's)."""
     S, I = h.shape
@@ -549,7 +667,7 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, constexprs = _down_args(
         S, k, (n_blocks, routing.block_m) if routing is not None else None, h.dtype, ids, wts, w_d, b_d, cfg,
-        y is not None, pdl and has_pdl(h.device))
+        y is not None, pdl and has_pdl(h.device), scale)
     if y is not None:  # a counter per (token, n-block): its k_valid-th arriver sums the token's rows
         if counts is None:
             counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
@@ -565,7 +683,7 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
 
 def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dtype, ids: Tensor | None,
                wts: Tensor, w_d: Tensor, b_d: Tensor | None, cfg: dict, combine: bool,
-               pdl: bool) -> tuple[tuple, tuple, tuple, dict]:
+               pdl: bool, scale=None) -> tuple[tuple, tuple, tuple, dict]:
     """The down launch but its tensors (for h, out and y contiguous): grid, the integers before ids and after the
     counters, constexprs. ``blocks`` as in ``_gate_up_args``; ``combine``: the sum into y as well; ``pdl``: launched
     by PDL (``has_pdl`` checked)."""
@@ -573,7 +691,7 @@ def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dt
     b = b_d if b_d is not None else w_d
     n_blocks, block_m = blocks if blocks is not None else (S, PER_PAIR_BLOCK_M)
     grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
-    ints = (S, k, H, I, *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1))
+    ints = (S, k, H, I, *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *_scale_args(scale))
     if combine:
         ints_ids = (E, ids.stride(0), ids.stride(1), H)
     elif blocks is None:
@@ -582,7 +700,7 @@ def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dt
         ints_ids = (None,) * 4
     return grid, ints, ints_ids, dict(
         HAS_BIAS=b_d is not None, PRECISION=dot_precision(h_dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], PER_PAIR=blocks is None, COMBINE=combine,
+        **_scale_constexprs(scale, cfg["BLOCK_K"]), PER_PAIR=blocks is None, COMBINE=combine,
         BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if combine else 1,
         BLOCK_J=next_power_of_2(k) if combine else 1, **_pdl_opts(pdl), **_launch_opts(cfg))
 
@@ -593,14 +711,15 @@ def _pdl_opts(pdl: bool) -> dict:
 
 
 def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-             config: dict | None = None) -> Tensor:
-    """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten)."""
-    return _down(h, routing, None, wts, w_d, b_d, None, config)
+             config: dict | None = None, scale=None) -> Tensor:
+    """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten);
+    ``scale`` as in ``moe_gate_up``."""
+    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale)
 
 
 def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
                      dtype: torch.dtype, config: dict | None = None, counts: Tensor | None = None,
-                     pdl: bool = False) -> Tensor:
+                     pdl: bool = False, scale=None) -> Tensor:
     """y (T, H) in ``dtype``, as ``moe_combine(moe_down(...))`` computes it bit for bit, in one launch: each
     program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
     n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``.
@@ -611,7 +730,7 @@ def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tenso
     T, k = ids.shape
     y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
     if T > 0:
-        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl)
+        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale)
     return y
 
 
@@ -726,19 +845,19 @@ def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Ten
 
 
 def moe_gate_up_pairs(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
-                      interleaved: bool = False, config: dict | None = None) -> Tensor:
+                      interleaved: bool = False, config: dict | None = None, scale=None) -> Tensor:
     """h (S, I) as ``moe_gate_up`` computes it, with no routing: one GEMV program per (pair, BLOCK_N columns)."""
     T, k = x.shape[0], ids.shape[1]
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
     if T * k == 0 or I == 0:
         return h
-    grid, ints, constexprs = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved, config)
+    grid, ints, constexprs = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved, config, scale)
     launch(_moe_gate_up_pairs_kernel, grid, x, ids, w_gu, b_gu if b_gu is not None else w_gu, h, *ints, **constexprs)
     return h
 
 
 def _gate_up_pairs_args(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
-                        interleaved: bool, config: dict | None) -> tuple[tuple, tuple, dict]:
+                        interleaved: bool, config: dict | None, scale=None) -> tuple[tuple, tuple, dict]:
     """The gate_up_pairs launch but its tensors: grid, integer arguments, constexprs (for h contiguous)."""
     T, H = x.shape
     k = ids.shape[1]
@@ -747,14 +866,14 @@ def _gate_up_pairs_args(x: Tensor, ids: Tensor, w_gu: Tensor, b_gu: Tensor | Non
     cfg = config or default_config("gate_up_pairs", T, k, E, H, I, x.dtype, x.device)
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     ints = (E, k, I, H, up_row, x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), *w_gu.stride(), b.stride(0),
-            b.stride(-1))
+            b.stride(-1), *_scale_args(scale, up_row))
     return (T * k, cdiv(I, cfg["BLOCK_N"])), ints, dict(
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg))
+        BLOCK_N=cfg["BLOCK_N"], **_scale_constexprs(scale, cfg["BLOCK_K"]), **_launch_opts(cfg))
 
 
 def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None, dtype: torch.dtype,
-                    config: dict | None = None) -> Tensor:
+                    config: dict | None = None, scale=None) -> Tensor:
     """y (T, H) in ``dtype``: y[t] = Σ_j w[t, j] · (h[t·k + j] @ Wd[e]ᵀ + bd[e]) over valid j, in j order, summed in
     registers (no (S, H) buffer). h may come from either gate/up kernel."""
     T = ids.shape[0]
@@ -763,22 +882,23 @@ def moe_down_tokens(h: Tensor, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tenso
     if T == 0 or H == 0:
         return y
     h = h.contiguous()
-    grid, ints, constexprs = _down_tokens_args(h.dtype, ids, wts, w_d, b_d, config)
+    grid, ints, constexprs = _down_tokens_args(h.dtype, ids, wts, w_d, b_d, config, scale)
     launch(_moe_down_tokens_kernel, grid, h, ids, wts, w_d, b_d if b_d is not None else w_d, y, *ints, **constexprs)
     return y
 
 
 def _down_tokens_args(h_dtype: torch.dtype, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-                      config: dict | None) -> tuple[tuple, tuple, dict]:
+                      config: dict | None, scale=None) -> tuple[tuple, tuple, dict]:
     """The down_tokens launch but its tensors: grid, integer arguments, constexprs (for h and y contiguous)."""
     T, k = ids.shape
     E, H, I = w_d.shape
     cfg = config or default_config("down_tokens", T, k, E, H, I, h_dtype, w_d.device)
     b = b_d if b_d is not None else w_d
     ints = (E, H, I, ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), *w_d.stride(), b.stride(0),
-            b.stride(-1), H)
+            b.stride(-1), H, *_scale_args(scale))
     return (T, cdiv(H, cfg["BLOCK_N"])), ints, dict(
-        HAS_BIAS=b_d is not None, K_TOP=k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg))
+        HAS_BIAS=b_d is not None, K_TOP=k, BLOCK_N=cfg["BLOCK_N"], **_scale_constexprs(scale, cfg["BLOCK_K"]),
+        **_launch_opts(cfg))
 
 
 PATHS = ("sorted", "sorted_fused", "sorted_fused_nomemset", "sorted_fused_pdl", "unsorted", "unsorted_nomemset",
@@ -790,23 +910,28 @@ _FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
-                configs: dict | None = None) -> Tensor:
+                configs: dict | None = None, scales: tuple | None = None) -> Tensor:
     """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches;
     "sorted_tma" the same with the weights read through TMA where ``tma_why_not`` allows),
     "sorted_fused" (routing, gate_up, down with the combine: 3), "unsorted" (gate_up and down+combine with every
     pair its own block, no routing: 2, for one token), "pairs" (gate_up_pairs, down_tokens: 2, for few tokens).
     The fused ones also as "<path>_nomemset" (the combine's counters zeroed by gate_up: one launch fewer) and
     "<path>_pdl" (that, and down launched with programmatic dependent launch, overlapping gate_up's tail).
-    ``configs``: a config per kind of CONFIGS, else default_config's."""
+    ``configs``: a config per kind of CONFIGS, else default_config's. ``scales``: (gate/up's, down's)
+    ``fp8.Fp8Experts`` of float8 weights w_gu and w_d (W8A16: tiles dequantized in registers; sorted_tma then runs
+    sorted)."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    s_gu, s_d = scales if scales is not None else (None, None)
+    if scales is not None and path == "sorted_tma":
+        path = "sorted"
 
     def cfg(kind: str) -> dict:
         return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype, x.device)
 
     if path == "pairs":
-        h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"))
-        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"))
+        h = moe_gate_up_pairs(x, ids, w_gu, b_gu, act, I, interleaved, cfg("gate_up_pairs"), s_gu)
+        return moe_down_tokens(h, ids, wts, w_d, b_d, x.dtype, cfg("down_tokens"), s_d)
     if path not in PATHS:
         raise ValueError(f"moe_experts: path must be one of {PATHS}, not {path!r}")
     if path == "sorted_tma":
@@ -821,14 +946,14 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     down = cfg("down")
     counts = combine_counts(T, H, down, x.device) if no_memset else None
     if path.startswith("unsorted"):
-        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids, counts, pdl)
-        return moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, down, counts, pdl)
+        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids, counts, pdl, s_gu)
+        return moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, down, counts, pdl, s_d)
     up = cfg("gate_up")
     routing = moe_align(ids, E, up["BLOCK_M"])
-    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up, counts=counts, pdl=pdl)
+    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up, counts=counts, pdl=pdl, scale=s_gu)
     if path in _FUSED:
-        return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl)
-    return moe_combine(moe_down(h, routing, wts, w_d, b_d, down), ids, E, x.dtype)
+        return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl, s_d)
+    return moe_combine(moe_down(h, routing, wts, w_d, b_d, down, s_d), ids, E, x.dtype)
 
 
 def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
