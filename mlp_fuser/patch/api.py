@@ -31,7 +31,7 @@ from ..graph.backend import FilterFn, check_filter, make_backend, pass_options
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
 from ..patch_fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
-from .experts import FusedExpertsForward, fuse_experts, spec
+from .experts import FusedExpertsForward, fp8_near_miss, fuse_experts, spec
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
 from .router import FusedRouterForward, fuse_router
 
@@ -107,7 +107,8 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             forward = (fuse_fp8_module(module, **allowed) or fuse_module(module, **allowed)
                        or _experts_forward(module, allowed) or _router_forward(module, allowed, routers)
                        or fuse_fp8_linear(module))
-            if forward is None and (miss := weight_near_miss(module, path, allowed, memo)) is not None:
+            if forward is None and (miss := weight_near_miss(module, path, allowed, memo)
+                                    or fp8_near_miss(module, path)) is not None:
                 misses.append(miss)
             if forward is not None and (filter_fn is None or filter_fn(module, path)):
                 fused[path] = forward

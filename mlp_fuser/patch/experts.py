@@ -15,6 +15,10 @@ Three ways in, all through ``experts_forward``:
 - ``mlp_fuser.patch(model)`` gives each experts module it can fuse an instance-level forward (``fuse_experts``);
 - the backend finds the experts' graph in what Dynamo captured (``patterns/experts.py``).
 A module ``spec`` rejects runs transformers' own implementation.
+
+FP8 experts (transformers' ``FP8Experts``: float8_e4m3fn weights, a ``*_scale_inv`` beside each) run through
+``mlp_fuser::quant_moe_mlp`` with the weights and scales as stored; ``"mlp_fuser"`` is registered in
+``FP8ExpertsInterface`` too. Other float8 formats, FP4-packed experts and bad scales are named in ``Spec.reason``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import compat
+from .. import compat, quant_moe
 from ..ops.moe import Gate, eager_moe_mlp, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
+FP8_WEIGHTS = (torch.float8_e4m3fn,)  # the float8 formats quant_moe_mlp reads
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class Spec:
     transposed: bool = False
     biases: bool = False
     reason: str | None = None
+    fp8: tuple | None = None  # FP8 experts: (weight_format, block) of quant_moe_mlp
 
     @property
     def ok(self) -> bool:
@@ -138,10 +144,19 @@ def _spec(module: nn.Module) -> Spec:
         if type(t) not in (Tensor, nn.Parameter):
             kind = type(t.data).__name__ if isinstance(t, nn.Parameter) else type(t).__name__
             return Spec(reason=f"{pname} is a {kind} (a tensor subclass); the op reads plain tensors")
-        if not t.is_floating_point() or t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            return Spec(reason=f"{pname} has dtype {t.dtype} (quantized experts); the op reads float weights")
-    if w.dtype != wd.dtype:
-        return Spec(reason=f"the expert weights' dtypes differ ({w.dtype}, {wd.dtype})")
+    scales = fp8_scales(module, gated)
+    fp8 = None
+    if scales is not None:
+        fp8 = _fp8_format(module, w, wd, *scales, gated)
+        if isinstance(fp8, str):
+            return Spec(reason=fp8)
+    else:
+        for pname, t in (("gate_up_proj" if gated else "up_proj", w), ("down_proj", wd)):
+            if not t.is_floating_point() or t.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                            torch.float64):
+                return Spec(reason=f"{pname} has dtype {t.dtype} (quantized experts); the op reads float weights")
+        if w.dtype != wd.dtype:
+            return Spec(reason=f"the expert weights' dtypes differ ({w.dtype}, {wd.dtype})")
     gate = _gate_of(module, gated)
     if gated:
         if gate is None:
@@ -156,7 +171,34 @@ def _spec(module: nn.Module) -> Spec:
     N = w.shape[2] if transposed else w.shape[1]
     if N != (2 * I if gated else I) or (wd.shape[2] if transposed else wd.shape[1]) != H or wd.shape[0] != E:
         return Spec(reason=f"{name}'s weight shapes {tuple(w.shape)} and {tuple(wd.shape)} do not chain")
-    return Spec(gate, transposed, bool(getattr(module, "has_bias", False)))
+    if fp8 is not None and (transposed or getattr(module, "has_bias", False)):
+        return Spec(reason=f"{name}: FP8 experts stored transposed or with biases (the FP8 op reads FP8Experts' "
+                           "layout: (E, 2I, H) and (E, H, I), no biases)")
+    return Spec(gate, transposed, bool(getattr(module, "has_bias", False)), fp8=fp8)
+
+
+def fp8_scales(module: nn.Module, gated: bool) -> tuple[Tensor, Tensor] | None:
+    """(gate/up's scales, down's) of FP8 experts (a ``*_scale_inv`` beside each weight, as ``FP8Experts`` holds them),
+    else None."""
+    s = getattr(module, "gate_up_proj_scale_inv" if gated else "up_proj_scale_inv", None)
+    sd = getattr(module, "down_proj_scale_inv", None)
+    return (s, sd) if isinstance(s, Tensor) and isinstance(sd, Tensor) else None
+
+
+def _fp8_format(module: nn.Module, w: Tensor, wd: Tensor, s: Tensor, sd: Tensor, gated: bool) -> tuple | str:
+    """(weight_format, block) of quant_moe_mlp for FP8 experts, or why it cannot read them."""
+    wname = "gate_up_proj" if gated else "up_proj"
+    for pname, t in ((wname, w), ("down_proj", wd)):
+        if t.dtype not in FP8_WEIGHTS:
+            return f"{pname} has dtype {t.dtype} (the FP8 experts op reads float8_e4m3fn)"
+    block = getattr(module, "block_size", None)
+    block = tuple(int(b) for b in block) if block is not None else None
+    try:
+        quant_moe._experts(wname, w, s, "fp8_e4m3", block, gated, not getattr(module, "is_concatenated", True))
+        quant_moe._experts("down_proj", wd, sd, "fp8_e4m3", block, False, False)
+    except ValueError as e:
+        return str(e).removeprefix("mlp_fuser: ")
+    return "fp8_e4m3", block
 
 
 def _spec_while_tracing(module: nn.Module) -> Spec | None:
@@ -189,9 +231,9 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     compiling = torch.compiler.is_compiling()
     s = _spec_while_tracing(self) if compiling else spec(self)
     if s is None or s.reason is not None:  # a field, not the property: fewer calls for Dynamo to trace
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
+    if s.fp8 is not None:
+        return _fp8_forward(self, s, hidden_states, top_k_index, top_k_weights)
     w, b, wd, bd = weights(self, s)
     g = s.gate
     x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
@@ -199,6 +241,27 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     y = op(x, top_k_index, top_k_weights, w, b, wd, bd, g.activation, g.interleaved, g.limit, g.clamp_after,
            g.up_offset)
     return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+def _fallback(module: nn.Module):
+    """transformers' grouped_mm implementation for the module: its FP8 one for FP8 experts."""
+    if fp8_scales(module, bool(getattr(module, "has_gate", True))) is not None:
+        from transformers.integrations.finegrained_fp8 import fp8_grouped_mm_experts_forward
+
+        return fp8_grouped_mm_experts_forward
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward
+
+
+def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: Tensor,
+                 top_k_weights: Tensor) -> Tensor:
+    """FP8 experts through ``quant_moe_mlp``: the float8 weights and their scales as stored, y in x's dtype."""
+    g, (fmt, block) = s.gate, s.fp8
+    w, sc = (self.gate_up_proj, self.gate_up_proj_scale_inv) if g.gated else (self.up_proj, self.up_proj_scale_inv)
+    return torch.ops.mlp_fuser.quant_moe_mlp.default(
+        hidden_states, top_k_index, top_k_weights, w, sc, self.down_proj, self.down_proj_scale_inv, g.activation, fmt,
+        list(block) if block is not None else None, g.interleaved, g.limit, g.clamp_after, g.up_offset)
 
 
 class FusedExpertsForward:
@@ -241,6 +304,17 @@ def unfused_reason(module: nn.Module) -> str | None:
     return None
 
 
+def fp8_near_miss(module: nn.Module, path: str):
+    """An ``fx_pass.NearMiss`` for FP8 experts the op cannot read (another float8 format, FP4, bad scales), which
+    ``patch`` logs, else None."""
+    if (not is_experts(module) or "forward" in module.__dict__
+            or fp8_scales(module, bool(getattr(module, "has_gate", True))) is None or spec(module).ok):
+        return None
+    from ..graph.fx_pass import NearMiss
+
+    return NearMiss(path, "routed_experts", "experts", spec(module).reason)
+
+
 def fuse_experts(module: nn.Module) -> FusedExpertsForward | None:
     """The fused forward for a transformers experts module ``spec`` accepts, else None."""
     if not is_experts(module) or "forward" in module.__dict__ or not spec(module).ok:
@@ -252,24 +326,32 @@ def fuse_experts(module: nn.Module) -> FusedExpertsForward | None:
 
 
 def register() -> bool:
-    """Register ``experts_forward`` as transformers' experts implementation ``"mlp_fuser"``; False without it."""
+    """Register ``experts_forward`` as transformers' experts implementation ``"mlp_fuser"`` (in ``ExpertsInterface``
+    and, for FP8 experts, ``FP8ExpertsInterface``); False without transformers."""
     try:
         from transformers.integrations.moe import ExpertsInterface
     except Exception:
         return False
     ExpertsInterface.register(NAME, experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except Exception:  # a transformers without FP8 experts
+        return True
+    FP8ExpertsInterface.register(NAME, experts_forward)
     return True
 
 
 _MODULE = "transformers.integrations.moe"
+_INTERFACES = {_MODULE: "ExpertsInterface", "transformers.integrations.finegrained_fp8": "FP8ExpertsInterface"}
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers the experts implementation right after transformers' MoE integration is first imported, so that
-    importing mlp_fuser costs no transformers import and ``experts_implementation="mlp_fuser"`` works either way."""
+    """Registers the experts implementation right after each of transformers' experts integrations (``_INTERFACES``)
+    is first imported, so that importing mlp_fuser costs no transformers import and
+    ``experts_implementation="mlp_fuser"`` works either way."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _MODULE:
+        if fullname not in _INTERFACES:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -279,10 +361,11 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
                 loader = found.loader
                 run = loader.exec_module
 
-                def exec_module(mod, _run=run):
+                def exec_module(mod, _run=run, _name=fullname):
                     _run(mod)
-                    mod.ExpertsInterface.register(NAME, experts_forward)
-                    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
+                    getattr(mod, _INTERFACES[_name]).register(NAME, experts_forward)
+                    if all(m in sys.modules for m in _INTERFACES):
+                        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
 
                 loader.exec_module = exec_module
                 return found
@@ -290,8 +373,10 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register now when transformers' MoE integration is loaded, else as soon as it is."""
-    if _MODULE in sys.modules:
-        register()
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+    """Register now in the experts interfaces transformers has loaded, else as soon as it loads them."""
+    for module, interface in _INTERFACES.items():
+        if module in sys.modules:
+            getattr(sys.modules[module], interface).register(NAME, experts_forward)
+    if not all(m in sys.modules for m in _INTERFACES) and not any(isinstance(f, _RegisterOnImport)
+                                                                  for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterOnImport())

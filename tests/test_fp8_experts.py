@@ -1,0 +1,118 @@
+"""FP8 routed experts as transformers' FP8Experts holds them, end to end on the CPU (fp32, tiny random models):
+``patch`` and the "mlp_fuser" experts implementation against the same model with the dequantized weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mlp_fuser
+from mlp_fuser import quant_moe
+from mlp_fuser.patch import experts
+from mlp_fuser.reference import rel_err
+from mlp_fuser.tools import models as _hf
+
+transformers = pytest.importorskip("transformers")
+fp8_mod = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+
+def _quantize(w: torch.Tensor, bn: int, bk: int):
+    """(E, N, K) weights as Fp8Quantize stores them: float8_e4m3fn, scale_inv = amax / 448 per bn x bk block."""
+    E, N, K = w.shape
+    wp = torch.nn.functional.pad(w, (0, (-K) % bk, 0, (-N) % bn))
+    blocks = wp.view(E, wp.shape[1] // bn, bn, wp.shape[2] // bk, bk)
+    s = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448
+    q = (blocks / s[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view_as(wp)[:, :N, :K]
+    return q.contiguous(), s
+
+
+def _dequantize(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    E, N, K = q.shape
+    full = s.double().repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
+    return (q.double() * full).float()
+
+
+def fp8_moe(model_type="qwen3_moe", block=(16, 32), weight_dtype=torch.float8_e4m3fn, **overrides):
+    """A tiny MoE whose experts are FP8Experts (gate_proj and up_proj quantized apart, as checkpoints hold them, then
+    stacked), beside a twin holding the dequantized weights in its own experts."""
+    model = _hf.tiny_model(model_type, **overrides)
+    g = torch.Generator().manual_seed(1)
+    cls = fp8_mod.FP8Experts
+    if not hasattr(cls.forward, "__wrapped__"):  # as replace_with_fp8_linear makes it: the experts interface's switch
+        transformers.integrations.moe.use_experts_implementation(
+            cls, experts_interface=fp8_mod.ALL_FP8_EXPERTS_FUNCTIONS, has_bias=False, has_gate=True)
+    twin = copy.deepcopy(model)
+    bn, bk = block
+    for (path, m), (_, t) in zip(experts_modules(model), experts_modules(twin)):
+        E, N, H = m.gate_up_proj.shape
+        I = N // 2
+        wgu = torch.randn(E, N, H, generator=g) / H ** 0.5
+        wd = torch.randn(E, H, I, generator=g) / I ** 0.5
+        qg, sg = _quantize(wgu[:, :I], bn, bk)
+        qu, su = _quantize(wgu[:, I:], bn, bk)
+        qd, sd = _quantize(wd, bn, bk)
+        f = cls(m.config, block_size=block)
+        f.gate_up_proj.data = torch.cat([qg, qu], 1).to(weight_dtype)
+        f.gate_up_proj_scale_inv.data = torch.cat([sg, su], 1)
+        f.down_proj.data, f.down_proj_scale_inv.data = qd.to(weight_dtype), sd
+        model.set_submodule(path, f)
+        with torch.no_grad():
+            t.gate_up_proj.copy_(torch.cat([_dequantize(qg, sg, bn, bk), _dequantize(qu, su, bn, bk)], 1))
+            t.down_proj.copy_(_dequantize(qd, sd, bn, bk))
+    return model, twin, _hf.example_inputs(model, seq_len=6, batch=2)
+
+
+def experts_modules(model):
+    return [(n, m) for n, m in model.named_modules() if experts.is_experts(m)]
+
+
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(*inputs).logits
+
+
+def counting(monkeypatch):
+    calls = []
+    real = quant_moe._run
+    monkeypatch.setattr(quant_moe, "_run", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("model_type,block,overrides", [
+    ("qwen3_moe", (16, 32), {}), ("qwen3_moe", (128, 128), {}), ("mixtral", (16, 32), {}),
+    ("qwen3_moe", (16, 32), {"moe_intermediate_size": 40}),  # I no multiple of the block: gate and up scales apart
+])
+def test_patch_runs_fp8_experts_as_their_dequantized_twin(model_type, block, overrides, monkeypatch):
+    model, twin, inputs = fp8_moe(model_type, block, **overrides)
+    ref = logits(twin, inputs)
+    mlp_fuser.patch(model)
+    fused = experts_modules(model)
+    assert fused and all(type(m.__dict__.get("forward")).__name__ == "FusedExpertsForward" for _, m in fused)
+    calls = counting(monkeypatch)
+    out = logits(model, inputs)
+    assert len(calls) == len(fused)  # one quant_moe_mlp per layer
+    assert rel_err(out, ref) < 1e-5
+    mlp_fuser.unpatch(model)
+    assert all("forward" not in m.__dict__ for _, m in fused)
+
+
+def test_experts_implementation_switch_runs_fp8_experts(monkeypatch):
+    """set_experts_implementation("mlp_fuser") on a model of FP8Experts: registered in FP8ExpertsInterface too."""
+    model, twin, inputs = fp8_moe("qwen3_moe", (16, 32))
+    assert "mlp_fuser" in fp8_mod.ALL_FP8_EXPERTS_FUNCTIONS
+    model.set_experts_implementation("mlp_fuser")
+    calls = counting(monkeypatch)
+    assert rel_err(logits(model, inputs), logits(twin, inputs)) < 1e-5
+    assert len(calls) == len(experts_modules(model))
+
+
+def test_patch_leaves_unsupported_fp8_experts_exactly_as_they_were(caplog):
+    model, _, _ = fp8_moe("qwen3_moe", (16, 32), weight_dtype=torch.float8_e5m2)
+    before = {n: (type(m), dict(m.__dict__).get("forward")) for n, m in experts_modules(model)}
+    with caplog.at_level("INFO", logger="mlp_fuser"):
+        mlp_fuser.patch(model)
+    assert {n: (type(m), dict(m.__dict__).get("forward")) for n, m in experts_modules(model)} == before
+    assert "float8_e5m2" in caplog.text
+    assert "float8_e5m2" in experts.spec(experts_modules(model)[0][1]).reason
