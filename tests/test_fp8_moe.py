@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _moe_cases import sentinels
-from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty
+from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty, requires_cuda
 
 from mlp_fuser import config, quant_moe
 from mlp_fuser.kernels import fp8 as K8
@@ -250,3 +250,23 @@ def test_quant_moe_mlp_runs_the_kernels(T, monkeypatch):
                                 wd.to(dev), sd.to(dev), "silu", block=(32, 64))
     assert calls == ["pairs" if T * 3 <= quant_moe.PAIRS_MAX else "sorted"]
     assert rel_err(y.cpu(), reference64(x.to(KERNEL_DTYPE), ids, wts, wgu64, wd64), math.inf) < BAR
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 64])
+def test_quant_moe_mlp_makes_no_dequantized_copy_on_cuda(T):
+    """The weights are read as stored: the call's peak memory stays far below a bf16 copy of either weight."""
+    g = torch.Generator().manual_seed(10)
+    E, H, I = 16, 1024, 512
+    wgu, sgu, _ = quantized_experts(E, 2 * I, H, "block", (128, 128), g)
+    wd, sd, _ = quantized_experts(E, H, I, "block", (128, 128), g)
+    ids, wts = routing(g, T, 4, E)
+    x = torch.randn(T, H, generator=g).cuda().bfloat16()
+    args = [t.cuda() for t in (ids, wts, wgu, sgu, wd, sd)]
+    quant_moe.quant_moe_mlp(x, *args, "silu", block=(128, 128))  # compiled before measuring
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    quant_moe.quant_moe_mlp(x, *args, "silu", block=(128, 128))
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < wd.numel()  # a bf16 copy of w_down alone: 2 x its fp8 bytes
