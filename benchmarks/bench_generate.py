@@ -5,6 +5,8 @@
     python benchmarks/bench_generate.py --model 1b --paths eager,patch --batches 1 --time-modules   # in-situ host cost
     python benchmarks/bench_generate.py --model qwen3moe --layers 8 --batches 1,8,32 --budget-s 540   # routed experts
     python benchmarks/bench_generate.py --model qwen3moe --tiny --device cpu                            # checks it
+    python benchmarks/bench_generate.py --model 8b|qwen3moe --fp8 [--batches 1,8,32]   # FP8 weights against bf16
+    python benchmarks/bench_generate.py --model 1b --tiny --device cpu --fp8                            # checks it
 
 Models: "1b" (hidden 2048, intermediate 5632, 16 layers, 32 query / 4 KV heads, vocabulary 32000) and "8b"
 (LLaMA-3-8B dimensions: 4096, 14336, 32 layers, 32 / 8 heads, vocabulary 128256).
@@ -33,6 +35,19 @@ mlp_fuser where it applies:
 - ``prefill``: one forward over 2048 tokens (no cache), eager / patch / compile / backend, median of 20, the paths
   of a pair (eager and patch; compile and backend) taking turns call by call (``time_prefill``); on request
   ``eager_copy`` (``--prefill-paths eager,patch,eager_copy``), an untouched copy of the model timed with them.
+
+``--fp8``: an FP8 twin of the model (``fp8_twin``): every ``nn.Linear`` but lm_head becomes transformers'
+``FP8Linear`` with float8_e4m3fn weights in 128 x 128 blocks and fp32 scales (the released FP8 checkpoints' format),
+quantized from the bf16 weights on the GPU one layer at a time, everything else shared with the bf16 model, so an 8B
+model's twin fits beside it; routed experts become ``FP8Experts`` only where mlp_fuser runs them
+(``fp8_experts``: else they stay bf16 and the path column says so). Its paths (``FP8_GROUPS``), each timed in turns
+with the bf16 model's mlp_fuser path it is compared with: ``fp8_patch`` (``mlp_fuser.patch`` on the twin) with
+``patch``; ``fp8_static`` (the twin patched, then ``generate(cache_implementation="static",
+compile_config=CompileConfig(fullgraph=True))``: Dynamo traces the patched modules' quant ops) with
+``static_backend``; the prefill's ``fp8_patch`` with ``patch``; ``fp8_eager``, the twin as transformers runs it (the
+FP8 reference), only where transformers' FP8 kernel loads (it is fetched from the Hub: never offline; its row says
+so). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8 reference's. Memory (CUDA): each
+path's weights and its peak as if alone (``Memory``).
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -109,6 +124,17 @@ MOE_PREFILL_GROUPS = [["eager", "patch", "experts"], ["compile", "backend"]]
 MOE_PATHS = "eager,patch,experts,static,static_kept,static_fuser,static_backend,prefill"
 MOE_BASELINE = dict(BASELINE, experts="eager", static_kept="static", static_fuser=("static", "static_kept"),
                     static_backend=("static", "static_kept"))
+# --fp8: the FP8 twin's paths, each in a group with the bf16 path it is compared with (same positions as GROUPS').
+FP8_GROUPS = [["patch", "fp8_patch", "fp8_eager"], ["static_backend", "fp8_static"]]
+FP8_PREFILL_GROUPS = [["patch", "fp8_patch", "fp8_eager"]]
+FP8_PATHS = "patch,fp8_patch,fp8_eager,static_backend,fp8_static,prefill"
+FP8_BASELINE = {"fp8_patch": "patch", "fp8_static": "static_backend", "fp8_eager": "patch"}
+BASELINE.update(FP8_BASELINE)
+MOE_BASELINE.update(FP8_BASELINE)
+# Whose tokens each FP8 row is compared with, beside eager's: its bf16 path's, and the FP8 reference's.
+TOKEN_REFS = {"fp8_patch": ("patch", "fp8_eager"), "fp8_static": ("static_backend", "fp8_eager"),
+              "fp8_eager": ("patch",)}
+FP8_BLOCK = (128, 128)
 KEPT = "grouped_mm_kept"  # transformers' grouped_mm under a name generate does not swap for batched_mm
 
 
@@ -117,11 +143,11 @@ def is_moe(args) -> bool:
 
 
 def groups(args):
-    return MOE_GROUPS if is_moe(args) else GROUPS
+    return FP8_GROUPS if args.fp8 else MOE_GROUPS if is_moe(args) else GROUPS
 
 
 def prefill_groups(args):
-    return MOE_PREFILL_GROUPS if is_moe(args) else PREFILL_GROUPS
+    return FP8_PREFILL_GROUPS if args.fp8 else MOE_PREFILL_GROUPS if is_moe(args) else PREFILL_GROUPS
 
 
 def log(*a):
@@ -187,6 +213,11 @@ def twin(model):
     own config, so its own experts implementation; its own modules, so patch and compile stay apart)."""
     if not getattr(model, "_bench_shared", False):
         return copy.deepcopy(model)
+    return shared_copy(model)
+
+
+def shared_copy(model):
+    """A copy of ``model`` whose modules are its own but whose tensors are ``model``'s."""
     cfg = copy.deepcopy(model.config)
     with torch.device("meta"):
         m = type(model)(cfg).to(model.dtype)
@@ -194,8 +225,121 @@ def twin(model):
     with torch.device(model.device):
         m.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     m.generation_config = copy.deepcopy(model.generation_config)
-    m._bench_shared = True
+    m._bench_shared = getattr(model, "_bench_shared", False)
     return m.eval()
+
+
+def fp8_twin(model):
+    """The FP8 twin of ``model``: a ``shared_copy`` whose every ``nn.Linear`` but lm_head is transformers'
+    ``FP8Linear`` holding the bf16 weight quantized in 128 x 128 blocks (fp32 scales), on its device, one layer at a
+    time (the twin adds the FP8 bytes only); routed experts through ``fp8_experts``. ``m._bench_fp8`` says what
+    became FP8."""
+    from torch import nn
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from mlp_fuser.kernels.fp8 import quantize_blocks
+
+    m = shared_copy(model)
+    with torch.no_grad():
+        for parent in list(m.modules()):
+            for name, c in list(parent.named_children()):
+                if type(c) is not nn.Linear or name == "lm_head":
+                    continue
+                with torch.device("meta"):  # no host-side weight of its own to fill and drop
+                    f = FP8Linear(c.in_features, c.out_features, block_size=FP8_BLOCK, has_bias=c.bias is not None)
+                q, scale = quantize_blocks(c.weight, FP8_BLOCK)
+                f.weight, f.weight_scale_inv = (nn.Parameter(t, requires_grad=False) for t in (q, scale))
+                if c.bias is not None:
+                    f.bias = c.bias
+                setattr(parent, name, f)
+        experts = fp8_experts(m)
+    m._bench_fp8 = "linears FP8" + (f", {experts}" if experts else "")
+    return m
+
+
+def fp8_experts(model, force: bool = False) -> str:
+    """Each routed-experts module of ``model`` as transformers' ``FP8Experts`` (gate and up quantized apart, then
+    stacked, as transformers' FP8 quantizer stores them; 128 x 128 blocks), in place, where mlp_fuser runs FP8
+    experts (it registered its experts forward in transformers' FP8ExpertsInterface; ``force``: regardless), else
+    left as they are. Says which, for the table; "" for a model without experts."""
+    from torch import nn
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    from mlp_fuser.kernels.fp8 import quantize_blocks
+    from mlp_fuser.patch.experts import NAME
+
+    experts = [(n, e) for n, e in model.named_modules() if n.endswith(".experts") and hasattr(e, "gate_up_proj")]
+    if not experts:
+        return ""
+    if not (force or NAME in ALL_FP8_EXPERTS_FUNCTIONS):
+        return "experts bf16: mlp_fuser does not run FP8Experts yet"
+
+    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    cfg = model.config.get_text_config()
+    for name, e in experts:
+        with torch.device("meta"):
+            f = cls(config=cfg, block_size=FP8_BLOCK)
+        gate, up = e.gate_up_proj.chunk(2, dim=1)
+        (gq, gs), (uq, us), (dq, ds) = (quantize_blocks(w, FP8_BLOCK) for w in (gate, up, e.down_proj))
+        for attr, t in (("gate_up_proj", torch.cat([gq, uq], 1)), ("gate_up_proj_scale_inv", torch.cat([gs, us], 1)),
+                        ("down_proj", dq), ("down_proj_scale_inv", ds)):
+            setattr(f, attr, nn.Parameter(t, requires_grad=False))
+        model.set_submodule(name, f)
+    return "experts FP8"
+
+
+def weight_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers, each storage once."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*model.parameters(), *model.buffers()]}
+    return sum(seen.values())
+
+
+class Memory:
+    """Each path's peak CUDA memory as if it ran alone, as torch.cuda.max_memory_allocated measures it (reset
+    before each of its calls): its model's weights, plus the most it held above what was allocated before its
+    warm-ups (its static cache and CUDA graphs kept between calls, and a call's own peak). The other paths' models
+    and caches, resident meanwhile, count for none of it. Nothing off CUDA."""
+
+    def __init__(self, device):
+        self.cuda = device == "cuda"
+        self.peak: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def warm(self, path):
+        """Around a path's warm-up calls (it alone runs meanwhile)."""
+        if not self.cuda:
+            yield
+            return
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        torch.cuda.synchronize()
+        self.peak[path] = torch.cuda.max_memory_allocated() - base
+        self.kept[path] = torch.cuda.memory_allocated() - base
+
+    @contextlib.contextmanager
+    def call(self, path):
+        """Around one timed call of a warmed-up path."""
+        if not self.cuda or path not in self.kept:
+            yield
+            return
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        self.peak[path] = max(self.peak[path], self.kept[path] + torch.cuda.max_memory_allocated() - before)
+
+    def row(self, path, model) -> dict:
+        """The row's memory fields: weights GiB always, peak GiB on CUDA."""
+        out = dict(weights_gib=weight_bytes(model) / 2**30)
+        if path in self.peak:
+            out["peak_gib"] = out["weights_gib"] + self.peak[path] / 2**30
+        if getattr(model, "_bench_fp8", None):
+            out["fp8"] = model._bench_fp8
+        return out
 
 
 def sync(device):
@@ -248,8 +392,8 @@ def generate_fn(model, path, ids):
 
     kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids))
     cleanup = []
-    if path in ("patch", "patch_noplan", "patch_nosite"):  # without launch plans, or without the sites' matching
-        mlp_fuser.patch(model)
+    if path in ("patch", "patch_noplan", "patch_nosite", "fp8_patch", "fp8_static"):
+        mlp_fuser.patch(model)  # patch_noplan / patch_nosite: without launch plans / the sites' matching (gen)
         cleanup.append(lambda: mlp_fuser.unpatch(model))
     elif path in ("compile", "backend", "backend_nodirect"):
         # backend_nodirect: a backend of its own, so that Dynamo keeps its graphs apart from the backend path's
@@ -259,7 +403,7 @@ def generate_fn(model, path, ids):
     elif path == "experts":
         model.set_experts_implementation(experts.NAME)
         cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
-    elif path in ("static", "static_backend", "static_kept", "static_fuser"):
+    if path in ("static", "static_backend", "static_kept", "static_fuser", "fp8_static"):
         from transformers import CompileConfig
 
         if path in ("static_kept", "static_fuser"):
@@ -298,7 +442,7 @@ def generate_fn(model, path, ids):
     return gen, done
 
 
-def time_decode(gens, device, new_tokens, rounds=3):
+def time_decode(gens, device, new_tokens, rounds=3, mem=None):
     """({path: ms per decode token}, {path: the same per round}) for warmed-up generate functions: each path's best
     of ``rounds`` generations of ``new_tokens`` and of 1 token, the paths taking turns within each round, so that a
     slow stretch of the host (a shared machine's) falls on every path alike rather than on whichever ran then. The
@@ -306,14 +450,16 @@ def time_decode(gens, device, new_tokens, rounds=3):
     stretch that favoured one path in one round cannot move as much as it moves a best-of."""
     best = {path: {} for path in gens}
     per_round = {path: [] for path in gens}
+    mem = mem or Memory("cpu")
     for _ in range(rounds):
         for path, gen in gens.items():
             took = {}
             for n in (new_tokens, 1):
-                t0 = time.perf_counter()
-                gen(n)
-                sync(device)
-                took[n] = time.perf_counter() - t0
+                with mem.call(path):
+                    t0 = time.perf_counter()
+                    gen(n)
+                    sync(device)
+                    took[n] = time.perf_counter() - t0
                 best[path][n] = min(best[path].get(n, float("inf")), took[n])
             per_round[path].append((took[new_tokens] - took[1]) / (new_tokens - 1) * 1e3)
     return {path: (b[new_tokens] - b[1]) / (new_tokens - 1) * 1e3 for path, b in best.items()}, per_round
@@ -321,36 +467,75 @@ def time_decode(gens, device, new_tokens, rounds=3):
 
 def mark_divergence(results):
     """Set each decode row's ``diverges_at`` (the first new token where some sequence differs from eager's at the
-    same batch size, None when all agree) from the rows' tokens; rows without an eager row to compare get none."""
-    eager = {(r["model"], r["phase"]): r["tokens"] for r in results if r["path"] == "eager" and "tokens" in r}
+    same batch size, None when all agree) from the rows' tokens; rows without an eager row to compare get none.
+    An FP8 row also gets ``diverges_from``: the same against each path of ``TOKEN_REFS`` with a row at its batch size
+    ("not run" where that row has no tokens)."""
+    rows = {(r["model"], r["phase"], r["path"]): r for r in results}
+
+    def first(a, b):
+        diff = (torch.tensor(a) != torch.tensor(b)).any(0).nonzero()
+        return None if diff.numel() == 0 else int(diff[0])
+
     for r in results:
-        ref = eager.get((r["model"], r["phase"]))
-        if "tokens" in r and ref is not None:
-            diff = (torch.tensor(r["tokens"]) != torch.tensor(ref)).any(0).nonzero()
-            r["diverges_at"] = None if diff.numel() == 0 else int(diff[0])
+        if "tokens" not in r:
+            continue
+        ref = rows.get((r["model"], r["phase"], "eager"), {}).get("tokens")
+        if ref is not None:
+            r["diverges_at"] = first(r["tokens"], ref)
+        for other in TOKEN_REFS.get(r["path"], ()):
+            o = rows.get((r["model"], r["phase"], other))
+            if o is not None:
+                r.setdefault("diverges_from", {})[other] = first(r["tokens"], o["tokens"]) if "tokens" in o else \
+                    "not run"
     return results
 
 
-def time_prefill(fwds, ids, device, iters=20):
+def tokens_vs(r) -> str:
+    """An FP8 row's token comparisons, in words."""
+    return "; ".join(f"vs {other}: " + ("not run" if d == "not run" else "same" if d is None else f"diverge at {d}")
+                     for other, d in r["diverges_from"].items())
+
+
+def path_model(model, path, first: bool):
+    """The model a path runs on: the group's first path on ``model``, an FP8 path on an FP8 twin, others on a twin."""
+    if path.startswith("fp8"):
+        return fp8_twin(model)
+    return model if first else twin(model)
+
+
+def fp8_reference_why_not(device) -> str | None:
+    """Why the FP8 reference (the twin as transformers runs it) cannot run here, or None."""
+    from mlp_fuser import patch_fp8
+
+    if device == "cuda" and patch_fp8.transformers_fp8_kernel_loads():
+        return None
+    where = "on CUDA only" if device != "cuda" else "not here (it is fetched from the Hub)"
+    return f"not run: transformers' FP8 kernel loads {where}, so FP8 patched is not compared with an FP8 reference"
+
+
+def time_prefill(fwds, ids, device, iters=20, mem=None):
     """({path: median ms of one forward}, {path: the ms of every call}) for ``fwds`` ({path: ids -> logits}), after
     two warm-up calls each. The paths take turns call by call (see ``time_decode``), in an order reversed every other
     round (A B, B A, ...), so that neither path always runs first after the other's synchronisation; the lists give
     paired ratios, call against the baseline's call of the same round. A prefill without CUDA graphs is mostly bound
     by the host here (the host's time to queue a 1b forward was 98% of its wall time), so single figures
     move by several percent between identical models: the paired median is the figure to compare."""
-    for fwd in fwds.values():
+    mem = mem or Memory("cpu")
+    for path, fwd in fwds.items():
         for _ in range(2):
-            fwd(ids)
+            with mem.call(path):
+                fwd(ids)
     sync(device)
     times = {path: [] for path in fwds}
     for i in range(iters):
         for path, fwd in (fwds.items() if i % 2 == 0 else reversed(fwds.items())):
             if device == "cuda":
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fwd(ids)
-                b.record()
-                b.synchronize()
+                with mem.call(path):
+                    a.record()
+                    fwd(ids)
+                    b.record()
+                    b.synchronize()
                 times[path].append(a.elapsed_time(b))
             else:
                 t0 = time.perf_counter()
@@ -401,6 +586,7 @@ def run(args, results):
     inputs = {b: torch.randint(3, vocab, (b, prompt), device=device, generator=g) for b in batches}
     todo = units(args)
     took, start = {}, time.perf_counter()  # seconds of each group's last batch
+    mem = Memory(device)
     if os.environ.get(TIMING_LOCK):
         log(f"timed rounds hold {os.environ[TIMING_LOCK]} (warm-ups share it)")
 
@@ -430,11 +616,15 @@ def run(args, results):
                 live = {}  # path -> (gen, cleanup, its model, tokens of a warm-up, warm-up seconds)
                 try:
                     for i, path in enumerate(members):  # the group's first path runs on the model, the others on copies
-                        m = model if i == 0 else twin(model)
+                        if path == "fp8_eager" and (why := fp8_reference_why_not(device)):
+                            results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
+                                                error=why))
+                            continue
+                        m = path_model(model, path, i == 0)
                         gen, done = generate_fn(m, path, ids)
                         try:
                             t0 = time.perf_counter()
-                            with host_phase("warm"):
+                            with host_phase("warm"), mem.warm(path):
                                 for _ in range(2):
                                     out = gen(new_tokens)
                                 sync(device)
@@ -446,7 +636,7 @@ def run(args, results):
                                                 error=type(e).__name__))
                     with host_phase("time"):
                         times, per_round = time_decode({p: v[0] for p, v in live.items()}, device, new_tokens,
-                                                       args.rounds)
+                                                       args.rounds, mem)
                     for path, (gen, _, m, out, warm_s) in live.items():
                         if (batch, path) in args.profiled:
                             profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
@@ -459,11 +649,13 @@ def run(args, results):
                                 if args.step and path.startswith("static") else {})
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                             ms=times[path], round_ms=per_round[path], warmup_s=warm_s,
-                                            tokens=out[:, prompt:].tolist(), **step))
+                                            tokens=out[:, prompt:].tolist(), **step, **mem.row(path, m)))
                         row = mark_divergence(results)[-1]
                         div = row.get("diverges_at")
                         tokens = ("not compared (eager ran elsewhere)" if "diverges_at" not in row else "same as eager"
                                   if div is None else f"diverge from eager at new token {div}")
+                        if row.get("diverges_from"):
+                            tokens = tokens_vs(row)
                         log(f"{label} b={batch} {path}: {times[path]:.3f} ms/token (warm-ups {warm_s:.0f} s), tokens "
                             f"{tokens}")
                         write(results, args.out)
@@ -488,14 +680,17 @@ def run(args, results):
                                    for p in members)
                     write(results, args.out)
                     continue
-                models = {}
+                models, fp8_logits = {}, {}
                 try:
                     for i, path in enumerate(members):
-                        m = models[path] = model if i == 0 else twin(model)
+                        if path == "fp8_eager" and (why := fp8_reference_why_not(device)):
+                            results.append(dict(model=label, phase="prefill", path=path, unit=unit, error=why))
+                            continue
+                        m = models[path] = path_model(model, path, i == 0)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
                         if path == "experts":
                             m.set_experts_implementation(experts.NAME)
-                        elif path in ("patch", "patch_merged", "patch_nosite"):
+                        elif path in ("patch", "patch_merged", "patch_nosite", "fp8_patch"):
                             mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
                             if path == "patch_nosite":
                                 fwd = lambda ids, m=m: _without_sites(m, ids)  # noqa: E731
@@ -508,20 +703,31 @@ def run(args, results):
                             fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
                         try:
                             t0 = time.perf_counter()
-                            with host_phase("warm"):
-                                err = rel(fwd(ids), ref_logits)
+                            with host_phase("warm"), mem.warm(path):
+                                logits = fwd(ids)
+                                err = rel(logits, ref_logits)
+                            if path.startswith("fp8") and "fp8_eager" in members:  # for the FP8 reference's row
+                                fp8_logits[path] = logits
+                            del logits
                             fwds[path] = (fwd, err, time.perf_counter() - t0)
                         except Exception as e:
                             log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                             results.append(dict(model=label, phase="prefill", path=path, unit=unit,
                                                 error=type(e).__name__))
+                    ref8 = fp8_logits.pop("fp8_eager", None)  # FP8 rows against the FP8 reference, where it ran
+                    fp8_errs = {p: rel(v, ref8) for p, v in fp8_logits.items()} if ref8 is not None else {}
+                    del ref8
+                    fp8_logits.clear()
                     with host_phase("time"):
-                        times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device)
+                        times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device, mem=mem)
                     for path, (fwd, err, first_s) in fwds.items():
+                        extra = dict(logits_rel_err_fp8_ref=fp8_errs[path]) if path in fp8_errs else {}
                         results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
-                                            call_ms=calls[path], logits_rel_err=err, warmup_s=first_s))
+                                            call_ms=calls[path], logits_rel_err=err, warmup_s=first_s,
+                                            **mem.row(path, models[path]), **extra))
                         log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
-                            f"err {err:.1e}")
+                            f"err {err:.1e}" + (" against bf16's" if path.startswith("fp8") else "")
+                            + (f", {fp8_errs[path]:.1e} against the FP8 reference's" if path in fp8_errs else ""))
                         if args.profile_cpu and device == "cuda":
                             profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
                         if args.time_modules and path in ("eager", "patch"):
@@ -875,10 +1081,10 @@ def baseline(results, r):
 
 def write(results, out):
     """The table so far, to out/generate.md and out/generate.json (rewritten after every measurement)."""
-    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager | warm-up s |", "|---" * 7 + "|"]
+    lines = ["| model | phase | path | ms | vs baseline | tokens vs eager | warm-up s | memory GiB |", "|---" * 8 + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | | |")
+            lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['error']} | | | | |")
             continue
         base = baseline(results, r)  # decode and prefill rows alike
         base_path = base["path"] if base else None
@@ -890,18 +1096,39 @@ def write(results, out):
             vs += f" (paired median {statistics.median(b / a for a, b in zip(r['call_ms'], base['call_ms'])):.3f}x)"
         if r["phase"] == "prefill":
             tok = f"logits rel err {r['logits_rel_err']:.1e}"
+            tok += " vs bf16's" if "fp8" in r else ""
+            if "logits_rel_err_fp8_ref" in r:
+                tok += f", {r['logits_rel_err_fp8_ref']:.1e} vs the FP8 reference's"
+        elif r.get("diverges_from"):
+            tok = tokens_vs(r)
         elif "diverges_at" not in r:
             tok = "no eager row"
         else:
             tok = "same" if r["diverges_at"] is None else f"diverge at {r['diverges_at']}"
         warm = f"{r['warmup_s']:.0f}" if "warmup_s" in r else ""
-        lines.append(f"| {r['model']} | {r['phase']} | {r['path']} | {r['ms']:.3f} | {vs} | {tok} | {warm} |")
+        path = r["path"] + (f" ({r['fp8']})" if "fp8" in r else "")
+        lines.append(f"| {r['model']} | {r['phase']} | {path} | {r['ms']:.3f} | {vs} | {tok} | {warm} | "
+                     f"{memory(r, base)} |")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "generate.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out, "generate.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
+
+
+def memory(r, base) -> str:
+    """A row's memory cell: its model's weights, its peak as if alone (CUDA), each against its baseline's."""
+    if "weights_gib" not in r:
+        return ""
+    out = f"weights {r['weights_gib']:.3g}"
+    if base and base.get("weights_gib"):
+        out += f" ({r['weights_gib'] / base['weights_gib']:.2f}x)"
+    if "peak_gib" in r:
+        out += f", peak {r['peak_gib']:.3g}"
+        if base and base.get("peak_gib"):
+            out += f" ({r['peak_gib'] / base['peak_gib']:.2f}x)"
+    return out
 
 
 def run_parallel(args, argv: list[str], n: int) -> list[dict]:
@@ -935,6 +1162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
+    ap.add_argument("--fp8", action="store_true", help="the FP8 twin's paths against bf16's (default paths "
+                    f"{FP8_PATHS}; prefill patch,fp8_patch,fp8_eager)")
     ap.add_argument("--paths", default=None, help=f"default: {','.join(DECODE_PATHS + ['prefill'])}; for "
                     f"qwen3moe {MOE_PATHS}")
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
@@ -966,9 +1195,10 @@ def main(argv=None) -> int:
                          "(decode: one generate; prefill: one forward), and the host's time for the whole call")
     args = ap.parse_args(argv)
     if args.paths is None:
-        args.paths = MOE_PATHS if is_moe(args) else ",".join(DECODE_PATHS + ["prefill"])
+        args.paths = FP8_PATHS if args.fp8 else MOE_PATHS if is_moe(args) else ",".join(DECODE_PATHS + ["prefill"])
     if args.prefill_paths is None:
-        args.prefill_paths = "eager,patch,experts,compile,backend" if is_moe(args) else "eager,patch,compile,backend"
+        args.prefill_paths = ("patch,fp8_patch,fp8_eager" if args.fp8 else "eager,patch,experts,compile,backend"
+                              if is_moe(args) else "eager,patch,compile,backend")
     args.profiled = ({(int(b), p) for b, p in (a.split(":") for a in args.profile_at.split(","))} if args.profile_at
                      else PROFILED if args.profile else set())
     import logging

@@ -171,6 +171,101 @@ def test_generate_benchmark_prefill_with_gate_and_up_stored_as_one(tmp_path, cap
     assert "2 MLPs' gate and up stored as one" in capsys.readouterr().err
 
 
+def test_generate_benchmark_fp8_paths_beside_their_bf16_paths(tmp_path):
+    # --fp8: the FP8 twin patched, timed in turns with the bf16 model patched (decode and prefill); its tokens
+    # compared with bf16's and the FP8 reference's (which cannot run off CUDA: its rows say why); its weights as
+    # stored: float8 linears with their fp32 block scales, the rest as the model holds it.
+    import json
+
+    bench_generate = _bench_generate()
+    assert bench_generate.main(["--tiny", "--device", "cpu", "--fp8", "--paths", "patch,fp8_patch,fp8_eager,prefill",
+                                "--batches", "1", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())
+    assert [(r["phase"], r["path"]) for r in rows] == [(p, q) for p in ("decode b=1", "prefill")
+                                                       for q in ("fp8_eager", "patch", "fp8_patch")]
+    for r in rows[0], rows[3]:
+        assert r["error"].startswith("not run: transformers' FP8 kernel loads on CUDA only")
+    bf16, fp8 = rows[1], rows[2]
+    assert timed(bf16) and timed(fp8) and fp8["fp8"] == "linears FP8"
+    assert set(fp8["diverges_from"]) == {"patch", "fp8_eager"} and fp8["diverges_from"]["fp8_eager"] == "not run"
+    assert 1e-3 < rows[5]["logits_rel_err"] < 0.1  # FP8's own error against fp32, no more
+    model = bench_generate.build("1b", "cpu", torch.float32, True)
+    stored = 0
+    for name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+                N, K = p.shape
+                stored += N * K + math.ceil(N / 128) * math.ceil(K / 128) * 4
+            else:
+                stored += p.numel() * 4
+    stored += sum(b.numel() * 4 for b in model.buffers())  # the rotary embedding's
+    assert fp8["weights_gib"] * 2**30 == pytest.approx(stored, abs=0.5)
+    md = (tmp_path / "generate.md").read_text()
+    assert "| fp8_patch (linears FP8) |" in md and "x patch (rounds" in md and "vs patch: " in md
+    assert f"weights {fp8['weights_gib']:.3g} ({fp8['weights_gib'] / bf16['weights_gib']:.2f}x)" in md
+
+
+def test_memory_gives_each_path_its_peak_as_if_alone(monkeypatch):
+    # CUDA's allocator counters, simulated: a path's peak is its model's weights, what it keeps between calls (a static
+    # cache) and a call's own peak above that; what another path allocates meanwhile is not its own
+    bench_generate = _bench_generate()
+    state = dict(alloc=10_000, peak=10_000)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["alloc"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["alloc"]))
+
+    def use(keep, transient):
+        state["peak"] = max(state["peak"], state["alloc"] + keep + transient)
+        state["alloc"] += keep
+
+    mem = bench_generate.Memory("cuda")
+    with mem.warm("a"):
+        use(100, 50)
+    with mem.warm("b"):
+        use(1000, 0)
+    with mem.call("a"):
+        use(0, 70)
+    with mem.call("b"):
+        use(0, 5)
+    assert mem.peak == {"a": 170, "b": 1005}
+    model = bench_generate.build("1b", "cpu", torch.float32, True)
+    row = mem.row("a", model)
+    assert row["peak_gib"] == pytest.approx(row["weights_gib"] + 170 / 2**30, abs=1e-12)
+    assert row["weights_gib"] * 2**30 == sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+
+
+def test_fp8_twin_holds_the_models_weights_in_128_blocks():
+    # every Linear but lm_head an FP8Linear of the model's weight (the rest shared); patched, the twin computes what
+    # the model with those weights dequantized computes
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    import mlp_fuser
+    from mlp_fuser.kernels import fp8 as K8
+    from mlp_fuser.reference import rel_err
+
+    bench_generate = _bench_generate()
+    model = bench_generate.build("1b", "cpu", torch.float32, True)
+    model.model.layers[0].mlp.gate_proj.weight.data[:70, :30] *= 50  # one block far louder than the others
+    twin = bench_generate.fp8_twin(model)
+    fp8 = {n: m for n, m in twin.named_modules() if isinstance(m, FP8Linear)}
+    assert len(fp8) == 7 * len(model.model.layers) and type(twin.lm_head) is torch.nn.Linear
+    assert twin.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()  # shared, not copied
+    assert twin.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    deq = copy.deepcopy(model)
+    for name, f in fp8.items():
+        N, K = f.weight.shape
+        assert f.weight.dtype == K8.FP8 and f.weight_scale_inv.shape == (math.ceil(N / 128), math.ceil(K / 128))
+        w = K8.dequantize(K8.fp8_weight(f.weight, f.weight_scale_inv, f.block_size), torch.float64)
+        assert rel_err(w, model.get_submodule(name).weight) < 0.04
+        deq.get_submodule(name).weight.data = w.float()
+    mlp_fuser.patch(twin)
+    assert all("forward" in layer.mlp.__dict__ for layer in twin.model.layers)
+    ids = torch.randint(3, 256, (2, 9))
+    with torch.no_grad():
+        assert rel_err(twin(ids).logits, deq(ids).logits) < 1e-5
+
+
 def test_generate_benchmark_times_the_modules_inside_a_prefill(tmp_path, capsys):
     # --time-modules on the prefill pair eager / patch: host µs per call inside every decoder layer and each of its
     # children (the patched MLP is the fused forward) and the model's other modules during one forward over the

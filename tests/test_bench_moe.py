@@ -105,6 +105,37 @@ def test_generate_qwen3moe_twin_shares_weights_not_config():
     assert torch.isfinite(rot).all() and rot.max() == 1.0  # computed, not left empty by to_empty
 
 
+def test_generate_fp8_experts_where_mlp_fuser_runs_them():
+    # the experts become transformers' FP8Experts (gate and up quantized apart, then stacked, 128 x 128 blocks)
+    # where mlp_fuser runs FP8Experts, else stay as they were and the note says so
+    import torch
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+
+    from mlp_fuser.kernels import fp8 as K8
+    from mlp_fuser.patch.experts import NAME
+    from mlp_fuser.reference import rel_err
+
+    bench_generate = _benchmark("bench_generate")
+    model = bench_generate.build("qwen3moe", "cpu", torch.float32, tiny=True, layers=1)
+    before = model.model.layers[0].mlp.experts
+    runs = NAME in ALL_FP8_EXPERTS_FUNCTIONS
+    assert bench_generate.fp8_experts(model) == ("experts FP8" if runs else
+                                                 "experts bf16: mlp_fuser does not run FP8Experts yet")
+    assert (model.model.layers[0].mlp.experts is before) is not runs
+    model = bench_generate.build("qwen3moe", "cpu", torch.float32, tiny=True, layers=1)
+    gate_up, down = (p.detach().clone() for p in (before.gate_up_proj, before.down_proj))
+    assert bench_generate.fp8_experts(model, force=True) == "experts FP8"
+    e = model.model.layers[0].mlp.experts
+    assert isinstance(e, FP8Experts) and e.gate_up_proj.dtype == e.down_proj.dtype == K8.FP8
+    assert e.gate_up_proj_scale_inv.shape == (8, 2, 1) and e.down_proj_scale_inv.shape == (8, 1, 1)
+    I = gate_up.shape[1] // 2
+    for x in range(8):
+        halves = [(e.gate_up_proj[x, h * I:(h + 1) * I], e.gate_up_proj_scale_inv[x, h:h + 1],
+                   gate_up[x, h * I:(h + 1) * I]) for h in (0, 1)]
+        for q, s, w in [*halves, (e.down_proj[x], e.down_proj_scale_inv[x], down[x])]:
+            assert rel_err(K8.dequantize(K8.fp8_weight(q, s, (128, 128)), torch.float64), w) < 0.04
+
+
 def test_generate_moe_paths_compare_with_transformers_best():
     bench_generate = _benchmark("bench_generate")
     m = "qwen3moe (2 of 48 layers)"

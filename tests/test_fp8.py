@@ -92,6 +92,21 @@ def test_quantize_rows_reference_is_transformers_scheme():
     assert rel_err(deq, x) < 0.05  # e4m3 keeps 3 mantissa bits
 
 
+def test_quantize_blocks_makes_checkpoint_weights():
+    """One fp32 scale per 128 x 128 block (amax / 448; ragged edges too, and stacked experts): each block's largest
+    magnitude is 448, and dequantizing gives the weight back within e4m3's rounding."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 300, 200, generator=g, dtype=torch.float64) * torch.rand(3, 300, 1, generator=g)
+    q, s = K8.quantize_blocks(w)
+    assert q.dtype == K8.FP8 and q.shape == w.shape and s.dtype == torch.float32 and s.shape == (3, 3, 2)
+    for e in range(3):
+        blocks = F.pad(w[e], (0, 56, 0, 84)).view(3, 128, 2, 128)
+        assert torch.allclose(s[e].double(), blocks.abs().amax(dim=(1, 3)) / 448, rtol=1e-6)
+        deq = K8.dequantize(K8.fp8_weight(q[e], s[e], (128, 128)), torch.float64)
+        assert F.pad(q[e].float().abs(), (0, 56, 0, 84)).view(3, 128, 2, 128).amax(dim=(1, 3)).eq(448).all()
+        assert rel_err(deq, w[e]) < 0.04  # e4m3 keeps 3 mantissa bits
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the quantization kernel runs on CUDA (the interpreter misrounds fp8 casts)")
 def test_quantize_rows_kernel_matches_reference():

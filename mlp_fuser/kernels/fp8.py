@@ -192,6 +192,18 @@ def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, s
 
 
+def quantize_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Tensor, Tensor]:
+    """w (..., N, K) as float8_e4m3fn with one fp32 scale per block, amax / 448 (how FP8 checkpoints are made:
+    ``dequantize`` inverts it up to e4m3's rounding); scales (..., ⌈N/block_n⌉, ⌈K/block_k⌉), on w's device."""
+    *lead, N, K = w.shape
+    bn, bk = block
+    wp = torch.nn.functional.pad(w.float(), (0, (-K) % bk, 0, (-N) % bn))
+    b = wp.view(*lead, wp.shape[-2] // bn, bn, wp.shape[-1] // bk, bk)
+    s = b.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
+    q = (b / s[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view_as(wp)[..., :N, :K]
+    return q.clone(memory_format=torch.contiguous_format), s  # a storage of its own size, not the padded one's
+
+
 # ---- the GEMM -------------------------------------------------------------------------------------------------
 
 
