@@ -270,3 +270,19 @@ def test_quant_moe_mlp_makes_no_dequantized_copy_on_cuda(T):
     quant_moe.quant_moe_mlp(x, *args, "silu", block=(128, 128))
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < wd.numel()  # a bf16 copy of w_down alone: 2 x its fp8 bytes
+
+
+def test_a_seen_signature_still_checks_what_changes():
+    """A call like one seen before skips the shape checks, not the ids' check; another signature is checked afresh;
+    the eager entry computes what the op does."""
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), seed=11)
+    op = quant_moe.quant_moe_mlp
+    for _ in range(2):
+        assert rel_err(op(x, ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64)),
+                       reference64(x, ids, wts, wgu64, wd64)) < 1e-5
+    with pytest.raises(ValueError, match="topk_ids holds -1"):
+        op(x, ids - 1 - ids.clamp(max=0), wts, wgu, sgu, wd, sd, "silu", block=(32, 64))
+    with pytest.raises(ValueError, match=r"got \(4, 2, 1\) \(argument 'w_down'\)"):
+        op(x, ids, wts, wgu, sgu, wd, sd[:, :2], "silu", block=(32, 64))
+    eager = quant_moe.eager_quant_moe_mlp(x, ids, wts, wgu, sgu, wd, sd, "silu", "fp8_e4m3", [32, 64])
+    assert torch.equal(eager, op(x, ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64)))

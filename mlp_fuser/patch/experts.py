@@ -233,7 +233,7 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     if s is None or s.reason is not None:  # a field, not the property: fewer calls for Dynamo to trace
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     if s.fp8 is not None:
-        return _fp8_forward(self, s, hidden_states, top_k_index, top_k_weights)
+        return _fp8_forward(self, s, hidden_states, top_k_index, top_k_weights, compiling)
     w, b, wd, bd = weights(self, s)
     g = s.gate
     x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
@@ -254,14 +254,14 @@ def _fallback(module: nn.Module):
     return grouped_mm_experts_forward
 
 
-def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: Tensor,
-                 top_k_weights: Tensor) -> Tensor:
+def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                 compiling: bool) -> Tensor:
     """FP8 experts through ``quant_moe_mlp``: the float8 weights and their scales as stored, y in x's dtype."""
     g, (fmt, block) = s.gate, s.fp8
     w, sc = (self.gate_up_proj, self.gate_up_proj_scale_inv) if g.gated else (self.up_proj, self.up_proj_scale_inv)
-    return torch.ops.mlp_fuser.quant_moe_mlp.default(
-        hidden_states, top_k_index, top_k_weights, w, sc, self.down_proj, self.down_proj_scale_inv, g.activation, fmt,
-        list(block) if block is not None else None, g.interleaved, g.limit, g.clamp_after, g.up_offset)
+    op = torch.ops.mlp_fuser.quant_moe_mlp.default if compiling else quant_moe.eager_quant_moe_mlp
+    return op(hidden_states, top_k_index, top_k_weights, w, sc, self.down_proj, self.down_proj_scale_inv, g.activation,
+              fmt, list(block) if block is not None else None, g.interleaved, g.limit, g.clamp_after, g.up_offset)
 
 
 class FusedExpertsForward:
