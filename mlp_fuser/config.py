@@ -41,6 +41,10 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   every call through the registered op. Setting it applies at once (``compat.refresh()``).
 - ``check_routing`` (``MLP_FUSER_CHECK_ROUTING=1``, default False): check the experts op's routing ids on CUDA too
   (a host sync per call; on the CPU they are always checked).
+- ``fp8_w8a8`` (``MLP_FUSER_FP8_W8A8=0`` turns it off, default True): FP8 weights multiply activations quantized per
+  token and 128 columns on the fp8 tensor cores, at every M (transformers' own FP8 scheme; faster than casting the
+  weights, benchmarks/NOTES.md, FP8 weights); off: the activations keep their dtype and each weight tile is cast on
+  chip (W8A16: about 20x less error, slower).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
     "inductor_direct": ("MLP_FUSER_INDUCTOR_DIRECT", "1", _on_unless_0),
     "private_apis": ("MLP_FUSER_PRIVATE", "1", _on_unless_0),
     "check_routing": ("MLP_FUSER_CHECK_ROUTING", "0", _on_if_1),
+    "fp8_w8a8": ("MLP_FUSER_FP8_W8A8", "1", _on_unless_0),
 }
 
 

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import config
 from .activations import get_activation
 from .kernels import fp8 as fp8_kernels
 from .reference import reference_mlp
 
 FORMATS = ("fp8_e4m3",)
-A8_MIN_M = 128  # from this many rows the activations are quantized too and the fp8 tensor cores multiply
 _FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
 
 _lib = torch.library.Library("mlp_fuser", "FRAGMENT")
@@ -89,8 +89,8 @@ def why_not_kernels(x: Tensor) -> str | None:
 def _why_not_a8(x: Tensor, M: int) -> str | None:
     if (why := why_not_kernels(x)) is not None:
         return why
-    if M < A8_MIN_M:
-        return f"{M} rows < {A8_MIN_M}: the weight bytes bound the time, so x is not quantized"
+    if not config.fp8_w8a8:
+        return "mlp_fuser.config.fp8_w8a8 is off: the activations keep their dtype"
     return None
 
 
@@ -103,7 +103,7 @@ class Impl(NamedTuple):
 
 # From the top down, the first that can run a call runs it.
 IMPLS = (
-    Impl("fp8_w8a8", _why_not_a8),  # x quantized per token and 128 columns, the fp8 tensor cores multiply
+    Impl("fp8_w8a8", _why_not_a8),  # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
     Impl("fp8_w8a16", lambda x, M: why_not_kernels(x)),  # weights cast on chip, x as it is
     Impl("aten_dequantize", lambda x, M: None),  # each weight dequantized to x's dtype, then aten
 )

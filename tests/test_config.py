@@ -17,11 +17,12 @@ from mlp_fuser.kernels import quack_gated
 from mlp_fuser.ops import moe
 
 DEFAULTS = dict(force_impl=None, triton_on_cpu=False, autotune=True, triton_backward=False, moe_tma=False, quack=True,
-                plans=True, sites=True, inductor_direct=True, private_apis=True, check_routing=False)
+                plans=True, sites=True, inductor_direct=True, private_apis=True, check_routing=False,
+                fp8_w8a8=True)
 FLIPPED_ENV = {"MLP_FUSER_IMPL": "triton_gemm", "MLP_FUSER_TRITON_ON_CPU": "1", "MLP_FUSER_AUTOTUNE": "0",
                "MLP_FUSER_TRITON_BACKWARD": "1", "MLP_FUSER_MOE_TMA": "1", "MLP_FUSER_QUACK": "0",
                "MLP_FUSER_PLANS": "0", "MLP_FUSER_SITES": "0", "MLP_FUSER_INDUCTOR_DIRECT": "0",
-               "MLP_FUSER_PRIVATE": "0", "MLP_FUSER_CHECK_ROUTING": "1"}
+               "MLP_FUSER_PRIVATE": "0", "MLP_FUSER_CHECK_ROUTING": "1", "MLP_FUSER_FP8_W8A8": "0"}
 FLIPPED = {k: "triton_gemm" if v is None else not v for k, v in DEFAULTS.items()}
 
 
@@ -30,7 +31,7 @@ def _cuda_ids(low: int):
     return SimpleNamespace(numel=lambda: 4, is_cuda=True, min=lambda: torch.tensor(low))
 
 
-def test_the_eleven_variables_map_onto_the_settings():
+def test_the_variables_map_onto_the_settings():
     assert config.from_env({}) == DEFAULTS
     assert config.from_env(FLIPPED_ENV) == FLIPPED
     for var, value in FLIPPED_ENV.items():  # each variable moves its own setting only

@@ -316,3 +316,12 @@ def test_no_bf16_copy_of_a_weight_exists_in_hbm(M):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
     assert extra < I * K * 2 // 2  # h, x and h quantized, split-K partials: well under a bf16 weight's 117 MB
+
+
+def test_fp8_w8a8_setting_picks_the_row(monkeypatch):
+    monkeypatch.setattr(quant, "why_not_kernels", lambda x: None)  # as on an sm89+ GPU
+    x = torch.randn(1, 64)
+    assert quant.choose(x, 1) == "fp8_w8a8"
+    with mlp_fuser.config.patch(fp8_w8a8=False):
+        assert quant.choose(x, 1) == "fp8_w8a16"
+        assert "fp8_w8a8: mlp_fuser.config.fp8_w8a8 is off" in quant.describe(x, 1)

@@ -337,21 +337,21 @@ class Config(NamedTuple):
 
 @cache
 def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.device) -> Config:
-    """Small M: 64 weight rows a program, K split until about two programs per SM stream weights; large M: square
-    tiles, no split."""
+    """Small M: 64 weight rows a program, K split until about four programs per SM stream weights (the best of the
+    first H200 sweep, benchmarks/NOTES.md, FP8 weights); mid M: 64-row tiles; large M: 128-row tiles on 8 warps (two
+    fp32 accumulators of 128 x 64 spill on 4)."""
     if INTERPRET:
         return Config(16, 32, 32, min(3, cdiv(K, 32)), 4, 1)
-    if M <= 64 and not a8:
+    sms = num_sms(device)
+    if M <= 64:
         bm = max(16, triton.next_power_of_2(M))
-        bn, bk = 64, 128
-        tiles = cdiv(M, bm) * cdiv(N, bn)
-        split = max(1, min(cdiv(2 * num_sms(device), tiles), cdiv(K, 2 * bk), 16))
-        return Config(bm, bn, bk, split, 4, 4)
-    bm = 128 if M > 64 else max(16, triton.next_power_of_2(M))
+        tiles = cdiv(M, bm) * cdiv(N, 64)
+        return Config(bm, 64, 128, max(1, min(cdiv(4 * sms, tiles), cdiv(K, 2 * 128), 16)), 4, 3)
     bn = 64 if gated else 128
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    split = max(1, min(cdiv(num_sms(device), tiles), cdiv(K, 4 * 128), 8))
-    return Config(bm, bn, 128, split, 8 if bm * bn >= 128 * 128 else 4, 3)
+    if M <= 256:
+        tiles = cdiv(M, 64) * cdiv(N, bn)
+        return Config(64, bn, 128, max(1, min(cdiv(sms, tiles), cdiv(K, 4 * 128), 4)), 4, 3)
+    return Config(128, bn, 128, 1, 8, 3)
 
 
 _launch = Launcher(_fp8_linear_kernel)
