@@ -6,16 +6,12 @@ in three modes: w8a8, w8a16 through bfloat16, w8a16 through float16. LLaMA-3-8B 
 
 import argparse
 import itertools
-import sys
 import time
 
 import torch
 from triton.testing import do_bench_cudagraph
 
-sys.path.insert(0, "benchmarks")
-from bench_fp8 import block_quantize  # noqa: E402
-
-from mlp_fuser.kernels import fp8 as K8  # noqa: E402
+from mlp_fuser.kernels import fp8 as K8
 
 
 def grid(M):
@@ -36,7 +32,7 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     Kd, I = 4096, 14336
-    fw = [K8.fp8_weight(*block_quantize(torch.randn(n, k, device=dev) * k ** -0.5), (128, 128))
+    fw = [K8.fp8_weight(*K8.quantize_blocks(torch.randn(n, k, device=dev) * k ** -0.5), (128, 128))
           for n, k in ((I, Kd), (I, Kd), (Kd, I))]
     best = {}
     for M in map(int, args.ms.split(",")):

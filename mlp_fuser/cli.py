@@ -4,7 +4,8 @@
 - ``explain TARGET [--details]``: TARGET is a HF model type (``llama``, ``gpt2``, ``qwen3``...: a tiny random model
   of that family is built) or a local checkpoint folder or ``.gguf`` file; prints ``mlp_fuser.explain``'s report
   (``--details``: one row per block).
-- ``bench [ARGS]``: the GPU benchmark, ``mlp_fuser.tools.bench.main(ARGS)``.
+- ``bench [ARGS]``: the GPU benchmark, ``mlp_fuser.tools.bench.main(ARGS)`` (``--moe``: routed experts, ``--fp8``:
+  FP8 weights).
 
 Results go to stdout, progress to stderr.
 """

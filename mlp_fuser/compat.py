@@ -363,6 +363,17 @@ def dtensor_from_local() -> tuple:
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def scaled_mm(a, b, scale_a, scale_b, recipe: str, out_dtype: torch.dtype):
+    """a @ b on float8 operands with their decoding scales (the FP8 benchmark's unfused peer): ``recipe`` "rowwise"
+    (scale_a (M, 1), scale_b (1, N)) or "blockwise" (scale_a (M, K/128) 1 x 128, scale_b (K/128, N/128) 128 x 128).
+    torch.nn.functional.scaled_mm where torch has it, else torch._scaled_mm (the scales' shapes give the recipe)."""
+    if hasattr(F, "scaled_mm"):
+        st = F.ScalingType
+        ra, rb = (st.RowWise, st.RowWise) if recipe == "rowwise" else (st.BlockWise1x128, st.BlockWise128x128)
+        return F.scaled_mm(a, b, scale_a, ra, scale_b, rb, output_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
 def gpu_sleep(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles, so the calls queued behind are timed
     without the host's time (``torch.cuda._sleep``; where absent, nothing: the timing then includes the host's)."""

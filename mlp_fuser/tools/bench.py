@@ -2,6 +2,8 @@
 
     python -m mlp_fuser bench [--quick] [--out DIR] [--budget-s 480] [--shapes 0,3] [--ms 16,128] [--dtypes bf16]
                               [--merged]
+    python -m mlp_fuser bench --moe ...   # routed experts: tools/bench_moe.py
+    python -m mlp_fuser bench --fp8 ...   # FP8 weights, dense and experts: tools/bench_fp8.py
 
 Without a CUDA GPU it prints why and exits with status 2 (Triton is imported only after that check).
 
@@ -475,9 +477,12 @@ def run_parallel(args, argv, units, sections, tuned, n) -> int:
 
 
 def main(argv=None) -> int:
-    if "--moe" in (sys.argv[1:] if argv is None else argv):  # the routed-experts benchmark: mlp_fuser.bench_moe
+    if "--moe" in (sys.argv[1:] if argv is None else argv):  # the routed-experts benchmark: tools/bench_moe.py
         from . import bench_moe
         return bench_moe.main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--moe"])
+    if "--fp8" in (sys.argv[1:] if argv is None else argv):  # the FP8 weights benchmark: tools/bench_fp8.py
+        from . import bench_fp8
+        return bench_fp8.main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--fp8"])
     t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m mlp_fuser bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rows only (M=1, 16, 128, 2048, first shape, bf16)")
