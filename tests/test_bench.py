@@ -1,4 +1,4 @@
-"""The benchmark's plan, time budget, row arithmetic and target table: plain Python, checked without a GPU."""
+"""The benchmark's plan, time budget, row arithmetic and tables: plain Python, checked without a GPU."""
 
 import copy
 import math
@@ -65,22 +65,12 @@ def test_update_row_speedup_floor_and_check():
     assert r["best_peer"] == "max-autotune" and r["speedup"] < 1
 
 
-def test_target_table_meets_misses_and_cannot_judge():
-    rows = [_row(M=1, fused=68.0), _row(M=16, fused=75.0), _row(M=128, fused=76.0), _row(M=512, fused=80.0)]
-    table = "\n".join(bench.target_table(rows))
-    assert "| M <= 16: >= 93% of floor | 1/2 | SwiGLU 4096x11008 bfloat16 M=16 (86%" in table
-    assert "| SwiGLU 4096x11008 M=128: <= 75 µs | 0/1 |" in table
-    assert "| M >= 512: >= 1.03x best peer, max-autotune included | 0/1 | – | SwiGLU 4096x11008 bfloat16 M=512" \
-        in table
-    assert "| every row: fused within 1.25x the unfused error | 4/4 |" in table
-
-
 def test_write_results_is_complete_after_every_row(tmp_path):
     meta = dict(date="d", gpu="g", torch=torch.__version__, triton="t", command="c", budget_s=480, seconds=12.0,
                 ceilings=dict(matmul_tflops=700, copy_tbps=4.2), sections=[dict(what="s", seconds=3.0)],
                 skipped=["max-autotune SwiGLU 8192x3584 M=8192"])
     md = "\n".join(bench.write_results(str(tmp_path), meta, [_row()]))
-    assert "| SwiGLU 4096x11008     | bfloat16 |   128 |" in md and "Targets:" in md and "issue" not in md
+    assert "| SwiGLU 4096x11008     | bfloat16 |   128 |" in md and "target" not in md.lower() and "issue" not in md
     assert "Skipped for the time budget (480 s): max-autotune SwiGLU 8192x3584 M=8192" in md
     assert (tmp_path / "results.json").exists()
 

@@ -272,17 +272,6 @@ FORWARD = Registry("mlp", IMPLS, baseline="cublas_act_mul")
 BACKWARD = Registry("mlp_backward", BACKWARD_IMPLS, what="the backward of ")
 
 
-def _registry(impls) -> Registry:
-    """``impls`` as a Registry (the old calls pass the forward's or the backward's list)."""
-    if isinstance(impls, Registry):
-        return impls
-    return FORWARD if impls is IMPLS else BACKWARD
-
-
-def _by_name(impls) -> dict[str, Impl]:
-    return _registry(impls).by_name
-
-
 # The save-mode forward's act·mul (ops.act_mul): the Triton kernel wherever the Triton implementations run, unless
 # the aten reference is forced (MLP_FUSER_IMPL=reference: everything as the unfused module computes it).
 _ACT_MUL = Impl("act_mul", act_mul, frozenset({"cuda"}), triton=True)
@@ -304,16 +293,15 @@ _MAX_RESOLVED = 8192  # a process that sees endless new shapes starts the lookup
 
 
 def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O: int, gated: bool,
-            args: tuple, eager: bool = False, impls: list[Impl] | Registry = FORWARD, activation: str | None = None,
+            args: tuple, eager: bool = False, reg: Registry = FORWARD, activation: str | None = None,
             one_weight: bool = False) -> Impl:
     """The implementation for one call of the op: a dict lookup once the shape's choice is made.
 
     ``args`` (the call's arguments, x flattened to 2-D) let CUDA autotuning time the candidates. ``eager``: the
     caller runs without CUDA graphs (``patch``, and the backend's graphs where the mode has none), so the choice
     weighs the host's time per call beside the GPU's.
-    ``impls``: the registry (``FORWARD``, ``BACKWARD``, or the old lists ``IMPLS`` / ``BACKWARD_IMPLS``).
+    ``reg``: the registry (``FORWARD`` or ``BACKWARD``).
     ``activation`` and ``one_weight``: as in ``Problem``, for the implementations whose constraints read them."""
-    reg = _registry(impls)
     key = (reg, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
            config.triton_backward, eager, activation, one_weight)  # callable_for builds the same key
     impl = _resolved.get(key)
@@ -350,9 +338,8 @@ def callable_for(x: Tensor, args: MLPArgs, M: int, eager: bool, plan_key: tuple 
 
 
 def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False,
-            impls: list[Impl] | Registry = FORWARD) -> tuple[Impl, bool]:
+            reg: Registry = FORWARD) -> tuple[Impl, bool]:
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
-    reg = _registry(impls)
     ekey = (reg.kind, p.device, p.dtype, p.gated, p.K, p.I, p.O, m_bucket(p.M), config.force_impl,
             config.triton_on_cpu, config.triton_backward, p.activation, p.one_weight)
     candidates = _eligible_cache.get(ekey)
@@ -384,10 +371,9 @@ def chosen(p: Problem, eager: bool = False) -> str:
     return _select(p, None, None)[0].name
 
 
-def _candidates(p: Problem, impls: list[Impl] | Registry = FORWARD) -> list[Impl]:
+def _candidates(p: Problem, reg: Registry = FORWARD) -> list[Impl]:
     """The eligible implementations, or the forced one; forcing another registry's (a backward implementation
     for the forward, a forward one for the backward) leaves this one's choice free ("reference" forces all)."""
-    reg = _registry(impls)
     impls = reg.impls
     if config.force_impl:
         impl = reg.by_name.get(config.force_impl)

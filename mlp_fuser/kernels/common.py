@@ -113,9 +113,6 @@ def aligned(*tensors: torch.Tensor) -> int:
     return bits
 
 
-_launch_hooks = compat.launch_hooks  # the old name
-
-
 class Launcher:
     """Launches one Triton kernel (a ``triton.jit`` function, or an autotuner over one) with little host work.
 

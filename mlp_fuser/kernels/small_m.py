@@ -12,7 +12,7 @@ Algorithm: split the work over the intermediate dimension I. Program (i, m) owns
 Block sizes are autotuned per (M bucket, K, I, O, gated, dtype) over a few configs (BLOCK_I, BLOCK_K, pipeline
 depth); Triton's autotuner zeroes y32 before each trial and before the real run.
 The finish stays a separate launch: finishing inside this kernel (arrival counters, the last program adds
-b_down) is slower (benchmarks/NOTES.md, fused_mlp_small_m v2 and v3).
+b_down) is slower (benchmarks/NOTES.md, Small M split over I: finish in the kernel).
 Bytes moved: every weight once (2·I·K + I·O, or I·K + I·O plain) + x read once per I-block (from L2) +
 the reduction: cdiv(I, BLOCK_I) · M · O fp32 atomics. The reduction is negligible at M=1 and grows
 linearly with M: this kernel is for M ≲ 16-64 (dispatch caps it). Blocks of M are the fastest-varying

@@ -15,9 +15,9 @@ renormalised, as the routers make it), it times
 as CUDA-graph medians (``triton.testing.do_bench_cudagraph``) and plain-call medians (``do_bench``), each call
 rotating over ``N_SETS`` input sets (x and routing). The floor is max(bytes of the distinct experts the routing
 touches + x + y at ``TBPS``, FLOPs at ``TFLOPS``). Every output is checked against a float64 loop over the experts
-(rel. error ‖y − ref‖/‖ref‖); ours must be within 1.25x grouped_mm's. The last column says whether the row meets its
-target (``TARGETS``). ``--budget-s``: no row starts that would end past it; what is skipped is listed. The markdown
-table goes to stdout and to OUT/moe.md, the rows to OUT/moe.json, rewritten after every row.
+(rel. error ‖y − ref‖/‖ref‖); ours must be within 1.25x grouped_mm's. ``--budget-s``: no row starts that would end
+past it; what is skipped is listed. The markdown table goes to stdout and to OUT/moe.md, the rows to OUT/moe.json,
+rewritten after every row.
 """
 
 from __future__ import annotations
@@ -47,13 +47,6 @@ N_SETS = 3
 CHECK_FACTOR = 1.25
 BATCHED_MAX_BYTES = 40e9  # batched_mm gathers (T·k) copies of the experts' weights: past this it would not fit
 EAGER_MAX_M = 2048
-# (label, applies(label, M), met(row) -> bool)
-TARGETS = [
-    (">= 80% of floor", lambda s, M: M <= 32, lambda r: r["pct_floor"] >= 80),
-    (">= 70% of floor", lambda s, M: 128 <= M <= 512, lambda r: r["pct_floor"] >= 70),
-    (">= 2.5x grouped_mm", lambda s, M: M == 2048 and s == "Qwen3-30B-A3B", lambda r: r["vs_grouped_mm"] >= 2.5),
-    (">= 1.3x grouped_mm", lambda s, M: M == 2048 and s == "Mixtral-8x7B", lambda r: r["vs_grouped_mm"] >= 1.3),
-]
 
 
 def log(*a):
@@ -180,7 +173,7 @@ def bench_row(label, mod, M, H, I, E, k, dtype, device) -> dict:
 
 
 def finish(row: dict) -> dict:
-    """The row's speed-ups, % of floor, check and target verdict, from its times and errors."""
+    """The row's speed-ups, % of floor and check, from its times and errors."""
     times = row["graph_us"] if "ours" in row["graph_us"] else row["plain_us"]
     ours = times.get("ours", float("nan"))
     peers = {n: t for n, t in times.items() if n != "ours"}
@@ -191,22 +184,7 @@ def finish(row: dict) -> dict:
     e = row["errors"]
     row["err_ratio"] = e.get("ours", float("nan")) / e["grouped_mm"] if e.get("grouped_mm") else float("nan")
     row["check_ok"] = "ours" in e and (not e.get("grouped_mm") or row["err_ratio"] <= CHECK_FACTOR)
-    row["target"] = verdict(row)
     return row
-
-
-def verdict(row: dict) -> str:
-    if "ours" not in row["errors"]:
-        return f"NO (ours {row['skipped'].get('ours', 'did not run')})"
-    if not row["check_ok"]:
-        return f"NO (error {row['err_ratio']:.2f}x grouped_mm's)"
-    for label, applies, met in TARGETS:
-        if applies(row["experts"], row["M"]):
-            if "ours" not in row["graph_us"]:
-                return f"not judged ({label}: no CUDA graphs)"
-            got = (f"{row['pct_floor']:.0f}%" if "floor" in label else f"{row['vs_grouped_mm']:.2f}x")
-            return f"{'yes' if met(row) else 'NO'} ({label}: {got})"
-    return "– (no target)"
 
 
 def _us(d: dict, skipped: dict, name: str) -> str:
@@ -217,7 +195,7 @@ def _us(d: dict, skipped: dict, name: str) -> str:
 
 HEADER = ("| experts | M | floor µs | ours µs | impl | grouped_mm µs | batched_mm µs | ours plain µs | "
           "grouped_mm plain µs | batched_mm plain µs | eager plain µs | speed-up vs best peer | % of floor | "
-          "rel. err ours / grouped_mm | target met |\n" + "|---" * 15 + "|")
+          "rel. err ours / grouped_mm |\n" + "|---" * 14 + "|")
 
 
 def format_row(r: dict) -> str:
@@ -228,7 +206,7 @@ def format_row(r: dict) -> str:
     return (f"| {r['experts']} | {r['M']} | {r['floor_us']:.1f} {r['bound']} | {_us(g, s, 'ours')} | {r['impl']} | "
             f"{_us(g, s, 'grouped_mm')} | {_us(g, s, 'batched_mm')} | {_us(p, s, 'ours')} | "
             f"{_us(p, s, 'grouped_mm')} | {_us(p, s, 'batched_mm')} | {_us(p, s, 'eager')} | "
-            f"{r['speedup']:.2f}x {r['best_peer']} | {r['pct_floor']:.1f}% | {check} | {r['target']} |")
+            f"{r['speedup']:.2f}x {r['best_peer']} | {r['pct_floor']:.1f}% | {check} |")
 
 
 def write(out: str, meta: dict, rows: list[dict]) -> list[str]:
