@@ -12,10 +12,11 @@ gate and up quantized as one or apart, per channel, per tensor). No biases (``FP
 >= E contribute nothing; x in fp16, bf16 or fp32, the output in x's dtype.
 
 On CUDA from sm89 the experts kernels (``kernels/moe.py``: the "pairs" GEMVs for up to PAIRS_MAX token-expert
-pairs, else the sorted grouped GEMMs) read the float8 weights as stored and dequantize each tile in registers
-(W8A16); elsewhere the aten reference dequantizes each expert's weights to x's dtype and runs ``moe.reference``.
-The weights are frozen; x and topk_weights get gradients, through that reference on the dequantized weights (on
-CUDA too: a dequantized copy per call where gradients are needed).
+pairs, else the sorted grouped GEMMs) read the float8 weights as stored: the GEMVs dequantize each tile in
+registers (W8A16), the GEMMs multiply them with x and h quantized per row and 128 columns (W8A8, transformers'
+dynamic scheme; W8A16 where ``config.fp8_w8a8`` is off). Elsewhere the aten reference dequantizes each expert's
+weights to x's dtype and runs ``moe.reference``. The weights are frozen; x and topk_weights get gradients, through
+that reference on the dequantized weights (on CUDA too: a dequantized copy per call where gradients are needed).
 """
 
 from __future__ import annotations
@@ -103,9 +104,13 @@ def kernel_why_not(x: Tensor, fgu, fd) -> str | None:
     return None
 
 
-def path(T: int, k: int) -> str:
-    """The kernels' path: a GEMV per pair for few pairs (decode), else the sorted grouped GEMMs."""
-    return "pairs" if T * k <= PAIRS_MAX else "sorted"
+def path(T: int, k: int) -> tuple[str, bool]:
+    """The kernels' path and whether the activations are quantized too: a GEMV per pair for few pairs (decode, the
+    weights' bytes bound it; W8A16 on the CUDA cores), else the sorted grouped GEMMs, W8A8 on the fp8 tensor cores
+    (transformers' dynamic scheme: x and h quantized per row and 128 columns) unless ``config.fp8_w8a8`` is off."""
+    if T * k <= PAIRS_MAX:
+        return "pairs", False
+    return "sorted", bool(config.fp8_w8a8)
 
 
 def _run(x2, ids2, wts2, fgu, fd, gate: moe.Gate) -> Tensor:
@@ -113,8 +118,9 @@ def _run(x2, ids2, wts2, fgu, fd, gate: moe.Gate) -> Tensor:
         from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
 
         T, k = ids2.shape
+        way, a8 = path(T, k)
         return kmoe.moe_experts(x2, ids2, wts2, fgu.w, None, fd.w, None, moe._expert_act(gate), gate.interleaved,
-                                path(T, k), scales=(fgu, fd))
+                                way, scales=(fgu, fd), a8=a8)
     return reference(x2, ids2, wts2, fgu, fd, gate)
 
 

@@ -197,8 +197,8 @@ KERNEL_DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter'
 BAR = 2e-2 if HAS_CUDA else 5e-3  # h rounded to x's dtype once, y once
 
 
-def kernel_case(fmt, block, seed, interleaved=False):
-    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block, seed=seed)
+def kernel_case(fmt, block, seed, interleaved=False, **shape):
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block, seed=seed, **shape)
     dev = KERNEL_DEVICE
     x = (x * 4).to(KERNEL_DTYPE)  # outputs of O(1)
     fgu = K8.fp8_experts(wgu.to(dev), sgu.to(dev), block, gated=True, interleaved=interleaved)
@@ -234,22 +234,26 @@ def test_experts_kernels_fp8_clamped_gate(path, interleaved):
     assert rel_err(y.cpu(), expected, math.inf) < BAR
 
 
-@pytest.mark.parametrize("T", [2, 30])
-def test_quant_moe_mlp_runs_the_kernels(T, monkeypatch):
-    """The op runs the kernels where they can run (here: Triton on the CPU tensors), the pairs path for few pairs and
-    the sorted one above PAIRS_MAX, with no dequantized weight."""
+@pytest.mark.parametrize("T,w8a8", [(2, True), (30, True), (30, False)])
+def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
+    """The op runs the kernels where they can run (here: Triton on the CPU tensors), with no dequantized weight: the
+    pairs path (W8A16) for few pairs, the sorted one above PAIRS_MAX, W8A8 unless config.fp8_w8a8 is off."""
     if not HAS_CUDA:
         monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "fp8_w8a8", w8a8)
     calls = []
     real = kmoe.moe_experts
-    monkeypatch.setattr(kmoe, "moe_experts", lambda *a, **kw: calls.append(a[9]) or real(*a, **kw))
+    monkeypatch.setattr(kmoe, "moe_experts", lambda *a, **kw: calls.append((a[9], kw["a8"])) or real(*a, **kw))
     monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
     x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=T, seed=9)
-    dev = KERNEL_DEVICE
+    dev, pairs = KERNEL_DEVICE, T * 3 <= quant_moe.PAIRS_MAX
     y = quant_moe.quant_moe_mlp(x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev),
                                 wd.to(dev), sd.to(dev), "silu", block=(32, 64))
-    assert calls == ["pairs" if T * 3 <= quant_moe.PAIRS_MAX else "sorted"]
-    assert rel_err(y.cpu(), reference64(x.to(KERNEL_DTYPE), ids, wts, wgu64, wd64), math.inf) < BAR
+    a8 = w8a8 and not pairs
+    assert calls == [("pairs" if pairs else "sorted", a8)]
+    ref = (reference64_a8 if a8 else lambda *a: reference64(*a[:5]))(x.to(KERNEL_DTYPE), ids, wts, wgu64, wd64,
+                                                                      KERNEL_DTYPE)
+    assert rel_err(y.cpu(), ref, math.inf) < BAR
 
 
 @requires_cuda
@@ -286,3 +290,39 @@ def test_a_seen_signature_still_checks_what_changes():
         op(x, ids, wts, wgu, sgu, wd, sd[:, :2], "silu", block=(32, 64))
     eager = quant_moe.eager_quant_moe_mlp(x, ids, wts, wgu, sgu, wd, sd, "silu", "fp8_e4m3", [32, 64])
     assert torch.equal(eager, op(x, ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64)))
+
+
+def reference64_a8(x, ids, wts, wgu, wd, dtype):
+    """What W8A8 computes, in float64: x quantized per row and 128 columns, h rounded to x's dtype and quantized
+    likewise (transformers' dynamic scheme), the weights as their scales describe them."""
+    def deq(t):
+        q, s = K8.quantize_rows_reference(t)
+        return q.double() * s.double().repeat_interleave(K8.A8_BLOCK, 1)[:, :t.shape[1]]
+
+    T, k = ids.shape
+    E = wgu.shape[0]
+    xq = deq(x)
+    y = torch.zeros(T, wd.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e < E:
+                g, u = (wgu[e] @ xq[t]).chunk(2)
+                h = deq((F.silu(g) * u).to(dtype)[None])[0]
+                y[t] += float(wts[t, j]) * (wd[e] @ h)
+    return y
+
+
+@pytest.mark.parametrize("path", ["sorted", "sorted_fused", "unsorted"])
+@pytest.mark.parametrize("fmt,block", [FORMATS[0], FORMATS[2], ("block", (16, 16))])
+def test_experts_kernels_w8a8(path, fmt, block):
+    """x and h quantized per row and 128 columns, both operands float8 on the tensor cores, x's scale and the
+    weights' per K step (BLOCK_K cut to divide both), against float64 of the same semantics."""
+    (x, ids, wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64) = kernel_case(fmt, block, seed=12, H=160)
+    with poisoned_empty():
+        y = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, path, scales=(fgu, fd),
+                             a8=True)
+    expected = reference64_a8(x64, ids64, wts64, wgu64, wd64, KERNEL_DTYPE)
+    assert expected.abs().max() > 0.1
+    assert rel_err(y.cpu(), expected, math.inf) < BAR
+    assert rel_err(y.cpu(), reference64(x64, ids64, wts64, wgu64, wd64), math.inf) > 1e-3  # x was quantized

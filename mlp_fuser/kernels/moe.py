@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2, num_sms
+from .fp8 import A8_BLOCK, quantize_rows
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 from .moe_tuning import _cfg
@@ -125,14 +126,17 @@ def expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn
 
 @triton.jit
 def fp8_gate_up_acc(
-    x_ptr, wg_ptr, wu_ptr, sg_ptrs, su_ptrs, offs_m, offs_n, mask_m, mask_n, K,
+    x_ptr, wg_ptr, wu_ptr, sg_ptrs, su_ptrs, xs_ptr, stride_xs, offs_m, offs_n, mask_m, mask_n, K,
     stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_sk,
-    HAS_UP: tl.constexpr, K_SCALED: tl.constexpr, SBK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_UP: tl.constexpr, K_SCALED: tl.constexpr, SBK: tl.constexpr, A8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``gemm.gate_up_acc`` on float8 weights (W8A16): each weight tile cast to x's dtype in registers; the weight
-    rows' scales (``sg_ptrs``/``su_ptrs``: column 0 of each row's scale row) multiply each K step's product where
-    they change along K (K_SCALED; BLOCK_K divides SBK), else the whole sum once."""
+    """``gemm.gate_up_acc`` on float8 weights. W8A16: each weight tile cast to x's dtype in registers; W8A8 (A8): x
+    is float8 too (quantized per row and 128 columns, ``xs_ptrs``: each row's scales) and the fp8 tensor cores
+    multiply, x's scale per K step (BLOCK_K divides 128; ``xs_ptr``: x's (rows, ⌈K/128⌉) scales, row stride
+    ``stride_xs``). The weight rows' scales (``sg_ptrs``/``su_ptrs``: column 0
+    of each row's scale row) multiply each K step's product where they change along K (K_SCALED; BLOCK_K divides
+    SBK), else the whole sum once."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     wg_ptrs = wg_ptr + offs_k[:, None] * stride_wgk + offs_n[None, :] * stride_wgn
@@ -140,22 +144,37 @@ def fp8_gate_up_acc(
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A8:
+        xs_ptrs = xs_ptr + offs_m * stride_xs
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
-        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0).to(x.dtype)
-        if K_SCALED:
-            s_k = (k * BLOCK_K // SBK) * stride_sk
-            acc_g += tl.dot(x, wg, input_precision=PRECISION) * tl.load(sg_ptrs + s_k)[None, :]
-        else:
-            acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
-        if HAS_UP:
-            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0).to(x.dtype)
+        if A8:  # this step's x scales, one per row
+            xs = tl.load(xs_ptrs + k * BLOCK_K // 128, mask=mask_m, other=0.0)[:, None]
+        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
+        if A8:
+            part = tl.dot(x, wg) * xs
             if K_SCALED:
-                acc_u += tl.dot(x, wu, input_precision=PRECISION) * tl.load(su_ptrs + s_k)[None, :]
+                s_k = (k * BLOCK_K // SBK) * stride_sk
+                part = part * tl.load(sg_ptrs + s_k)[None, :]
+            acc_g += part
+        elif K_SCALED:
+            s_k = (k * BLOCK_K // SBK) * stride_sk
+            acc_g += tl.dot(x, wg.to(x.dtype), input_precision=PRECISION) * tl.load(sg_ptrs + s_k)[None, :]
+        else:
+            acc_g = tl.dot(x, wg.to(x.dtype), acc_g, input_precision=PRECISION)
+        if HAS_UP:
+            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
+            if A8:
+                part = tl.dot(x, wu) * xs
+                if K_SCALED:
+                    part = part * tl.load(su_ptrs + s_k)[None, :]
+                acc_u += part
+            elif K_SCALED:
+                acc_u += tl.dot(x, wu.to(x.dtype), input_precision=PRECISION) * tl.load(su_ptrs + s_k)[None, :]
             else:
-                acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+                acc_u = tl.dot(x, wu.to(x.dtype), acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wgk
         wu_ptrs += BLOCK_K * stride_wuk
@@ -184,14 +203,14 @@ def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW, xs_ptr, stride_xs,
     ids_ptr, E, stride_it, stride_ij, count_ptr, N_COUNTS,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
     ZERO_COUNTS: tl.constexpr, BLOCK_C: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, A8: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
@@ -222,9 +241,9 @@ def _moe_gate_up_kernel(
     if FP8:  # float8 weights: each tile cast in registers, the expert's scales per K step or once
         sg_ptrs, su_ptrs = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP, UP_SOFF, UP_SROW, SBN)
         acc_g, acc_u = fp8_gate_up_acc(
-            x_ptr, w_e, w_e + UP_ROW * stride_wn, sg_ptrs, su_ptrs, tokens, offs_n, mask_m, mask_n, K,
-            stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk, stride_sk,
-            GATED, K_SCALED, SBK, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            x_ptr, w_e, w_e + UP_ROW * stride_wn, sg_ptrs, su_ptrs, xs_ptr, stride_xs, tokens, offs_n,
+            mask_m, mask_n, K, stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn,
+            stride_wk, stride_sk, GATED, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
     else:
         acc_g, acc_u = gate_up_acc(
@@ -252,12 +271,13 @@ def _moe_down_kernel(
     h_ptr, w_ptr, b_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_wt, stride_wj,
-    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW, xs_ptr, stride_xs,
     ids_ptr, y_ptr, count_ptr, E, stride_it, stride_ij, stride_yt,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PER_PAIR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
     USE_PDL: tl.constexpr, FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    A8: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of the output ---------------
     pid_b = tl.program_id(0)
@@ -294,9 +314,9 @@ def _moe_down_kernel(
     if FP8:
         s_rows, _ = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, 1, 0, 0, SBN)
         acc, _ = fp8_gate_up_acc(
-            h_ptr, w_e, w_e, s_rows, s_rows, pairs.to(tl.int64), offs_n, mask_m, mask_n, K,
-            K, 1, stride_wn, stride_wk, stride_wn, stride_wk, stride_sk,
-            False, K_SCALED, SBK, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            h_ptr, w_e, w_e, s_rows, s_rows, xs_ptr, stride_xs, pairs.to(tl.int64), offs_n,
+            mask_m, mask_n, K, K, 1, stride_wn, stride_wk, stride_wn, stride_wk, stride_sk,
+            False, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
     else:
         acc, _ = gate_up_acc(
@@ -558,15 +578,25 @@ def _scale_args(fe, up_row: int = 0) -> tuple:
     return (sc, *sc.stride(), fe.up_soff, 0 if fe.up_soff else up_row)
 
 
-def _scale_constexprs(fe, block_k: int) -> dict:
-    """FP8, K_SCALED, SBN, SBK and BLOCK_K (a K step never straddles a scale block) for ``_scale_args``' weights."""
+def _a8_args(xs: Tensor | None) -> tuple:
+    """The grouped kernels' (xs_ptr, stride_xs): the scales of float8 activations (W8A8), or stand-ins never read."""
+    return (None, 0) if xs is None else (xs, xs.stride(0))
+
+
+def _scale_constexprs(fe, block_k: int, a8: bool | None = None) -> dict:
+    """FP8, K_SCALED, SBN, SBK and BLOCK_K (a K step never straddles a scale block, the activations' 128 columns
+    with ``a8``) for ``_scale_args``' weights; A8 unless ``a8`` is None (the GEMV kernels have no such flag)."""
+    a8_flag = {} if a8 is None else {"A8": a8}
     if fe is None:
-        return {"FP8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k}
+        return {"FP8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k, **a8_flag}
+    if a8:
+        while A8_BLOCK % block_k:
+            block_k //= 2
     if fe.k_scaled:
         while fe.block_k % block_k:
             block_k //= 2
     return {"FP8": True, "K_SCALED": fe.k_scaled, "SBN": fe.block_n, "SBK": fe.block_k if fe.k_scaled else 1,
-            "BLOCK_K": block_k}
+            "BLOCK_K": block_k, **a8_flag}
 
 
 def _launch_opts(config: dict) -> dict:
@@ -575,20 +605,23 @@ def _launch_opts(config: dict) -> dict:
 
 def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                 interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None,
-                counts: Tensor | None = None, pdl: bool = False, scale=None) -> Tensor:
+                counts: Tensor | None = None, pdl: bool = False, scale=None, xs: Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> Tensor:
     """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
     pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's).
     ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k).
     ``counts``: an int32 buffer (``combine_counts``) that the kernel zeroes for ``moe_down_combine``, which then
     needs no memset launch; ``pdl``: the kernel lets a down kernel launched with ``pdl`` start early (Hopper).
-    ``scale``: w_gu is float8 with these scales (``fp8.Fp8Experts``), dequantized tile by tile in registers."""
+    ``scale``: w_gu is float8 with these scales (``fp8.Fp8Experts``), dequantized tile by tile in registers; with
+    ``xs`` x is float8 too (``fp8.quantize_rows``: its scales per row and 128 columns) and the fp8 tensor cores
+    multiply (W8A8); h then in ``out_dtype``."""
     T, H = x.shape
     k = routing.k if routing is not None else ids.shape[1]
     S = T * k
     E = w_gu.shape[0]
     _gate_up_layout(w_gu, I, interleaved)  # its shape check, before any early return
     cfg = config or default_config("gate_up", T, k, E, H, I, x.dtype, x.device)
-    h = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    h = torch.empty((S, I), dtype=out_dtype or x.dtype, device=x.device)
     n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or I == 0:
         if counts is not None:  # no kernel to zero them
@@ -600,7 +633,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, n_counts, constexprs = _gate_up_args(
         x, ids, k, (n_blocks, routing.block_m) if routing is not None else None, w_gu, b_gu, act, I, interleaved, cfg,
-        counts.numel() if counts is not None else None, pdl, scale)
+        counts.numel() if counts is not None else None, pdl, scale, xs)
     launch(_moe_gate_up_kernel, grid, x, w_gu, b, h, *blocks, *ints, ids if routing is None else None, *ints_ids,
            counts, n_counts, **constexprs)
     return h
@@ -608,7 +641,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
 
 def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int] | None, w_gu: Tensor,
                   b_gu: Tensor | None, act: ExpertAct, I: int, interleaved: bool, cfg: dict, n_counts: int | None,
-                  pdl: bool, scale=None) -> tuple[tuple, tuple, tuple, int | None, dict]:
+                  pdl: bool, scale=None, xs: Tensor | None = None) -> tuple[tuple, tuple, tuple, int | None, dict]:
     """The gate_up launch but its tensors (for h contiguous): grid, the integers before ids and after it, the
     counters' size, constexprs. ``blocks``: the routing's (blocks, BLOCK_M), None for every pair its own block."""
     T, H = x.shape
@@ -619,12 +652,13 @@ def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int]
     n_blocks, block_m = blocks if blocks is not None else (S, PER_PAIR_BLOCK_M)
     grid = (n_blocks, cdiv(I, cfg["BLOCK_N"]))
     ints = (S, k, I, H, up_row, x.stride(0), x.stride(1), *w_gu.stride(), b.stride(0), b.stride(-1),
-            *_scale_args(scale, up_row))
+            *_scale_args(scale, up_row), *_a8_args(xs))
     ints_ids = (E, ids.stride(0), ids.stride(1)) if blocks is None else (None,) * 3
     return grid, ints, ints_ids, n_counts, dict(
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        **_scale_constexprs(scale, cfg["BLOCK_K"]), PER_PAIR=blocks is None, ZERO_COUNTS=n_counts is not None,
+        **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None), PER_PAIR=blocks is None,
+        ZERO_COUNTS=n_counts is not None,
         BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
         LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg))
 
@@ -651,7 +685,7 @@ PER_PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: one live row in it
 
 def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
           y: Tensor | None, config: dict | None, counts: Tensor | None = None, pdl: bool = False,
-          scale=None) -> Tensor:
+          scale=None, xs: Tensor | None = None) -> Tensor:
     """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well (its
     counters ``counts`` where the gate/up kernel zeroed them, else a memset's)."""
     S, I = h.shape
@@ -667,7 +701,7 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, constexprs = _down_args(
         S, k, (n_blocks, routing.block_m) if routing is not None else None, h.dtype, ids, wts, w_d, b_d, cfg,
-        y is not None, pdl and has_pdl(h.device), scale)
+        y is not None, pdl and has_pdl(h.device), scale, xs)
     if y is not None:  # a counter per (token, n-block): its k_valid-th arriver sums the token's rows
         if counts is None:
             counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
@@ -683,7 +717,7 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
 
 def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dtype, ids: Tensor | None,
                wts: Tensor, w_d: Tensor, b_d: Tensor | None, cfg: dict, combine: bool,
-               pdl: bool, scale=None) -> tuple[tuple, tuple, tuple, dict]:
+               pdl: bool, scale=None, xs: Tensor | None = None) -> tuple[tuple, tuple, tuple, dict]:
     """The down launch but its tensors (for h, out and y contiguous): grid, the integers before ids and after the
     counters, constexprs. ``blocks`` as in ``_gate_up_args``; ``combine``: the sum into y as well; ``pdl``: launched
     by PDL (``has_pdl`` checked)."""
@@ -691,7 +725,8 @@ def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dt
     b = b_d if b_d is not None else w_d
     n_blocks, block_m = blocks if blocks is not None else (S, PER_PAIR_BLOCK_M)
     grid = (n_blocks, cdiv(H, cfg["BLOCK_N"]))
-    ints = (S, k, H, I, *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *_scale_args(scale))
+    ints = (S, k, H, I, *w_d.stride(), b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *_scale_args(scale),
+            *_a8_args(xs))
     if combine:
         ints_ids = (E, ids.stride(0), ids.stride(1), H)
     elif blocks is None:
@@ -700,7 +735,7 @@ def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dt
         ints_ids = (None,) * 4
     return grid, ints, ints_ids, dict(
         HAS_BIAS=b_d is not None, PRECISION=dot_precision(h_dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        **_scale_constexprs(scale, cfg["BLOCK_K"]), PER_PAIR=blocks is None, COMBINE=combine,
+        **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None), PER_PAIR=blocks is None, COMBINE=combine,
         BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if combine else 1,
         BLOCK_J=next_power_of_2(k) if combine else 1, **_pdl_opts(pdl), **_launch_opts(cfg))
 
@@ -711,15 +746,15 @@ def _pdl_opts(pdl: bool) -> dict:
 
 
 def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-             config: dict | None = None, scale=None) -> Tensor:
+             config: dict | None = None, scale=None, xs: Tensor | None = None) -> Tensor:
     """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten);
-    ``scale`` as in ``moe_gate_up``."""
-    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale)
+    ``scale`` and ``xs`` (h's) as in ``moe_gate_up``."""
+    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale, xs=xs)
 
 
 def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
                      dtype: torch.dtype, config: dict | None = None, counts: Tensor | None = None,
-                     pdl: bool = False, scale=None) -> Tensor:
+                     pdl: bool = False, scale=None, xs: Tensor | None = None) -> Tensor:
     """y (T, H) in ``dtype``, as ``moe_combine(moe_down(...))`` computes it bit for bit, in one launch: each
     program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
     n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``.
@@ -730,7 +765,7 @@ def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tenso
     T, k = ids.shape
     y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
     if T > 0:
-        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale)
+        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale, xs)
     return y
 
 
@@ -910,7 +945,7 @@ _FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
-                configs: dict | None = None, scales: tuple | None = None) -> Tensor:
+                configs: dict | None = None, scales: tuple | None = None, a8: bool = False) -> Tensor:
     """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches;
     "sorted_tma" the same with the weights read through TMA where ``tma_why_not`` allows),
     "sorted_fused" (routing, gate_up, down with the combine: 3), "unsorted" (gate_up and down+combine with every
@@ -919,12 +954,15 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     "<path>_pdl" (that, and down launched with programmatic dependent launch, overlapping gate_up's tail).
     ``configs``: a config per kind of CONFIGS, else default_config's. ``scales``: (gate/up's, down's)
     ``fp8.Fp8Experts`` of float8 weights w_gu and w_d (W8A16: tiles dequantized in registers; sorted_tma then runs
-    sorted)."""
+    sorted); ``a8``: with them, x and h quantized per row and 128 columns and multiplied on the fp8 tensor cores
+    (W8A8, the grouped paths; "pairs" stays W8A16)."""
     T, k = ids.shape
     E, H, I = w_d.shape
     s_gu, s_d = scales if scales is not None else (None, None)
     if scales is not None and path == "sorted_tma":
         path = "sorted"
+    if scales is not None and a8 and path != "pairs":
+        return _experts_a8(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, s_gu, s_d)
 
     def cfg(kind: str) -> dict:
         return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype, x.device)
@@ -954,6 +992,29 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     if path in _FUSED:
         return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl, s_d)
     return moe_combine(moe_down(h, routing, wts, w_d, b_d, down, s_d), ids, E, x.dtype)
+
+
+def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, interleaved: bool,
+                path: str, configs: dict | None, s_gu, s_d) -> Tensor:
+    """``moe_experts`` on float8 weights with float8 activations (W8A8): x quantized before gate/up, h before down
+    (``fp8.quantize_rows``: one scale per row and 128 columns, transformers' dynamic scheme)."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+
+    def cfg(kind: str) -> dict:
+        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype)
+
+    no_memset, pdl = _FUSED.get(path, (False, False))
+    down = cfg("down")
+    counts = combine_counts(T, H, down, x.device) if no_memset else None
+    routing = None if path.startswith("unsorted") else moe_align(ids, E, cfg("gate_up")["BLOCK_M"])
+    xq, xs = quantize_rows(x)
+    h = moe_gate_up(xq, routing, w_gu, None, act, I, interleaved, cfg("gate_up"), ids, counts, pdl, s_gu, xs,
+                    x.dtype)
+    hq, hs = quantize_rows(h)
+    if path in _FUSED:
+        return moe_down_combine(hq, routing, ids, wts, w_d, None, x.dtype, down, counts, pdl, s_d, hs)
+    return moe_combine(moe_down(hq, routing, wts, w_d, None, down, s_d, hs), ids, E, x.dtype)
 
 
 def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
