@@ -19,11 +19,11 @@ def _register_backend() -> None:
 
 from .explain import explain  # noqa: E402, F401
 from .graph.backend import backend, make_backend  # noqa: E402, F401
-from .patch import experts  # noqa: E402
+from .patch import hf  # noqa: E402
 from .patch.api import is_patched, merge_gate_up, patch, split_gate_up, unpatch  # noqa: E402, F401
 
 _register_backend()
-experts.install()  # transformers' experts implementation "mlp_fuser", registered once transformers loads its MoE code
+hf.install()  # transformers' experts implementation "mlp_fuser", registered once transformers loads its MoE code
 
 __all__ = [
     "ACTIVATIONS", "__version__", "backend", "config", "explain", "gated_mlp", "get_activation", "is_patched",

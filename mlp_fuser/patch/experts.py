@@ -9,7 +9,7 @@ the op computes for the module, or why it cannot (``Spec.reason``): the activati
 identifies activations, so the way a family writes it does not matter.
 
 Three ways in, all through ``experts_forward``:
-- importing mlp_fuser registers it in transformers' ``ExpertsInterface`` as ``"mlp_fuser"``:
+- importing mlp_fuser registers it in transformers' ``ExpertsInterface`` as ``"mlp_fuser"`` (``hf.py``):
   ``from_pretrained(..., experts_implementation="mlp_fuser")`` or ``model.set_experts_implementation("mlp_fuser")``
   (``generate`` keeps it while decoding: it only swaps ``grouped_mm``);
 - ``mlp_fuser.patch(model)`` gives each experts module it can fuse an instance-level forward (``fuse_experts``);
@@ -23,9 +23,6 @@ FP8 experts (transformers' ``FP8Experts``: float8_e4m3fn weights, a ``*_scale_in
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -320,63 +317,3 @@ def fuse_experts(module: nn.Module) -> FusedExpertsForward | None:
     if not is_experts(module) or "forward" in module.__dict__ or not spec(module).ok:
         return None
     return FusedExpertsForward(module)
-
-
-# ---- the experts switch: registered in transformers' ExpertsInterface once it is imported --------------------------
-
-
-def register() -> bool:
-    """Register ``experts_forward`` as transformers' experts implementation ``"mlp_fuser"`` (in ``ExpertsInterface``
-    and, for FP8 experts, ``FP8ExpertsInterface``); False without transformers."""
-    try:
-        from transformers.integrations.moe import ExpertsInterface
-    except Exception:
-        return False
-    ExpertsInterface.register(NAME, experts_forward)
-    try:
-        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
-    except Exception:  # a transformers without FP8 experts
-        return True
-    FP8ExpertsInterface.register(NAME, experts_forward)
-    return True
-
-
-_MODULE = "transformers.integrations.moe"
-_INTERFACES = {_MODULE: "ExpertsInterface", "transformers.integrations.finegrained_fp8": "FP8ExpertsInterface"}
-
-
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers the experts implementation right after each of transformers' experts integrations (``_INTERFACES``)
-    is first imported, so that importing mlp_fuser costs no transformers import and
-    ``experts_implementation="mlp_fuser"`` works either way."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _INTERFACES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            found = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if found is not None and found.loader is not None and hasattr(found.loader, "exec_module"):
-                loader = found.loader
-                run = loader.exec_module
-
-                def exec_module(mod, _run=run, _name=fullname):
-                    _run(mod)
-                    getattr(mod, _INTERFACES[_name]).register(NAME, experts_forward)
-                    if all(m in sys.modules for m in _INTERFACES):
-                        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
-
-                loader.exec_module = exec_module
-                return found
-        return None
-
-
-def install() -> None:
-    """Register now in the experts interfaces transformers has loaded, else as soon as it loads them."""
-    for module, interface in _INTERFACES.items():
-        if module in sys.modules:
-            getattr(sys.modules[module], interface).register(NAME, experts_forward)
-    if not all(m in sys.modules for m in _INTERFACES) and not any(isinstance(f, _RegisterOnImport)
-                                                                  for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
