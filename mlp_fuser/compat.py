@@ -1,7 +1,7 @@
 """Every private torch and Triton API mlp_fuser uses, in one place, with the public path beside it.
 
 The host-time shortcuts rely on internals: Triton's ``CompiledKernel.run`` launch forms (``Launcher`` and the launch
-plans call a compiled kernel's launcher directly), Inductor's lowering table (``mlp_fuser.inductor`` renames the op's
+plans call a compiled kernel's launcher directly), Inductor's lowering table (``runtime/inductor.py`` renames the op's
 call in generated code), attributes set on ``torch.ops.mlp_fuser`` (what that code calls), ``torch._C`` functions
 on the op's hot path and Dynamo's C++ tensor guards (``ops.EagerSite``). They are used only where the installed
 versions are within the tested ranges (``TORCH``, ``TRITON``) and ``MLP_FUSER_PRIVATE`` (``config.private_apis``) is

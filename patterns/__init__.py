@@ -1,7 +1,7 @@
 """The pattern registry (shipped as ``mlp_fuser.patterns``): one small file per family of MLP pattern.
 
 Each pattern is ``match(down: Proj) -> Candidate | None``: given a projection, the MLP whose last Linear it is.
-The graph pass (``mlp_fuser.fx_pass``) tries them in order on every projection, then checks and rewrites.
+The graph pass (``mlp_fuser.graph.fx_pass``) tries them in order on every projection, then checks and rewrites.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def strip(n: Node) -> tuple[Node, list[Node]]:
 
 @dataclass
 class Candidate:
-    """One MLP site as a pattern sees it; the checks and the rewrite live in ``mlp_fuser.fx_pass``."""
+    """One MLP site as a pattern sees it; the checks and the rewrite live in ``mlp_fuser.graph.fx_pass``."""
 
     pattern: str
     down: Proj

@@ -8,7 +8,7 @@ wrapper ``backend="inductor"`` uses (``reduce-overhead`` and ``max-autotune`` tu
 trees), and ``torch._dynamo.reset()`` resets what they created. Where the mode runs without CUDA graphs, the
 fused ops in the graph take the dispatcher's choice for eager calls (``without_graphs``), as ``patch`` does: each
 launch then costs host time, which that choice weighs. Inductor's generated code calls the op's Python entry
-directly, not through the dispatcher (``mlp_fuser.inductor``).
+directly, not through the dispatcher (``mlp_fuser.runtime.inductor``).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def make_backend(
             return without_graphs(gm.forward)
         if compiler not in compilers:
             compilers.append(compiler)
-        install_direct_calls()  # Inductor's code calls the op's Python entry, not the dispatcher (mlp_fuser.inductor)
+        install_direct_calls()  # Inductor's code calls the op's Python entry, not the dispatcher (runtime/inductor.py)
         compiled = compiler(gm, example_inputs)
         return compiled if uses_cuda_graphs(compiler) else without_graphs(compiled)
 

@@ -33,7 +33,7 @@ Registered kernels, from the top of the dispatcher down:
 
 Two entries skip the dispatcher where none of its layers is needed: ``eager_mlp`` / ``eager_gated_mlp`` (``patch``'s
 fused forwards) and ``inductor_mlp`` / ``inductor_gated_mlp`` (what Inductor's generated code calls, as
-``torch.ops.mlp_fuser._inductor_mlp`` / ``_inductor_gated_mlp``: ``mlp_fuser.inductor``).
+``torch.ops.mlp_fuser._inductor_mlp`` / ``_inductor_gated_mlp``: ``mlp_fuser.runtime.inductor``).
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ class EagerSite:
         self.seen[key] = seen
 
 
-# ---- Inductor's entry: what a compiled graph's wrapper code calls (``mlp_fuser.inductor``) ----------------
+# ---- Inductor's entry: what a compiled graph's wrapper code calls (``mlp_fuser.runtime.inductor``) ----------------
 
 
 def inductor_mlp(x, w1, b1, w2, b2, activation, save_preact=False):
