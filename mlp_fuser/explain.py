@@ -232,9 +232,11 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
         memo: dict = {}
         options = dict(activations=acts, patterns=pats)
         for path, module in model.named_modules():
-            if path not in seen and (site := fp8_site(module, path, options)) is not None:
-                report.fused.append(site)
-                seen |= {f"{path}.{name}" for name, _ in module.named_children()}
+            fused_here = any(s.path == path for s in report.fused)
+            if not fused_here and (site := fp8_site(module, path, options)) is not None:
+                report.fused.append(site)  # the pass's near miss for its float8 weights, if any, no longer applies
+                report.near_misses = [m for m in report.near_misses if m.path != path]
+                seen |= {path, *(f"{path}.{name}" for name, _ in module.named_children())}
             elif path not in seen and fuse_fp8_linear(module) is not None:
                 report.fp8_linears.append(path)
             elif path not in seen and (m := weight_near_miss(module, path, options, memo)) is not None:

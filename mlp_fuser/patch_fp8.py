@@ -26,28 +26,53 @@ _PROOFS: dict = {}  # structure key -> (op name, [child name per weight]) or Non
 _MAX_PROOFS = 256
 
 
-def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None] | str:
-    """(weight_format, block) of a projection holding a float8 weight with its scales, or why the op cannot run it;
-    "" when it holds no float8 weight at all."""
+def _stored(child: nn.Module) -> tuple[Tensor, Tensor | None, tuple[int, int] | None, str] | None:
+    """(float8 data, scales, block, who made it) of a projection's weight: transformers' FP8Linear (``weight`` and
+    ``weight_scale_inv``, ``block_size``) or a torchao Float8Tensor weight (``qdata``, ``scale``, ``block_size``);
+    None when its weight is not float8."""
     w = child._parameters.get("weight")
+    data = getattr(w, "qdata", None)
+    if isinstance(data, Tensor) and "float8" in str(data.dtype):  # torchao's quantize_(..., Float8*Config())
+        block = getattr(w, "block_size", None)
+        return data, getattr(w, "scale", None), tuple(int(b) for b in block) if block else None, "torchao"
     if not isinstance(w, Tensor) or "float8" not in str(w.dtype):
-        return ""
-    if w.dtype not in FP8_DTYPES:
-        return f"{w.dtype} weights (the FP8 op reads float8_e4m3fn)"
+        return None
     s = child._parameters.get("weight_scale_inv")
     if s is None:
         s = child._buffers.get("weight_scale_inv")
+    block = getattr(child, "block_size", None)
+    return w, s, tuple(int(b) for b in block) if block is not None else None, "transformers"
+
+
+def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None, str] | str:
+    """(weight_format, block, who made it) of a projection holding a float8 weight with its scales, or why the op
+    cannot run it; "" when it holds no float8 weight at all."""
+    stored = _stored(child)
+    if stored is None:
+        return ""
+    w, s, block, maker = stored
+    if w.dtype not in FP8_DTYPES:
+        return f"{w.dtype} weights (the FP8 op reads float8_e4m3fn)"
     if not isinstance(s, Tensor):
         return "no weight_scale_inv beside its float8 weight"
     if type(w) not in (Tensor, nn.Parameter) or type(s) not in (Tensor, nn.Parameter):
         return f"a {type(w).__name__} weight (the FP8 op reads plain tensors)"
-    block = getattr(child, "block_size", None)
-    block = tuple(int(b) for b in block) if block is not None else None
+    if block is not None and block[1] >= w.shape[1] and block[0] in (1, w.shape[0]):
+        block = None  # one scale per row (or per tensor) as a block: the op reads it from the scales' shape
     try:
         quant._weight("weight", w, s, "fp8_e4m3", block)
     except ValueError as e:
         return str(e).removeprefix("mlp_fuser: ")
-    return "fp8_e4m3", block
+    return "fp8_e4m3", block, maker
+
+
+def _read(child: nn.Module, maker: str) -> tuple[Tensor, Tensor]:
+    """The float8 data and scales of a projection as ``_stored`` found them (read on every call)."""
+    w = child._parameters["weight"]
+    if maker == "torchao":
+        return w.qdata, w.scale
+    s = child._parameters.get("weight_scale_inv")
+    return w, s if s is not None else child._buffers["weight_scale_inv"]
 
 
 def _operands(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple | None:
@@ -107,11 +132,15 @@ def fp8_site(module: nn.Module, path: str, options: dict):
     if found is None:
         return None
     site = found[3]
-    block = f" {fmt[1][0]}x{fmt[1][1]} blocks" if fmt[1] is not None else ""
-    return dataclasses.replace(site, path=path, pattern=f"{site.pattern} ({fmt[0]}{block})")
+    if fmt[1] is not None:
+        block = f" {fmt[1][0]}x{fmt[1][1]} blocks"
+    else:
+        block = " per tensor" if _stored(projs[0])[1].numel() == 1 else " per channel"
+    maker = ", torchao" if fmt[2] == "torchao" else ""
+    return dataclasses.replace(site, path=path, pattern=f"{site.pattern} ({fmt[0]}{block}{maker})")
 
 
-def _direct(op_name: str, children: list[str], activation: str, block):
+def _direct(op_name: str, children: list[str], activation: str, block, maker: str):
     """``(module, x) -> y``: the op on the children's weights, scales and biases as stored; computed right there
     (no dispatcher hop, no autograd node) where ``compat.plain_call`` allows it, else through the registered op."""
     op, compute = _OPS[op_name], _COMPUTE[op_name]
@@ -121,10 +150,8 @@ def _direct(op_name: str, children: list[str], activation: str, block):
         args, biases = [], []
         for name in children:
             child = m._modules[name]
-            p = child._parameters
-            s = p.get("weight_scale_inv")
-            b = p.get("bias")
-            args += [p["weight"], s if s is not None else child._buffers["weight_scale_inv"], b]
+            b = child._parameters.get("bias")
+            args += [*_read(child, maker), b]
             biases.append(b)
         if compat.plain_call(x, biases):
             return compute(x, *args, activation, "fp8_e4m3", block)
@@ -146,7 +173,7 @@ def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
             found = _proof(module, projs, options)
             if found is not None:
                 op_name, children, activation, _ = found
-                graphs[training] = (None, None, _direct(op_name, children, activation, fmt[1]), None, None)
+                graphs[training] = (None, None, _direct(op_name, children, activation, fmt[1], fmt[2]), None, None)
     finally:
         for m, training in modes.items():
             m.training = training
@@ -168,13 +195,11 @@ class FusedFp8Linear:
         m = self.module
         if args or kwargs or not isinstance(x, Tensor):
             return type(m).forward(m, x, *args, **kwargs)
-        p = m._parameters
-        s = p.get("weight_scale_inv")
-        s = s if s is not None else m._buffers["weight_scale_inv"]
-        b = p.get("bias")
+        w, s = _read(m, "transformers")
+        b = m._parameters.get("bias")
         if compat.plain_call(x, (b,)):
-            return quant.compute_linear(x, p["weight"], s, b, "fp8_e4m3", self.block)
-        return torch.ops.mlp_fuser.quant_linear.default(x, p["weight"], s, b, "fp8_e4m3", self.block)
+            return quant.compute_linear(x, w, s, b, "fp8_e4m3", self.block)
+        return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", self.block)
 
     def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
         return _plain_forward, (self.module,)
@@ -185,11 +210,11 @@ class FusedFp8Linear:
 
 
 def fuse_fp8_linear(module: nn.Module) -> FusedFp8Linear | None:
-    """The fused forward for a lone FP8 linear layer when transformers' FP8 kernel does not load here, else None."""
+    """The fused forward for a lone FP8Linear layer when transformers' FP8 kernel does not load here, else None."""
     if not isinstance(module, nn.Linear) or "forward" in module.__dict__ or transformers_fp8_kernel_loads():
         return None
-    fmt = fp8_format(module)
-    return FusedFp8Linear(module, fmt[1]) if isinstance(fmt, tuple) else None
+    fmt = fp8_format(module)  # torchao's Float8 layers run torchao's own kernels: left to it
+    return FusedFp8Linear(module, fmt[1]) if isinstance(fmt, tuple) and fmt[2] == "transformers" else None
 
 
 _KERNEL_LOADS: list[bool] = []

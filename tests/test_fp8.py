@@ -325,3 +325,32 @@ def test_fp8_w8a8_setting_picks_the_row(monkeypatch):
     with mlp_fuser.config.patch(fp8_w8a8=False):
         assert quant.choose(x, 1) == "fp8_w8a16"
         assert "fp8_w8a8: mlp_fuser.config.fp8_w8a8 is off" in quant.describe(x, 1)
+
+
+@pytest.mark.parametrize("config_name", ["Float8WeightOnlyConfig"])  # the dynamic-activation config needs sm89+
+def test_patch_fuses_mlps_torchao_quantized_to_float8(config_name):
+    """torchao's quantize_ makes Float8Tensor weights (float8 data, one scale per row): patch runs them through the
+    FP8 op, equal to the same model with those weights dequantized."""
+    torchao = pytest.importorskip("torchao.quantization")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=50)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    try:
+        torchao.quantize_(model.model.layers, getattr(torchao, config_name)(),
+                          filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "mlp" in fqn)
+    except Exception as e:  # a torchao build that cannot make this config on the CPU
+        pytest.skip(f"torchao {config_name} on this machine: {type(e).__name__}: {e}")
+    twin = copy.deepcopy(model)
+    for mod in twin.modules():
+        w = getattr(mod, "weight", None)
+        if hasattr(w, "qdata"):  # the same weights, dequantized, as plain Linears
+            mod.weight = torch.nn.Parameter(dequant64(w.qdata, w.scale, tuple(w.block_size)).float())
+    mlp_fuser.patch(model)
+    assert type(model.model.layers[0].mlp.__dict__.get("forward")).__name__ == "FusedModuleForward"
+    ids = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, twin(ids).logits) < 1e-5
+    report = mlp_fuser.explain(model, ids)
+    assert {s.pattern for s in report.fused} == {"gated (fp8_e4m3 per channel, torchao)"}
