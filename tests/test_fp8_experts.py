@@ -116,3 +116,27 @@ def test_patch_leaves_unsupported_fp8_experts_exactly_as_they_were(caplog):
     assert {n: (type(m), dict(m.__dict__).get("forward")) for n, m in experts_modules(model)} == before
     assert "float8_e5m2" in caplog.text
     assert "float8_e5m2" in experts.spec(experts_modules(model)[0][1]).reason
+
+
+def test_explain_reports_fp8_experts_with_their_format():
+    model, _, inputs = fp8_moe("qwen3_moe", (16, 32))
+    report = mlp_fuser.explain(model, *inputs)
+    sites = [s for s in report.fused if s.path.endswith("experts")]
+    assert len(sites) == 2 and all(s.pattern == "routed_experts (fp8_e4m3 16x32 blocks)" for s in sites)
+    model, _, inputs = fp8_moe("qwen3_moe", (16, 32), weight_dtype=torch.float8_e5m2)
+    report = mlp_fuser.explain(model, *inputs)
+    misses = [m for m in report.near_misses if m.path.endswith("experts")]
+    assert len(misses) == 2 and all("float8_e5m2" in m.reason for m in misses)
+    assert not [s for s in report.fused if s.path.endswith("experts")]
+
+
+def test_backend_compiles_fp8_experts_through_the_op(monkeypatch):
+    """torch.compile with mlp_fuser's backend and the experts switch: the op in the graph, no graph break."""
+    model, twin, inputs = fp8_moe("qwen3_moe", (16, 32))
+    model.set_experts_implementation("mlp_fuser")
+    torch._dynamo.reset()
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    calls = counting(monkeypatch)
+    out = logits(torch.compile(model, backend=mlp_fuser.backend), inputs)
+    assert rel_err(out, logits(twin, inputs)) < 1e-5
+    assert len(calls) == 2 and sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks

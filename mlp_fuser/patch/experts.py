@@ -301,6 +301,22 @@ def unfused_reason(module: nn.Module) -> str | None:
     return None
 
 
+def fp8_site(module: nn.Module, path: str):
+    """The ``fx_pass.Site`` ``explain`` reports for FP8 experts ``patch`` fuses (its pattern naming the weight
+    format), or None: transformers' own FP8 path does not trace (its kernel comes from the Hub at run time)."""
+    if not is_experts(module) or fp8_scales(module, bool(getattr(module, "has_gate", True))) is None:
+        return None
+    s = spec(module)
+    if not s.ok or s.fp8 is None:
+        return None
+    from ..graph.fx_pass import Site
+
+    fmt, block = s.fp8
+    E, H, I = module.down_proj.shape
+    where = f" {block[0]}x{block[1]} blocks" if block is not None else ""
+    return Site(path, f"routed_experts ({fmt}{where})", f"{s.gate.describe()}, {E} experts", H, I, H)
+
+
 def fp8_near_miss(module: nn.Module, path: str):
     """An ``fx_pass.NearMiss`` for FP8 experts the op cannot read (another float8 format, FP4, bad scales), which
     ``patch`` logs, else None."""
