@@ -209,13 +209,16 @@ def test_logits_that_need_gradients_are_left_to_aten():
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_backend_fuses_every_router_and_keeps_the_output(model_type):
+    """Inductor compiles one family's graph; the others' through the same pass, run op by op (the router op's
+    treatment by Inductor does not depend on the family)."""
     model = _hf.tiny_model(model_type)
     inputs = _hf.example_inputs(model, seq_len=6, batch=2)
     layers = model.config.num_hidden_layers
+    backend = mlp_fuser.backend if model_type == "qwen3_moe" else mlp_fuser.make_backend(inductor=False)
     with torch.no_grad():
         ref = model(*inputs).logits
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=mlp_fuser.backend)
+        compiled = torch.compile(model, backend=backend)
         compiled(*inputs)
         out = {}
         assert count_ops(lambda: out.setdefault("y", compiled(*inputs).logits), ROUTER_OP) == layers
@@ -228,7 +231,7 @@ def test_backend_fuses_every_router_and_keeps_the_output(model_type):
 def test_backend_without_the_pattern_leaves_routers_alone():
     model = _hf.tiny_model("qwen3_moe")
     inputs = _hf.example_inputs(model, seq_len=4, batch=1)
-    backend = mlp_fuser.make_backend(patterns=("routed_experts",))
+    backend = mlp_fuser.make_backend(patterns=("routed_experts",), inductor=False)  # the pass decides, not Inductor
     with torch.no_grad():
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=backend)
