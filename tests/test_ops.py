@@ -4,6 +4,7 @@ Triton implementations run here through the Triton interpreter on CPU tensors (f
 machine the same tests run them on the GPU.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import KERNEL_DEVICE, KERNEL_DTYPES, requires_cuda
 import mlp_fuser
 from mlp_fuser import config
 from mlp_fuser.activations import ACTIVATIONS
+from mlp_fuser.dispatch import core
 from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.reference import rel_err
 
@@ -276,11 +278,11 @@ def test_dispatch_falls_back_to_reference_when_no_candidate_runs(monkeypatch, ca
     def broken(fn, args):
         raise RuntimeError("no kernel for this shape")
 
-    monkeypatch.setattr(dispatch, "_warm_up", broken)
+    monkeypatch.setattr(core, "_warm_up", broken)
     p = dispatch.Problem("cuda", torch.bfloat16, 3, 8, 16, 8, True)
     candidates = [i for i in dispatch.IMPLS if i.name != "reference"] + [dispatch.IMPLS_BY_NAME["reference"]]
     with caplog.at_level("WARNING", logger="mlp_fuser"):
-        assert dispatch._time_candidates(candidates, (), p) == ("reference", "reference")
+        assert core.time_candidates(dispatch.FORWARD, candidates, (), p) == ("reference", "reference")
     assert sum("skipped" in r.getMessage() for r in caplog.records) == len(candidates) - 1
 
 
@@ -375,8 +377,8 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: (clock.__setitem__("host", clock["host"] + 1e-9)
-                                                                  or clock["host"]))
+    monkeypatch.setattr(core.time, "perf_counter", lambda: (clock.__setitem__("host", clock["host"] + 1e-9)
+                                                              or clock["host"]))
 
     def impl(name, gpu_ms, host_s):
         def fn(*args):
@@ -386,39 +388,41 @@ def test_dispatch_breaks_gpu_time_ties_by_host_time(monkeypatch):
 
     p = dispatch.Problem("cuda", torch.bfloat16, 1, 8, 8, 8, True)
     tie = [impl("heavy_host", 1.00, 1e-3), impl("light_host", 1.01, 1e-5), impl("slow_gpu", 1.10, 1e-7)]
-    assert dispatch._time_candidates(tie, (), p) == ("light_host", "light_host")
+    assert core.time_candidates(dispatch.FORWARD, tie, (), p) == ("light_host", "light_host")
     # a tie where the hosts cost about the same: the faster GPU, not a fraction of a µs of host
     near = [impl("fast_gpu", 0.899, 0.214e-3), impl("slightly_lighter_host", 0.912, 0.211e-3)]
-    assert dispatch._time_candidates(near, (), p) == ("fast_gpu", "fast_gpu")
+    assert core.time_candidates(dispatch.FORWARD, near, (), p) == ("fast_gpu", "fast_gpu")
     clear = [impl("heavy_host", 1.00, 2e-3), impl("light_host", 1.05, 1e-5)]
-    assert dispatch._time_candidates(clear, (), p) == ("heavy_host", "light_host")
+    assert core.time_candidates(dispatch.FORWARD, clear, (), p) == ("heavy_host", "light_host")
     # GPU time over every host time (a prefill): the lighter host is no gain, the slower GPU is a loss
     host_hidden = [impl("heavy_host", 1.00, 0.4e-3), impl("light_host", 1.20, 0.1e-3)]
     prefill = p._replace(M=2048)
-    assert dispatch._time_candidates(host_hidden, (), prefill) == ("heavy_host", "heavy_host")
-    assert dispatch._time_candidates(host_hidden, (), p) == ("heavy_host", "light_host")  # decode: the host decides
+    assert core.time_candidates(dispatch.FORWARD, host_hidden, (), prefill) == ("heavy_host", "heavy_host")
+    # decode: the host decides
+    assert core.time_candidates(dispatch.FORWARD, host_hidden, (), p) == ("heavy_host", "light_host")
     host_bound = [impl("heavy_host", 1.00, 1.1e-3), impl("light_host", 1.20, 0.1e-3)]
-    assert dispatch._time_candidates(host_bound, (), prefill) == ("heavy_host", "light_host")
+    assert core.time_candidates(dispatch.FORWARD, host_bound, (), prefill) == ("heavy_host", "light_host")
     gpu_bound = [impl("heavy_host", 1.00, 1e-5), impl("light_host", 1.50, 1e-6)]
-    assert dispatch._time_candidates(gpu_bound, (), p) == ("heavy_host", "heavy_host")
+    assert core.time_candidates(dispatch.FORWARD, gpu_bound, (), p) == ("heavy_host", "heavy_host")
 
 
 def test_prefill_eager_choice_keeps_the_cublas_baseline_unless_clearly_beaten(monkeypatch):
-    """At prefill sizes (M >= _GPU_BOUND_M) an eager call (patch) takes cublas_act_mul, the unfused module's GEMMs,
-    unless another candidate times more than _LARGE_M_MARGIN faster on the GPU: a fused path a few percent ahead in
+    """At prefill sizes (M >= gpu_bound_m) an eager call (patch) takes cublas_act_mul, the unfused module's GEMMs,
+    unless another candidate times more than large_m_margin faster on the GPU: a fused path a few percent ahead in
     isolation was slower in situ. The choice for CUDA graphs still goes by GPU time; decode sizes are unchanged."""
     gpu = {"triton_gemm": 1.00, "cublas_act_mul": 1.03, "quack_gated_128x128": 1.02}
     cpu = {"triton_gemm": 0.10, "cublas_act_mul": 0.12, "quack_gated_128x128": 0.15}
     p = dispatch.Problem("cuda", torch.bfloat16, 2048, 2048, 5632, 2048, True)
-    assert dispatch._decide(gpu, cpu, p) == ("triton_gemm", "cublas_act_mul")
-    assert dispatch._decide(gpu, cpu, p._replace(M=512)) == ("triton_gemm", "cublas_act_mul")
-    assert dispatch._decide(gpu, cpu, p._replace(M=8)) == ("triton_gemm", "triton_gemm")  # decode: as before
+    rules = dispatch.FORWARD.rules
+    assert core.decide(gpu, cpu, p, rules) == ("triton_gemm", "cublas_act_mul")
+    assert core.decide(gpu, cpu, p._replace(M=512), rules) == ("triton_gemm", "cublas_act_mul")
+    assert core.decide(gpu, cpu, p._replace(M=8), rules) == ("triton_gemm", "triton_gemm")  # decode: as before
     clearly = {**gpu, "triton_gemm": 0.90}  # more than the margin ahead: the fused path
-    assert dispatch._decide(clearly, cpu, p) == ("triton_gemm", "triton_gemm")
+    assert core.decide(clearly, cpu, p, rules) == ("triton_gemm", "triton_gemm")
     # through the timer: the choice it caches for eager calls is the baseline
-    monkeypatch.setattr(dispatch, "_measure", lambda *a: (gpu, cpu))
-    assert dispatch._time_candidates([], (), p) == ("triton_gemm", "cublas_act_mul")
-    assert dispatch.IMPLS_BY_NAME[dispatch._BASELINE].candidate(p._replace(device="cuda"))
+    monkeypatch.setattr(core, "measure", lambda *a: (gpu, cpu))
+    assert core.time_candidates(dispatch.FORWARD, [], (), p) == ("triton_gemm", "cublas_act_mul")
+    assert dispatch.IMPLS_BY_NAME[rules.baseline].candidate(p._replace(device="cuda"))
 
 
 def test_a_second_registry_reuses_the_choosing_and_timing(monkeypatch):
@@ -429,8 +433,9 @@ def test_a_second_registry_reuses_the_choosing_and_timing(monkeypatch):
     def impl(name):
         return dispatch.Impl(name, lambda *a: calls.append(name), frozenset({"cuda"}))
 
-    reg = dispatch.Registry("toy", [impl("fast"), impl("base"), impl("anywhere")], baseline="base", fallback="anywhere")
-    monkeypatch.setattr(dispatch, "_measure", lambda candidates, args, p, fallback: (
+    reg = dispatch.Registry("toy", [impl("fast"), impl("base"), impl("anywhere")],
+                            dataclasses.replace(dispatch.FORWARD.rules, baseline="base"), fallback="anywhere")
+    monkeypatch.setattr(core, "measure", lambda reg, candidates, args, p: (
         {"fast": 1.0, "base": 1.04}, {"fast": 0.1, "base": 0.1}))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     try:
@@ -438,13 +443,13 @@ def test_a_second_registry_reuses_the_choosing_and_timing(monkeypatch):
         graphs = dispatch.resolve(cuda, torch.float16, 2048, 64, 64, 64, True, (), False, reg)
         eager = dispatch.resolve(cuda, torch.float16, 2048, 64, 64, 64, True, (), True, reg)
         assert (graphs.name, eager.name) == ("fast", "base")
-        assert any(k[0] is reg for k in dispatch._resolved) and any(k[-1] == "toy" for k in dispatch._choice_cache)
+        assert any(k[0] is reg for k in dispatch._resolved) and any(k[-1] == "toy" for k in core._choices)
         assert not any(k[0] is dispatch.FORWARD and k[3] == 2048 and k[4] == 64 for k in dispatch._resolved)
     finally:
-        dispatch._REGISTRIES.remove(reg)
-        for cache in (dispatch._resolved, dispatch._choice_cache, dispatch._eligible_cache):
-            for k in [k for k in cache if "toy" in k or reg in k]:
-                del cache[k]
+        core._REGISTRIES.remove(reg)
+        core.reset(reg)
+        for k in [k for k in dispatch._resolved if reg in k]:
+            del dispatch._resolved[k]
 
 
 def test_reference_runs_on_any_device_type():
