@@ -15,6 +15,10 @@ if not HAS_CUDA:
 
 import pytest  # noqa: E402
 
+with contextlib.suppress(ImportError):  # its first import warns on stderr once: here, not inside a test that reads it
+    import torchao.prototype.mx_formats  # noqa: F401
+    import torchao.quantization  # noqa: F401
+
 # Triton's interpreter runs kernels on CPU tensors; on a GPU machine the kernels run on CUDA.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 # The interpreter mishandles bf16 (tl.dot returns garbage); bf16 is tested on the GPU only.
