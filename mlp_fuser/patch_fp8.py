@@ -217,17 +217,21 @@ def fuse_fp8_linear(module: nn.Module) -> FusedFp8Linear | None:
     return FusedFp8Linear(module, fmt[1]) if isinstance(fmt, tuple) and fmt[2] == "transformers" else None
 
 
-_KERNEL_LOADS: list[bool] = []
+_TRIED: dict = {}  # transformers' FP8 module -> whether its kernel loaded when first asked
 
 
 def transformers_fp8_kernel_loads() -> bool:
-    """Whether transformers' own FP8 linear kernel (fetched from the Hub) loads in this process: asked once."""
-    if not _KERNEL_LOADS:
+    """Whether transformers' own FP8 linear kernel (fetched from the Hub) is loaded, or loads when first asked."""
+    try:
+        from transformers.integrations import finegrained_fp8 as hf
+    except ImportError:
+        return False
+    if getattr(hf, "_FINEGRAINED_FP8", None) is not None:
+        return True
+    if hf not in _TRIED:
         try:
-            from transformers.integrations import finegrained_fp8
-
-            finegrained_fp8.load_finegrained_fp8_kernel()
-            _KERNEL_LOADS.append(torch.cuda.is_available())
-        except Exception:  # offline, no CUDA, no kernels package: it cannot run its FP8 layers
-            _KERNEL_LOADS.append(False)
-    return _KERNEL_LOADS[0]
+            hf.load_finegrained_fp8_kernel()
+            _TRIED[hf] = True
+        except Exception:  # offline, no kernels package, no CUDA build: it cannot run its FP8 layers
+            _TRIED[hf] = False
+    return _TRIED[hf]

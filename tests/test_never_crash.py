@@ -105,42 +105,42 @@ def fp8_kernel(monkeypatch):
     monkeypatch.setattr(fp8, "is_deepgemm_loadable", lambda: False)
 
 
-def test_fp8linear_mlp_is_a_named_near_miss_and_patch_leaves_it(fp8_kernel):
+def test_fp8linear_mlp_is_fused_and_unpatch_restores_it(fp8_kernel):
+    """FP8Linear MLPs (per-tensor scales): explain reports them fused with their format, patch runs them through the
+    FP8 op with the model's numbers, unpatch gives the model back untouched."""
     model = _fp8_llama()
     with torch.no_grad():
         ref = model(_ids()).logits
     before = _snapshot(model)
     report = mlp_fuser.explain(model, _ids())
-    assert report.error is None and not report.fused, report.details()
-    assert [m.path for m in report.near_misses] == ["model.layers.0.mlp", "model.layers.1.mlp"], report.details()
-    assert {(m.pattern, m.check) for m in report.near_misses} == {("gated", "plain_tensors")}
-    assert report.near_misses[0].reason.startswith(
-        "model.layers.0.mlp.gate_proj.weight is a Float8 tensor (float8_e4m3fn)"), report.near_misses[0].reason
+    assert report.error is None and not report.near_misses, report.details()
+    assert [s.path for s in report.fused] == ["model.layers.0.mlp", "model.layers.1.mlp"], report.details()
+    assert {s.pattern for s in report.fused} == {"gated (fp8_e4m3 per tensor)"}
     _assert_user_names(report)
-    text = str(report)  # one line for both blocks, the reason relative to the block
-    line = next(ln for ln in text.splitlines() if "model.layers." in ln)
-    assert "model.layers.{0,1}.mlp" in line and "  gate_proj.weight is a Float8 tensor" in line and "×2" in line, text
-    assert "model.layers.0" not in text, text
-    assert mlp_fuser.patch(model) is model
+    assert mlp_fuser.patch(model) is model and mlp_fuser.is_patched(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, ref)
+    mlp_fuser.unpatch(model)
     _assert_unchanged(model, before, ref)
 
 
-def test_fp8linear_without_its_kernel_explain_says_why(monkeypatch):
-    """On a machine without the hub kernel the forward itself raises: explain reports that and the blocks, never
-    Dynamo's TorchRuntimeError; patch neither crashes on the float8 weights nor changes the model."""
+def test_fp8linear_without_its_kernel_explain_says_why_and_patch_runs_it(monkeypatch):
+    """On a machine without the hub kernel the forward itself raises: explain reports that (never Dynamo's
+    TorchRuntimeError) and the blocks patch fuses; after patch the model runs."""
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
     monkeypatch.setattr(fp8, "_FINEGRAINED_FP8", None)
     monkeypatch.setattr(fp8, "is_kernels_available", lambda: False)
     model = _fp8_llama()
-    before = _snapshot(model)
     report = mlp_fuser.explain(model, _ids())
     assert report.error and report.error.startswith("ImportError") and "kernel" in report.error, report.error
     assert "TorchRuntimeError" not in str(report)
-    assert [m.check for m in report.near_misses] == ["plain_tensors"] * 2, report.details()
+    assert len(report.fused) == 2 and not report.near_misses, report.details()
     _assert_user_names(report)
+    with pytest.raises(ImportError):
+        model(_ids())
     mlp_fuser.patch(model)
-    forwards, state = _snapshot(model)
-    assert forwards == before[0] and not mlp_fuser.is_patched(model) and state.keys() == before[1].keys()
+    with torch.no_grad():
+        assert mlp_fuser.is_patched(model) and torch.isfinite(model(_ids()).logits).all()
 
 
 # ---- a torchao-like quantized weight ----------------------------------------------------------------------------
