@@ -115,13 +115,30 @@ def path(T: int, k: int) -> tuple[str, bool]:
 
 def _run(x2, ids2, wts2, fgu, fd, gate: moe.Gate) -> Tensor:
     if kernel_why_not(x2, fgu, fd) is None:
+        return _plan(x2, ids2, wts2, fgu, fd, gate)(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
+    return reference(x2, ids2, wts2, fgu, fd, gate)
+
+
+def _plan(x2, ids2, wts2, fgu, fd, gate: moe.Gate):
+    """The kernels' plan (``kernels.moe.experts_plan``) for calls shaped like this one, built once per shape."""
+    key = (x2.shape, x2.stride(), x2.dtype, x2.device, ids2.shape, ids2.stride(), ids2.dtype, wts2.shape,
+           wts2.stride(), wts2.dtype, fgu.w.shape, fgu.w.stride(), fgu.scale.shape, fgu.scale.stride(),
+           fgu.block_n, fgu.block_k, fgu.up_soff, fd.w.shape, fd.w.stride(), fd.scale.shape, fd.scale.stride(),
+           fd.block_n, fd.block_k, gate, config.fp8_w8a8)
+    plan = _PLANS.get(key)
+    if plan is None:
         from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
 
         T, k = ids2.shape
         way, a8 = path(T, k)
-        return kmoe.moe_experts(x2, ids2, wts2, fgu.w, None, fd.w, None, moe._expert_act(gate), gate.interleaved,
-                                way, scales=(fgu, fd), a8=a8)
-    return reference(x2, ids2, wts2, fgu, fd, gate)
+        if len(_PLANS) >= _MAX_SEEN:
+            _PLANS.clear()
+        plan = _PLANS[key] = kmoe.experts_plan(x2, ids2, wts2, fgu.w, None, fd.w, None, moe._expert_act(gate),
+                                               gate.interleaved, way, scales=(fgu, fd), a8=a8)
+    return plan
+
+
+_PLANS: dict[tuple, object] = {}
 
 
 def _flat(x, ids, wts):

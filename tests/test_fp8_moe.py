@@ -242,15 +242,19 @@ def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
         monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "fp8_w8a8", w8a8)
     calls = []
-    real = kmoe.moe_experts
-    monkeypatch.setattr(kmoe, "moe_experts", lambda *a, **kw: calls.append((a[9], kw["a8"])) or real(*a, **kw))
+    real = kmoe.experts_plan
+    monkeypatch.setattr(kmoe, "experts_plan", lambda *a, **kw: calls.append((a[9], kw["a8"])) or real(*a, **kw))
+    monkeypatch.setattr(quant_moe, "_PLANS", {})
     monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
     x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=T, seed=9)
     dev, pairs = KERNEL_DEVICE, T * 3 <= quant_moe.PAIRS_MAX
-    y = quant_moe.quant_moe_mlp(x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev),
-                                wd.to(dev), sd.to(dev), "silu", block=(32, 64))
+    args = (x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
+    y = quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64))
     a8 = w8a8 and not pairs
-    assert calls == [("pairs" if pairs else "sorted", a8)]
+    assert calls == [("pairs" if pairs else "sorted", a8)]  # the plan built once, run again by the next call
+    sd2 = sd.to(dev) * 2  # another layer's scales, the same signature: its own values
+    assert torch.equal(quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64)), y) and len(calls) == 1
+    assert rel_err(quant_moe.quant_moe_mlp(*args[:6], sd2, "silu", block=(32, 64)).float(), 2 * y.float()) < 2e-3
     ref = (reference64_a8 if a8 else lambda *a: reference64(*a[:5]))(x.to(KERNEL_DTYPE), ids, wts, wgu64, wd64,
                                                                       KERNEL_DTYPE)
     assert rel_err(y.cpu(), ref, math.inf) < BAR

@@ -1002,7 +1002,7 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
     E, H, I = w_d.shape
 
     def cfg(kind: str) -> dict:
-        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype)
+        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype, x.device)
 
     no_memset, pdl = _FUSED.get(path, (False, False))
     down = cfg("down")
@@ -1019,12 +1019,16 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
 
 def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
-                 configs: dict | None = None):
+                 configs: dict | None = None, scales: tuple | None = None, a8: bool = False):
     """``moe_experts`` as a function of the seven tensors, for calls whose tensors have these ones' shapes, strides,
     dtypes and devices: each path with its launches' grids, integers and constexprs worked out here, once (a
-    decode step's host time is the launches' argument building); empty problems call ``moe_experts``."""
+    decode step's host time is the launches' argument building); empty problems call ``moe_experts``. With
+    ``scales`` (float8 weights, as ``moe_experts`` takes them) a function of the seven tensors and the call's
+    scales, for scales of these ones' views."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    if scales is not None:
+        return _fp8_plan(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, scales, a8)
     if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0 or (
             path == "sorted_tma" and tma_why_not(x, w_gu, w_d, interleaved) is not None):
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
@@ -1046,6 +1050,33 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         gu(x, ids, w_gu, w_gu if b_gu is None else b_gu, h, *ints_gu)
         y = torch.empty((T, H), dtype=dtype, device=device)
         down(h, ids, wts, w_d, w_d if b_d is None else b_d, y, *ints_d)
+        return y
+    return pairs
+
+
+def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, interleaved: bool,
+              path: str, configs: dict | None, scales: tuple, a8: bool):
+    """``experts_plan`` on float8 weights: the pairs GEMVs' launches worked out once (the scales, the calls' own, in
+    the slot ``_scale_args`` gives them); the other paths through ``moe_experts``."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    if path != "pairs" or T * k == 0 or I == 0 or H == 0 or E == 0:
+        return lambda x, ids, wts, w_gu, b_gu, w_d, b_d, scales: moe_experts(
+            x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs, scales, a8)
+    cfgs = configs or {}
+    dtype, device = x.dtype, x.device
+    grid_gu, ints_gu, const_gu = _gate_up_pairs_args(x, ids, w_gu, None, act, I, interleaved,
+                                                     cfgs.get("gate_up_pairs"), scales[0])
+    grid_d, ints_d, const_d = _down_tokens_args(dtype, ids, wts, w_d, None, cfgs.get("down_tokens"), scales[1])
+    head_gu, tail_gu, head_d, tail_d = ints_gu[:-6], ints_gu[-5:], ints_d[:-6], ints_d[-5:]  # around the scales
+    gu, down = Prepared(_moe_gate_up_pairs_kernel, grid_gu, **const_gu), Prepared(_moe_down_tokens_kernel, grid_d,
+                                                                                   **const_d)
+
+    def pairs(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
+        h = torch.empty((T * k, I), dtype=dtype, device=device)
+        gu(x, ids, w_gu, w_gu, h, *head_gu, scales[0].scale, *tail_gu)
+        y = torch.empty((T, H), dtype=dtype, device=device)
+        down(h, ids, wts, w_d, w_d, y, *head_d, scales[1].scale, *tail_d)
         return y
     return pairs
 
