@@ -44,12 +44,18 @@ def test_patch(family):
     assert count_ops(lambda: model(**inputs)) == 0
 
 
+# Inductor compiles the core families and the routed experts; the others' graphs through the same pass, run op by op
+# (on the CPU Inductor calls the op whatever the family: its whole-model compile there is Inductor's own work).
+INDUCTOR = FAMILIES + list(ROUTED)
+
+
 @pytest.mark.parametrize("family", ALL)
 def test_backend(family):
     model, inputs, n_mlp = build(family)
+    backend = mlp_fuser.backend if family in INDUCTOR else mlp_fuser.make_backend(inductor=False)
     with torch.no_grad():
         ref = main_output(model(**inputs))
-        compiled = torch.compile(model, backend=mlp_fuser.backend, fullgraph=family == "llama")
+        compiled = torch.compile(model, backend=backend, fullgraph=family == "llama")
         out = main_output(compiled(**inputs))
         ops = count_ops(lambda: compiled(**inputs))
     assert ops == n_mlp
@@ -182,11 +188,13 @@ def test_generate_patched(family):
 
 
 def test_many_models_in_one_process():
-    """Every HF forward is one decorated wrapper, so Dynamo's per-code cache (recompile limit 8) is shared by all
-    models; patch and explain start Dynamo at a code object of their own and keep working past that limit."""
-    for family in FAMILIES + ["qwen3", "t5"]:
-        model, inputs, n_mlp = build(family)
-        with torch.no_grad():
-            assert len(mlp_fuser.explain(model, **inputs).fused) == n_mlp, family
-            mlp_fuser.patch(model)
-            assert count_ops(lambda model=model, inputs=inputs: model(**inputs)) == n_mlp, family
+    """Every HF forward is one decorated wrapper, so Dynamo's per-code cache (its recompile limit) is shared by all
+    models; patch and explain start Dynamo at a code object of their own and keep working past that limit (lowered
+    here from 8 to 2, so that five models pass it)."""
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for family in ["llama", "gpt2", "bert", "opt", "t5"]:
+            model, inputs, n_mlp = build(family)
+            with torch.no_grad():
+                assert len(mlp_fuser.explain(model, **inputs).fused) == n_mlp, family
+                mlp_fuser.patch(model)
+                assert count_ops(lambda model=model, inputs=inputs: model(**inputs)) == n_mlp, family
