@@ -1204,6 +1204,7 @@ def main(argv=None) -> int:
     import logging
 
     import mlp_fuser
+    from mlp_fuser.dispatch import core, experts
     from mlp_fuser.dispatch import dense as dispatch
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -1227,11 +1228,11 @@ def main(argv=None) -> int:
         return 0
     results = []
     run(args, results)
-    log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3], *k[8:10])): v
-                                  for k, v in dispatch._choice_cache.items()})
-    if mlp_fuser.ops.moe._chosen:
+    log("dispatcher's choices:", {dispatch.describe(dispatch.Problem(k[0], k[2], k[7], *k[4:7], k[3], *k[8:10])):
+                                  (v.graph.name, v.eager.name) for k, v in core.choices(dispatch.FORWARD).items()})
+    if core.choices(experts.EXPERTS):
         log("routed experts' choices:", {f"T<={k[2]} k={k[3]} E={k[4]} H={k[5]} I={k[6]}": v.name
-                                         for k, v in mlp_fuser.ops.moe._chosen.items()})
+                                         for k, v in core.choices(experts.EXPERTS).items()})
     print("\n".join(write(results, args.out)))
     return 0
 

@@ -9,8 +9,9 @@
 Each setting takes its environment variable's value when mlp_fuser is imported (``reload()`` reads them again);
 setting a name that is not a setting raises ``AttributeError``. The settings:
 
-- ``force_impl`` (``MLP_FUSER_IMPL``, default None): force one implementation by name
-  (``mlp_fuser.dispatch.dense.IMPLS``, ``mlp_fuser.ops.moe.IMPLS``), for tests and benchmarks.
+- ``force_impl`` (``MLP_FUSER_IMPL``, default None): force one implementation by name in any op family's table
+  (``IMPLS`` in ``mlp_fuser.dispatch.dense``, ``.experts``, ``.router``, ``.fp8``), for tests and benchmarks; a name
+  from another family's table leaves this family's choice free, an unknown name is an error.
   None: the dispatcher chooses.
 - ``triton_on_cpu`` (``MLP_FUSER_TRITON_ON_CPU=1``, default False): let the Triton implementations take CPU tensors;
   only meaningful with ``TRITON_INTERPRET=1`` (the Triton interpreter), which is how the kernels are tested without a

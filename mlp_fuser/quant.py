@@ -18,17 +18,15 @@ Weights and scales get no gradient (they are frozen, as in LoRA on an FP8 base);
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config
 from .activations import get_activation
+from .dispatch import fp8
 from .kernels import fp8 as fp8_kernels
-from .reference import reference_mlp
 
 FORMATS = ("fp8_e4m3",)
 _FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,49 +77,21 @@ def _check(x: Tensor, weights: Sequence[tuple[str, fp8_kernels.Fp8Weight, Tensor
 
 def why_not_kernels(x: Tensor) -> str | None:
     """Why the FP8 kernels cannot run for x (the aten reference runs instead), or None."""
-    if x.device.type != "cuda":
-        return f"x is on {x.device.type}: the FP8 kernels run on CUDA"
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
-        return "the GPU has no float8 conversion (before sm89): the weights are dequantized per call"
-    return None
+    return fp8.why_not_kernels(x.device)
 
 
-def _why_not_a8(x: Tensor, M: int) -> str | None:
-    if (why := why_not_kernels(x)) is not None:
-        return why
-    if not config.fp8_w8a8:
-        return "mlp_fuser.config.fp8_w8a8 is off: the activations keep their dtype"
-    return None
-
-
-class Impl(NamedTuple):
-    """A way to run the quant_* ops: its name, and why it cannot run a call (x, rows), or None."""
-
-    name: str
-    why_not: Callable[[Tensor, int], str | None]
-
-
-# From the top down, the first that can run a call runs it.
-IMPLS = (
-    Impl("fp8_w8a8", _why_not_a8),  # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
-    Impl("fp8_w8a16", lambda x, M: why_not_kernels(x)),  # weights cast on chip, x as it is
-    Impl("aten_dequantize", lambda x, M: None),  # each weight dequantized to x's dtype, then aten
-)
+def _problem(x: Tensor, M: int) -> fp8.Problem:
+    return fp8.Problem(x.device.type, x.dtype, M, x.device.index)
 
 
 def choose(x: Tensor, M: int) -> str:
-    return next(i.name for i in IMPLS if i.why_not(x, M) is None)
+    """The row of the FP8 table (``dispatch/fp8.py``) that runs a call with x and M rows."""
+    return fp8.choose(_problem(x, M)).name
 
 
 def describe(x: Tensor, M: int) -> str:
     """Which implementation runs a call with x and M rows, and why each one above it does not."""
-    lines = []
-    for impl in IMPLS:
-        why = impl.why_not(x, M)
-        if why is None:
-            return "\n".join([*lines, f"{impl.name}: runs"])
-        lines.append(f"{impl.name}: {why}")
-    return "\n".join(lines)
+    return fp8.describe(_problem(x, M))
 
 
 # ---- forward -------------------------------------------------------------------------------------------------
@@ -129,42 +99,8 @@ def describe(x: Tensor, M: int) -> str:
 
 def _run(x: Tensor, weights, activation, gated: bool) -> Tensor:
     """The op's value for checked weights ``[(name, Fp8Weight, bias)]``: kernels where they run, else aten."""
-    lead, width = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, width)
-    impl = choose(x, x2.shape[0])
-    if impl != "aten_dequantize":
-        a8 = impl == "fp8_w8a8"
-        if len(weights) == 1:
-            y = fp8_kernels.fp8_linear(x2, weights[0][1], bias=weights[0][2], a8=a8)
-        else:
-            (_, w1, b1), *rest = weights
-            if gated:
-                (_, wu, bu), (_, wd, bd) = rest
-                if b1 is not None or bu is not None:  # biases before the product: in aten (rare on gated MLPs)
-                    g = fp8_kernels.fp8_linear(x2, w1, bias=b1, a8=a8)
-                    u = fp8_kernels.fp8_linear(x2, wu, bias=bu, a8=a8)
-                    h = get_activation(activation).fn(g) * u
-                else:
-                    h = fp8_kernels.fp8_linear(x2, w1, wu, activation=activation, a8=a8)
-            else:
-                (_, wd, bd), = rest
-                h = fp8_kernels.fp8_linear(x2, w1, bias=b1, activation=activation, a8=a8)
-            y = fp8_kernels.fp8_linear(h, wd, bias=bd, a8=a8)
-        return y.reshape(*lead, y.shape[-1])
-    return _reference(x, weights, activation, gated)
-
-
-def _reference(x: Tensor, weights, activation, gated: bool) -> Tensor:
-    """Each weight dequantized to x's dtype, then the unfused math (transformers' dequantized path)."""
-    deq = [(fp8_kernels.dequantize(fw, x.dtype), b) for _, fw, b in weights]
-    if len(deq) == 1:
-        return F.linear(x, *deq[0])
-    (w1, b1), *rest = deq
-    if gated:
-        (wu, bu), (wd, bd) = rest
-        return reference_mlp(x, w1, b1, wu, bu, wd, bd, activation)
-    (wd, bd), = rest
-    return reference_mlp(x, w1, b1, None, None, wd, bd, activation)
+    M = x.reshape(-1, x.shape[-1]).shape[0]
+    return fp8.choose(_problem(x, M)).fn(x, weights, activation, gated)
 
 
 def _weights(names, args, fmt, block):

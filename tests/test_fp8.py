@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import mlp_fuser
 from mlp_fuser import quant
+from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
 from mlp_fuser.reference import rel_err
@@ -319,7 +320,7 @@ def test_no_bf16_copy_of_a_weight_exists_in_hbm(M):
 
 
 def test_fp8_w8a8_setting_picks_the_row(monkeypatch):
-    monkeypatch.setattr(quant, "why_not_kernels", lambda x: None)  # as on an sm89+ GPU
+    monkeypatch.setattr(fp8, "why_not_kernels", lambda device: None)  # as on an sm89+ GPU
     x = torch.randn(1, 64)
     assert quant.choose(x, 1) == "fp8_w8a8"
     with mlp_fuser.config.patch(fp8_w8a8=False):

@@ -11,6 +11,7 @@ from _mlp_cases import make_case
 from conftest import CUDA_ONLY, poisoned_empty
 
 from mlp_fuser import config
+from mlp_fuser.dispatch import core
 from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.reference import reference_mlp, rel_err
 from mlp_fuser.runtime import plans
@@ -318,7 +319,7 @@ def test_gpu_quack_gated_match_float64_plain_and_in_a_cuda_graph(dtype, monkeypa
             torch.cuda.synchronize()
             assert torch.equal(replayed, out), (impl, M)
     monkeypatch.setattr(config, "force_impl", None)
-    dispatch._choice_cache.clear()
+    core.reset()
     dispatch._resolved.clear()
     case = make_case(2048, 2048, 5632, 2048, dtype=torch.bfloat16, device="cuda", bias=(False,) * 3,
                      layout="merged")
@@ -352,7 +353,7 @@ def _first_calls_in_cuda_graph_trees(case, parameters=False):
     graph, replays, each output matching float64 as the unfused module does. ``parameters``: the weights and biases
     as nn.Parameters, as a model holds them, which the CUDA-graph trees take as static inputs; other tensors they copy
     into buffers of their own before recording (so weights stored as one would reach the op as separate copies)."""
-    dispatch._choice_cache.clear()
+    core.reset()
     dispatch._resolved.clear()
     plans.clear()
     torch._dynamo.reset()

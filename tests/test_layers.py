@@ -1,9 +1,11 @@
 """The package's layers: every import (module-level or inside a function) points down the order below or stays
-within its layer, and no import circle exists (type-only imports aside). The README's "How it works" draws this."""
+within its layer, and no import circle exists (type-only imports aside). The README's "How it works" draws this.
+One dispatcher: every op family's implementations are rows of one ``Impl``, chosen and timed in dispatch/core.py."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,3 +128,25 @@ def test_the_check_sees_upward_imports_and_circles():
     graph["mlp_fuser.kernels.common"] = {**graph["mlp_fuser.kernels.common"], "mlp_fuser.ops.moe": 1}
     assert any(u.startswith("mlp_fuser.kernels.common (layer kernels) imports") for u in upward(graph))
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
+
+
+def _definitions(modules: dict[str, Path], pattern: str) -> list[str]:
+    """The modules whose source matches ``pattern`` (a line's start), once per match."""
+    return [name for name, path in sorted(modules.items())
+            for _ in re.finditer(pattern, path.read_text(), re.MULTILINE)]
+
+
+def test_one_dispatcher():
+    """One ``Impl`` class, one timing routine and one GPU sleep behind which candidates are timed, all in
+    dispatch/core.py: a family with its own is a second dispatcher (the dense, experts, router and FP8 tables are
+    rows of it)."""
+    modules = _modules()
+    core = ["mlp_fuser.dispatch.core"]
+    assert _definitions(modules, r"^\s*class Impl\b") == core
+    assert _definitions(modules, r"^\s*def time_candidates\b") == core
+    assert _definitions(modules, r"^(?!\s*def ).*gpu_sleep\(") == core  # its one caller outside compat
+    from mlp_fuser.dispatch import core as dispatch_core
+    from mlp_fuser.dispatch import dense, experts, fp8, router
+
+    for table in (dense.IMPLS, dense.BACKWARD_IMPLS, experts.IMPLS, router.IMPLS, fp8.IMPLS):
+        assert all(type(i) is dispatch_core.Impl for i in table)

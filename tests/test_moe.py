@@ -13,6 +13,7 @@ from conftest import KERNEL_DEVICE, requires_cuda
 
 import mlp_fuser
 from mlp_fuser import config
+from mlp_fuser.dispatch import core, experts
 
 # The activations as written out here, independent of the package's registry (float64 in, float64 out).
 ACTS = {
@@ -408,7 +409,7 @@ def test_opcheck(biases):
 
 # ---- 5. the Triton implementations, under the interpreter ---------------------------------------------------------
 
-TRITON = [i.name for i in mlp_fuser.ops.moe.IMPLS if i.triton]
+TRITON = [i.name for i in experts.IMPLS if i.triton]
 
 
 @pytest.fixture
@@ -444,7 +445,7 @@ def test_triton(triton_impl, dtype, case):
     from conftest import KERNEL_DEVICE  # the interpreter's CPU here, the GPU there
 
     args = [a.to(KERNEL_DEVICE) if a is not None else None for a in args]
-    reason = mlp_fuser.ops.moe.IMPLS_BY_NAME[triton_impl].why_not(_problem(args, act, kw))
+    reason = experts.IMPLS_BY_NAME[triton_impl].why_not(_problem(args, act, kw))
     if reason is not None:  # forced onto a layout it cannot read (TMA, interleaved rows): an error naming why
         with pytest.raises(ValueError, match=f"{triton_impl}.*{re.escape(reason)}"):
             mlp_fuser.moe_mlp(*args, act, **kw)
@@ -454,7 +455,7 @@ def test_triton(triton_impl, dtype, case):
         y = mlp_fuser.moe_mlp(*args, act, **kw)
         cpu = [a.cpu() if a is not None else None for a in args]
         torch.testing.assert_close(y.cpu().double(), naive(*cpu, act, **kw), **tol)
-    assert mlp_fuser.ops.moe.chosen(_problem(args, act, kw)) == triton_impl
+    assert experts.chosen(_problem(args, act, kw)) == triton_impl
 
 
 def _problem(args, act, kw):
@@ -462,8 +463,8 @@ def _problem(args, act, kw):
 
     x, ids, _, wgu, bgu, wd, bd = args
     gate = moe._gate(wgu, wd, act, kw.get("interleaved", False), kw.get("limit"), False, kw.get("up_offset", 0.0))
-    return moe.Problem(x.device.type, x.dtype, x.shape[0], ids.shape[1], wgu.shape[0], x.shape[1], wd.shape[2], gate,
-                       bgu is not None)
+    return experts.Problem(x.device.type, x.dtype, x.shape[0], ids.shape[1], wgu.shape[0], x.shape[1], wd.shape[2],
+                           gate, bgu is not None)
 
 
 def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
@@ -478,17 +479,19 @@ def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
 
     def names(T, interleaved=False):
         gate = moe.Gate("silu", True, interleaved)
-        return [i.name for i in moe.eligible(moe.Problem("cpu", torch.bfloat16, T, 8, 128, 2048, 768, gate, False))]
+        return [i.name for i in experts.eligible(experts.Problem("cpu", torch.bfloat16, T, 8, 128, 2048, 768, gate,
+                                                                  False))]
 
     monkeypatch.setattr(config, "moe_tma", False)
-    key = moe._choice_key(moe.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"), False))
+    key = experts._choice_key(experts.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"), False))
     sig = moe._signature(*make(4, 2, 4), "silu", False, None, False, 0.0)
     assert "triton_moe_sorted_tma" not in names(2048)
     monkeypatch.setattr(config, "moe_tma", True)
     assert "triton_moe_sorted_tma" in names(2048) and "triton_moe_sorted" in names(2048)
     assert "triton_moe_sorted_tma" not in names(64)  # 4 rows per expert
     assert "triton_moe_sorted_tma" not in names(2048, interleaved=True)
-    assert key != moe._choice_key(moe.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"), False))
+    assert key != experts._choice_key(experts.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"),
+                                                      False))
     assert sig != moe._signature(*make(4, 2, 4), "silu", False, None, False, 0.0)
 
 
@@ -509,15 +512,15 @@ def test_choice_for_plain_calls_and_for_graph_captures(monkeypatch):
 
     x, ids, wts, wgu, bgu, wd, bd = make(3, 2, 4)
     gate = moe._gate(wgu, wd, "silu", False, None, False, 0.0)
-    p = moe.Problem("cuda", x.dtype, 3, 2, 4, x.shape[1], wd.shape[2], gate, False)
-    plain, graph = moe.IMPLS_BY_NAME["triton_moe_pairs"], moe.IMPLS_BY_NAME["triton_moe_sorted"]
+    p = experts.Problem("cuda", x.dtype, 3, 2, 4, x.shape[1], wd.shape[2], gate, False)
+    plain, graph = experts.IMPLS_BY_NAME["triton_moe_pairs"], experts.IMPLS_BY_NAME["triton_moe_sorted"]
     moe.reset()
-    monkeypatch.setattr(moe, "_time", lambda candidates, args, p: moe.Choice(plain, graph))
-    monkeypatch.setattr(moe, "eligible", lambda p: [plain, graph])
+    monkeypatch.setattr(core, "time_candidates", lambda reg, candidates, args, p: (graph.name, plain.name))
+    monkeypatch.setattr(core, "candidates", lambda reg, p: [plain, graph])
     for capturing, expected in ((False, plain), (True, graph), (False, plain)):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
-        assert moe.choose(p, ()) is expected
-    assert moe.chosen(p) == "triton_moe_pairs (graphs: triton_moe_sorted)"
+        assert experts.choose(p, ()) is expected
+    assert experts.chosen(p) == "triton_moe_pairs (graphs: triton_moe_sorted)"
     moe.reset()
 
 
@@ -717,13 +720,13 @@ def test_cached_calls_take_the_graph_choice_while_capturing(monkeypatch):
     ran = []
 
     def spy(name):
-        return moe.Impl(name, lambda *a: ran.append(name) or moe.reference(*a), None, moe._FLOAT)
+        return core.Impl(name, lambda *a: ran.append(name) or moe.reference(*a), None, experts.FLOAT)
 
     plain, graph = spy("plain"), spy("graph")
     monkeypatch.setattr(config, "force_impl", None)
     monkeypatch.setattr(config, "autotune", True)
-    monkeypatch.setattr(moe, "eligible", lambda p: [plain, graph])
-    monkeypatch.setattr(moe, "_time", lambda candidates, args, p: moe.Choice(plain, graph))
+    monkeypatch.setattr(core, "candidates", lambda reg, p: [plain, graph])
+    monkeypatch.setattr(core, "time_candidates", lambda reg, candidates, args, p: ("graph", "plain"))
     moe.reset()
     args = [a.cuda() if a is not None else None for a in make(3, 2, 4)]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

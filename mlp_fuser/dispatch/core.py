@@ -37,7 +37,7 @@ class Impl:
     name: str
     fn: ImplFn
     devices: frozenset[str] | None  # None: every device aten runs on
-    dtypes: frozenset[torch.dtype] = FLOAT
+    dtypes: frozenset[torch.dtype] | None = FLOAT  # None: any (the family's checks read the dtype)
     triton: bool = False  # a Triton kernel: on CPU only under the interpreter (config.triton_on_cpu)
     why: tuple[Check, ...] = field(default=(), compare=False)  # further constraints, in the order they are reported
     worth: tuple[Check, ...] = field(default=(), compare=False)  # where it runs but is not timed (forcing runs it)
@@ -53,7 +53,7 @@ class Impl:
                 devices.add("cpu")
             if p.device not in devices:
                 return f"device {p.device} not in {sorted(devices)}"
-        if p.dtype not in self.dtypes:
+        if self.dtypes is not None and p.dtype not in self.dtypes:
             return f"dtype {p.dtype} not supported"
         return next((r for r in (c(p) for c in self.why) if r is not None), None)
 
@@ -87,7 +87,7 @@ class Registry:
 
     kind: str  # part of every cache key
     impls: list[Impl]
-    rules: Rules
+    rules: Rules | None  # None: never timed, the first row that runs a problem runs it (``first``)
     fallback: str = "reference"  # runs anywhere: taken when nothing can be timed, or nothing else runs
     what: str = ""  # how the logs name the op before the problem ("the backward of ")
     describe: Callable[[Any], str] = str  # one line for logs
@@ -118,22 +118,34 @@ class Choice(NamedTuple):
 _choices: dict[tuple, Choice] = {}  # the one choice cache: (family key, settings, kind) -> Choice
 
 
+def _forced(reg: Registry, p) -> Impl | None:
+    """The row ``config.force_impl`` names in this registry, checked against ``p``; None where the choice is free
+    (nothing forced, or another registry's row: a backward implementation for the forward, a dense one for the
+    experts; "reference" forces every family that has one)."""
+    if not config.force_impl:
+        return None
+    impl = reg.by_name.get(config.force_impl)
+    if impl is None:
+        if any(config.force_impl in r.by_name for r in _REGISTRIES):
+            return None
+        known = list(dict.fromkeys(n for r in _REGISTRIES for n in r.by_name))
+        raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
+    reason = impl.why_not(p)
+    if reason is not None:
+        raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
+    return impl
+
+
 def candidates(reg: Registry, p) -> list[Impl]:
-    """The eligible implementations in table order, or the forced one; forcing another registry's (a backward
-    implementation for the forward, a dense one for the experts) leaves this one's choice free ("reference" forces
-    all)."""
-    if config.force_impl:
-        impl = reg.by_name.get(config.force_impl)
-        if impl is None:
-            if any(config.force_impl in r.by_name for r in _REGISTRIES):
-                return [i for i in reg.impls if i.candidate(p)]
-            known = list(dict.fromkeys(n for r in _REGISTRIES for n in r.by_name))
-            raise ValueError(f"mlp_fuser: MLP_FUSER_IMPL={config.force_impl!r} is not one of {known}")
-        reason = impl.why_not(p)
-        if reason is not None:
-            raise ValueError(f"mlp_fuser: forced implementation {impl.name!r} cannot run {p}: {reason}")
-        return [impl]
-    return [i for i in reg.impls if i.candidate(p)]
+    """The eligible implementations in table order, or the forced one."""
+    forced = _forced(reg, p)
+    return [forced] if forced is not None else [i for i in reg.impls if i.candidate(p)]
+
+
+def first(reg: Registry, p) -> Impl:
+    """The first row that runs ``p`` in table order, or the forced one: the choice of a family that is not timed."""
+    forced = _forced(reg, p)
+    return forced if forced is not None else next(i for i in reg.impls if i.candidate(p))
 
 
 def _key(reg: Registry, key: tuple) -> tuple:
@@ -154,7 +166,7 @@ def choose(reg: Registry, p, args: tuple | None, key: tuple) -> Choice | None:
     choice = _choices.get(full)
     if choice is not None:
         return choice
-    found = candidates(reg, p)
+    found = candidates(reg, p) if reg.rules is not None else [first(reg, p)]
     if len(found) == 1 or p.device != "cuda" or not config.autotune or args is None:
         choice = Choice(found[0], found[0])
         if args is None and len(found) > 1 and p.device == "cuda" and config.autotune:
@@ -168,6 +180,11 @@ def choose(reg: Registry, p, args: tuple | None, key: tuple) -> Choice | None:
         choice = Choice(named[graph], named[eager])
     _choices[full] = choice
     return choice
+
+
+def choices(reg: Registry) -> dict[tuple, Choice]:
+    """The choices made so far for one registry, by key (the family's key first, as it built it)."""
+    return {k: c for k, c in _choices.items() if k[-1] == reg.kind}
 
 
 def reset(reg: Registry | None = None) -> None:

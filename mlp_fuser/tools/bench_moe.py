@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from ..dispatch import experts
 from ..ops import moe
 
 # (label, family, H, I, E, k)
@@ -167,8 +168,8 @@ def bench_row(label, mod, M, H, I, E, k, dtype, device) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-    p = moe.Problem(device, dtype, M, k, E, H, I, moe.Gate("silu"), False)
-    row["impl"] = moe.chosen(p) or "?"
+    p = experts.Problem(device, dtype, M, k, E, H, I, moe.Gate("silu"), False)
+    row["impl"] = experts.chosen(p) or "?"
     return finish(row)
 
 

@@ -1,0 +1,173 @@
+"""The routed experts' implementations (``mlp_fuser::moe_mlp``) as rows of the one dispatcher's table (``core``).
+
+The Triton paths (``kernels/moe.py``) on CUDA, timed once per bucket of T on the call's own routing, with the host's
+time (``wall``: between syncs) for plain calls and on the GPU alone for CUDA-graph captures; ``grouped_mm`` and the
+aten path (``reference_experts``) elsewhere or where nothing else runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import compat, config
+from ..kernels.common import next_power_of_2
+from ..reference import Gate, reference_experts
+from . import core
+from .core import Impl
+
+FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+ImplFn = Callable[..., Tensor]  # (x2, ids2, wts2, wgu, bgu, wd, bd, gate) -> y2 (T, H)
+
+
+@dataclass(frozen=True)
+class Problem:
+    device: str
+    dtype: torch.dtype
+    T: int
+    k: int
+    E: int
+    H: int
+    I: int
+    gate: Gate
+    biases: bool
+
+    @property
+    def bucket(self) -> int:
+        return next_power_of_2(self.T)
+
+    @property
+    def rows(self) -> int:  # what the timing's rules read
+        return self.T
+
+
+def runner(impl: Impl, args: tuple) -> Callable[..., Tensor]:
+    """``impl.fn`` for calls with ``args``' signature, as a function of (x2, ids2, wts2, wgu, bgu, wd, bd): its
+    launch plan where it has one."""
+    if impl.plan is not None:
+        return impl.plan(args)
+    fn, gate = impl.fn, args[-1]
+    return lambda x, ids, wts, wgu, bgu, wd, bd: fn(x, ids, wts, wgu, bgu, wd, bd, gate)
+
+
+def _triton(path: str) -> ImplFn:
+    """The Triton kernels (``kernels/moe.py``) through one of their paths."""
+    def impl(x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
+        from ..kernels import moe as kmoe  # imported on first use: nothing is compiled before
+
+        return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, expert_act(gate), gate.interleaved, path)
+    return impl
+
+
+def _triton_plan(path: str) -> Callable[[tuple], Callable[..., Tensor]]:
+    """``kernels.moe.experts_plan`` for one of the paths: the launches' integer arguments worked out once."""
+    def plan(args):
+        from ..kernels import moe as kmoe
+
+        gate = args[-1]
+        return kmoe.experts_plan(*args[:-1], expert_act(gate), gate.interleaved, path)
+    return plan
+
+
+@functools.lru_cache(maxsize=256)
+def expert_act(gate: Gate):
+    """The kernels' description of a ``Gate``."""
+    from ..kernels import moe as kmoe
+
+    return kmoe.ExpertAct(gate.activation, 0.0, gate.limit, gate.clamp_after, gate.up_offset)
+
+
+def _few_pairs(p: Problem) -> str | None:
+    if p.T * p.k <= 64:
+        return None
+    return f"{p.T * p.k} token-expert pairs > 64 (a GEMV per pair would read shared experts again)"
+
+
+def _one_token(p: Problem) -> str | None:
+    if p.T == 1:
+        return None
+    return f"{p.T} tokens > 1 (every pair its own block would read an expert shared by tokens again)"
+
+
+def _tma_ok(p: Problem) -> str | None:
+    from ..kernels import moe as kmoe
+
+    return kmoe.tma_shape_why_not(torch.device(p.device), p.dtype, p.H, p.I, p.gate.interleaved)
+
+
+def _many_rows(p: Problem) -> str | None:
+    from ..kernels import moe as kmoe
+
+    if not config.moe_tma:
+        return "off by default: lighter on the GPU, heavier on the host (MLP_FUSER_MOE_TMA=1 times it)"
+    if kmoe.rows_bucket(p.T, p.k, p.E) == 128:  # more than 96 rows per touched expert
+        return None
+    return f"{p.T * p.k} pairs over {min(p.E, p.T * p.k)} experts: <= 96 rows each (TMA measured at about 128)"
+
+
+def _grouped_mm_ok(p: Problem) -> str | None:
+    if compat.grouped_mm is None:
+        return "torch has no grouped_mm"
+    if p.H % 8 or p.I % 8:
+        return "H and I must be multiples of 8"
+    return None
+
+
+def _path(name: str, path: str, why=(), worth=()) -> Impl:
+    return Impl(name, _triton(path), frozenset({"cuda"}), triton=True, why=why, worth=worth, plan=_triton_plan(path))
+
+
+IMPLS: list[Impl] = [  # in priority order: without timing (MLP_FUSER_AUTOTUNE=0) the first eligible runs
+    _path("triton_moe_sorted", "sorted"),
+    _path("triton_moe_sorted_fused", "sorted_fused"),
+    _path("triton_moe_pairs", "pairs", worth=(_few_pairs,)),
+    _path("triton_moe_unsorted", "unsorted", worth=(_one_token,)),
+    _path("triton_moe_unsorted_pdl", "unsorted_pdl", worth=(_one_token,)),  # Hopper: down overlaps
+    _path("triton_moe_sorted_tma", "sorted_tma", why=(_tma_ok,), worth=(_many_rows,)),  # weights by TMA
+    Impl("grouped_mm", reference_experts, frozenset({"cuda"}), frozenset({torch.bfloat16}), why=(_grouped_mm_ok,)),
+    Impl("reference", reference_experts, None, FLOAT),
+]
+IMPLS_BY_NAME = {i.name: i for i in IMPLS}
+
+# The experts' rules: no tie (the least GPU time for graphs, the table's order between equals), a plain call's cost
+# its wall time between syncs; the sleep (a few ms) outlasts the host's queuing of 3 calls.
+EXPERTS = core.Registry("moe", IMPLS, core.Rules(sleep_cycles=10_000_000, wall=True),
+                        describe=lambda p: f"moe_mlp {p}")
+
+
+def eligible(p: Problem) -> list[Impl]:
+    return core.candidates(EXPERTS, p)
+
+
+def _choice_key(p: Problem) -> tuple:
+    return (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases, config.moe_tma)
+
+
+def choice(p: Problem, args: tuple) -> core.Choice | None:
+    """The choice for ``p`` (``core.choose``): None while the first call of its bucket is being captured."""
+    return core.choose(EXPERTS, p, args, _choice_key(p))
+
+
+def cached(p: Problem) -> core.Choice | None:
+    return core.cached(EXPERTS, _choice_key(p))
+
+
+def choose(p: Problem, args: tuple) -> Impl:
+    """The implementation for ``p``: the only eligible one, or on CUDA the fastest of them, timed once per bucket of
+    T on the call's own routing, both with the host's time and on the GPU alone; a call being captured in a CUDA graph
+    takes the latter (before any warm-up call chose: the aten path, as timing cannot run inside a capture)."""
+    found = choice(p, args)
+    if found is None:
+        return IMPLS_BY_NAME["reference"]
+    return found.graph if p.device == "cuda" and torch.cuda.is_current_stream_capturing() else found.eager
+
+
+def chosen(p: Problem) -> str | None:
+    """The name of the implementation chosen for ``p`` so far (for plain calls, and for CUDA graphs where that
+    differs), or None."""
+    ident = (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases)
+    return next((c.name for k, c in core.choices(EXPERTS).items() if k[:9] == ident), None)
