@@ -87,15 +87,18 @@ def counting(monkeypatch):
 def test_patch_runs_fp8_experts_as_their_dequantized_twin(model_type, block, overrides, monkeypatch):
     model, twin, inputs = fp8_moe(model_type, block, **overrides)
     ref = logits(twin, inputs)
+    before = model.get_experts_implementation()
     mlp_fuser.patch(model)
     fused = experts_modules(model)
-    assert fused and all(type(m.__dict__.get("forward")).__name__ == "FusedExpertsForward" for _, m in fused)
+    assert fused and model.get_experts_implementation() == {"": "mlp_fuser"}  # FP8ExpertsInterface's switch
+    assert not any("forward" in m.__dict__ for _, m in fused)
     calls = counting(monkeypatch)
     out = logits(model, inputs)
     assert len(calls) == len(fused)  # one quant_moe_mlp per layer
     assert rel_err(out, ref) < 1e-5
     mlp_fuser.unpatch(model)
     assert all("forward" not in m.__dict__ for _, m in fused)
+    assert model.get_experts_implementation() == before != {"": "mlp_fuser"}
 
 
 def test_experts_implementation_switch_runs_fp8_experts(monkeypatch):

@@ -11,7 +11,7 @@ from _hf_models import count_ops
 
 import mlp_fuser
 from mlp_fuser.graph import fx_pass
-from mlp_fuser.patch import experts
+from mlp_fuser.patch import experts, hf
 from mlp_fuser.patch.modules import FusedModuleForward
 from mlp_fuser.tools import models as _hf
 
@@ -173,8 +173,8 @@ def test_patch_unpatch(model_type):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     mods = experts_modules(model)
     mlp_fuser.patch(model)
-    for name, m in mods:
-        assert isinstance(m.__dict__.get("forward"), experts.FusedExpertsForward), name
+    assert set(model.get_experts_implementation().values()) == {"mlp_fuser"}  # through transformers' switch
+    assert not any("forward" in m.__dict__ for _, m in mods)
     out = {}
     assert moe_calls(lambda: out.setdefault("y", logits(model, inputs))) == len(mods)
     torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
@@ -186,11 +186,69 @@ def test_patch_unpatch(model_type):
         assert count_ops(lambda: logits(model, inputs)) == len(dense)
     mlp_fuser.unpatch(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    assert set(model.get_experts_implementation().values()) == {"grouped_mm"}
     after = model.state_dict()
     assert list(after) == list(state)
     for k, v in state.items():
         assert torch.equal(after[k], v), k
     assert moe_calls(lambda: logits(model, inputs)) == 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_patch_follows_the_experts_switch(model_type):
+    """patch selects "mlp_fuser" as set_experts_implementation does: a later switch to grouped_mm takes effect (the op
+    is no longer called, the logits are grouped_mm's), patch selects it again, unpatch restores the user's choice."""
+    model, inputs = toy(model_type)
+    grouped = logits(model, inputs)
+    model.set_experts_implementation("eager")  # the user's choice, which unpatch restores
+    eager = logits(model, inputs)
+    mods = experts_modules(model)
+    mlp_fuser.patch(model)
+    assert mlp_fuser.is_patched(model) and model.get_experts_implementation() == {"": "mlp_fuser"}
+    out = {}
+    assert moe_calls(lambda: out.setdefault("fused", logits(model, inputs))) == len(mods)
+    torch.testing.assert_close(out["fused"], grouped, atol=ATOL, rtol=RTOL)
+    model.set_experts_implementation("grouped_mm")
+    assert moe_calls(lambda: out.setdefault("grouped", logits(model, inputs))) == 0
+    assert torch.equal(out["grouped"], grouped) and not mlp_fuser.is_patched(model)
+    mlp_fuser.patch(model)  # patched again: the experts are fused again
+    assert moe_calls(lambda: logits(model, inputs)) == len(mods)
+    mlp_fuser.unpatch(model)
+    assert model.get_experts_implementation() == {"": "grouped_mm"}  # what the user had when patch was called
+    model.set_experts_implementation("eager")
+    mlp_fuser.patch(model)
+    mlp_fuser.unpatch(model)
+    assert model.get_experts_implementation() == {"": "eager"} and not any("forward" in m.__dict__ for _, m in mods)
+    assert moe_calls(lambda: out.setdefault("unpatched", logits(model, inputs))) == 0
+    assert torch.equal(out["unpatched"], eager)
+
+
+def test_patch_experts_outside_the_switch_get_a_forward():
+    """Experts modules the config cannot switch alone keep an instance forward: some of its modules left out by
+    filter_fn (the config stays the user's), or a class whose forward does not read the config."""
+    model, inputs = toy("qwen3_moe")
+    ref = logits(model, inputs)
+    mods = experts_modules(model)
+    mlp_fuser.patch(model, lambda m, path: path != mods[1][0])
+    assert model.get_experts_implementation() == {"": "grouped_mm"}
+    assert isinstance(mods[0][1].__dict__.get("forward"), experts.FusedExpertsForward)
+    assert "forward" not in mods[1][1].__dict__
+    out = {}
+    assert moe_calls(lambda: out.setdefault("y", logits(model, inputs))) == 1
+    torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
+    mlp_fuser.unpatch(model)
+    base = type(mods[0][1])
+    own = type("OwnForward", (base,), {"forward": lambda self, h, i, w: base.forward(self, h, i, w)})
+    for _, m in mods:
+        m.__class__ = own
+    assert not hf.follows_switch(mods[0][1]) and experts.spec(mods[0][1]).ok
+    mlp_fuser.patch(model)
+    assert model.get_experts_implementation() == {"": "grouped_mm"}
+    assert all(isinstance(m.__dict__.get("forward"), experts.FusedExpertsForward) for _, m in mods)
+    assert moe_calls(lambda: out.update(y=logits(model, inputs))) == len(mods)
+    torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
+    mlp_fuser.unpatch(model)
+    assert not any("forward" in m.__dict__ for _, m in mods)
 
 
 # ---- 8. the backend ------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..graph.backend import FilterFn, check_filter, make_backend, pass_options
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
 from ..patch_fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
+from . import hf
 from .experts import FusedExpertsForward, fp8_near_miss, fuse_experts, spec
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
 from .router import FusedRouterForward, fuse_router
@@ -41,6 +42,7 @@ _HELD = "_mlp_fuser_held_logs"  # set on an exception: the log records held back
 _MODULES = "_mlp_fuser_fused_modules"  # per-module patching: the paths of the modules given a fused forward
 _SETTINGS = "_mlp_fuser_settings"  # what patch was called with
 _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weight paths it stored as one
+_SWITCHED = "_mlp_fuser_switched"  # experts whose config patch set to "mlp_fuser": one path per config -> its choice
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
 _FORWARDS = (FusedModuleForward, FusedExpertsForward, FusedRouterForward, FusedFp8Linear)  # what patch installs
@@ -65,9 +67,10 @@ def is_patched(model: nn.Module) -> bool:
     """Whether ``patch`` fused ``model`` (its MLP modules' forwards, or its own forward). A patched model that went
     through pickling (``torch.save`` / ``torch.load``) comes back unpatched: a fused forward is a compiled
     function, not state, and pickle restores the plain bound method in its place."""
-    paths = model.__dict__.get(_MODULES)
-    if paths is not None:
-        return all(isinstance(model.get_submodule(p).__dict__.get("forward"), _FORWARDS) for p in paths)
+    paths, switched = model.__dict__.get(_MODULES), model.__dict__.get(_SWITCHED)
+    if paths is not None or switched is not None:
+        return (all(isinstance(model.get_submodule(p).__dict__.get("forward"), _FORWARDS) for p in paths or ())
+                and all(_implementation(model, p) == hf.NAME for p in switched or ()))
     forward = model.__dict__.get("forward")
     return _ORIG in model.__dict__ and getattr(getattr(forward, "__func__", forward), _FUSED, False)
 
@@ -93,7 +96,9 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
     MLPs are modules of their own. An MLP module whose weights the op cannot read (float8, integer, a tensor subclass
     such as torchao's) is left as it is, with its reason logged (``explain`` reports it); where that leaves nothing
     to fuse, the model is left exactly as it was. A call that fails raises what the unpatched forward raises.
-    Patching a patched model again with other options re-patches it with those. ``merge_gate_up=True``: then
+    Patching a patched model again with other options re-patches it with those. Routed experts of transformers'
+    ``@use_experts_implementation`` classes are fused by selecting ``"mlp_fuser"`` in their config, so
+    ``set_experts_implementation`` still switches them afterwards. ``merge_gate_up=True``: then
     ``merge_gate_up(model, filter_fn)``, which ``unpatch`` undoes.
     """
     filter_fn = check_filter(filter_fn)
@@ -118,9 +123,14 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             log.warning("mlp_fuser.patch: nothing fused, the model is left as it was: %s", misses[0].reason)
             return model
         if fused:
+            switched = _switchable(model, fused)
+            for path in switched:
+                hf.select(model.get_submodule(path).config, hf.NAME)
+            fused = {p: f for p, f in fused.items() if not _same_config(model, p, switched)}
             for path, forward in fused.items():
                 model.get_submodule(path).forward = forward
             model.__dict__[_MODULES] = list(fused)
+            model.__dict__[_SWITCHED] = switched
             model.__dict__[_SETTINGS] = settings
             if merge_gate_up:
                 model.__dict__[_MERGED] = _merge(model, _gate_up_paths(fused))
@@ -137,6 +147,30 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
     if merge_gate_up:
         model.__dict__[_MERGED] = _merge(model, _gate_up_paths(_proven(model, filter_fn, pass_options(**options))))
     return model
+
+
+def _switchable(model: nn.Module, fused: dict) -> dict[str, str | None]:
+    """The experts configs ``patch`` selects ``"mlp_fuser"`` in, as {path of one experts module: the config's choice}:
+    those whose every experts module is in ``fused`` and follows the switch, held by a model in ``model`` (so
+    ``set_experts_implementation`` reaches them and no module outside ``model`` reads them)."""
+    groups: dict[int, list[str]] = {}
+    for path, module in model.named_modules():
+        if hf.follows_switch(module):
+            groups.setdefault(id(module.config), []).append(path)
+    owners = {id(m.config) for m in model.modules() if hasattr(m, "set_experts_implementation")
+              and hasattr(m, "config")}
+    return {paths[0]: model.get_submodule(paths[0]).config._experts_implementation for key, paths in groups.items()
+            if key in owners and all(isinstance(fused.get(p), FusedExpertsForward) for p in paths)}
+
+
+def _same_config(model: nn.Module, path: str, switched: dict) -> bool:
+    """Whether the module at ``path`` is an experts module reading one of the ``switched`` configs."""
+    module = model.get_submodule(path)
+    return hf.follows_switch(module) and any(module.config is model.get_submodule(p).config for p in switched)
+
+
+def _implementation(model: nn.Module, path: str) -> str | None:
+    return getattr(model.get_submodule(path).config, "_experts_implementation", None)
 
 
 def merge_gate_up(model: nn.Module, filter_fn: FilterFn | None = None) -> list[str]:
@@ -274,21 +308,30 @@ def _hold_back_meta_failure_logs() -> None:
 @contextlib.contextmanager
 def fused_forwards_aside(model: nn.Module):
     """Meanwhile, the modules ``patch`` gave a fused forward run their own (``explain`` reports what they are)."""
-    aside = {}
+    aside, configs = {}, {}
     for path in model.__dict__.get(_MODULES, ()):
         module = model.get_submodule(path)
         if isinstance(module.__dict__.get("forward"), _FORWARDS):
             aside[module] = module.__dict__.pop("forward")
+    for path, before in model.__dict__.get(_SWITCHED, {}).items():
+        if _implementation(model, path) == hf.NAME:
+            configs[path] = model.get_submodule(path).config
+            hf.select(configs[path], before)
     try:
-        yield list(model.__dict__.get(_MODULES, ()))
+        yield list(model.__dict__.get(_MODULES, ())) + list(configs)
     finally:
         for module, forward in aside.items():
             module.__dict__["forward"] = forward
+        for config in configs.values():
+            hf.select(config, hf.NAME)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the forwards ``patch`` replaced, and the weights' storages where it merged them; return ``model``."""
     model.__dict__.pop(_SETTINGS, None)
+    for path, before in model.__dict__.pop(_SWITCHED, {}).items():
+        if _implementation(model, path) == hf.NAME:  # else the user chose another since: theirs stays
+            hf.select(model.get_submodule(path).config, before)
     merged = model.__dict__.pop(_MERGED, None)
     if merged:
         _split(model, merged)

@@ -12,7 +12,9 @@ Three ways in, all through ``experts_forward``:
 - importing mlp_fuser registers it in transformers' ``ExpertsInterface`` as ``"mlp_fuser"`` (``hf.py``):
   ``from_pretrained(..., experts_implementation="mlp_fuser")`` or ``model.set_experts_implementation("mlp_fuser")``
   (``generate`` keeps it while decoding: it only swaps ``grouped_mm``);
-- ``mlp_fuser.patch(model)`` gives each experts module it can fuse an instance-level forward (``fuse_experts``);
+- ``mlp_fuser.patch(model)`` selects ``"mlp_fuser"`` in the experts' config, as ``set_experts_implementation`` does,
+  so a later ``set_experts_implementation("grouped_mm")`` takes effect (``hf.follows_switch``); experts modules whose
+  class does not dispatch through the config get an instance-level forward (``fuse_experts``);
 - the backend finds the experts' graph in what Dynamo captured (``patterns/experts.py``).
 A module ``spec`` rejects runs transformers' own implementation.
 

@@ -1,11 +1,15 @@
 """transformers' experts switch: ``experts_forward`` registered as the experts implementation ``"mlp_fuser"`` in
-``ExpertsInterface`` (and ``FP8ExpertsInterface``), at once where transformers has loaded them, else when it does."""
+``ExpertsInterface`` (and ``FP8ExpertsInterface``), at once where transformers has loaded them, else when it does;
+which experts modules the switch reaches (``follows_switch``), and selecting it in a config (``select``: ``patch``)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
+
+from torch import nn
 
 from .experts import NAME, experts_forward
 
@@ -24,6 +28,41 @@ def register() -> bool:
         return True
     FP8ExpertsInterface.register(NAME, experts_forward)
     return True
+
+
+@functools.cache
+def _switch_code():
+    """The code of the forward ``@use_experts_implementation`` gives a class (it reads the config's experts
+    implementation on every call), or None without transformers."""
+    try:
+        from transformers.integrations.moe import use_experts_implementation
+    except Exception:
+        return None
+
+    class Probe(nn.Module):
+        def forward(self):
+            pass
+
+    return use_experts_implementation(Probe).forward.__code__
+
+
+def follows_switch(module: nn.Module) -> bool:
+    """Whether ``module``'s class forward picks its implementation from ``module.config`` through an experts interface
+    that holds ``"mlp_fuser"`` (transformers' experts classes, ``FP8Experts`` too), so the config selects it."""
+    forward = type(module).forward
+    code = getattr(forward, "__code__", None)
+    if code is None or code is not _switch_code() or "experts_interface" not in code.co_freevars:
+        return False
+    interface = forward.__closure__[code.co_freevars.index("experts_interface")].cell_contents
+    return NAME in interface and hasattr(getattr(module, "config", None), "_experts_implementation")
+
+
+def select(config, implementation: str | None) -> None:
+    """Set ``config``'s experts implementation alone (not its sub-configs'), as ``set_experts_implementation`` does."""
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = implementation
+    else:
+        config._experts_implementation = implementation
 
 
 _MODULE = "transformers.integrations.moe"
