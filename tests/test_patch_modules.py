@@ -2,6 +2,8 @@
 model stays eager (mlp_fuser/patch/modules.py)."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ from _hf_models import count_ops
 from torch import nn
 
 import mlp_fuser
+from mlp_fuser.graph import fx_pass
+from mlp_fuser.patch import modules
 from mlp_fuser.patch.api import _MODULES
 from mlp_fuser.patch.modules import FusedModuleForward, fuse_module
 
@@ -301,6 +305,69 @@ def test_weights_read_as_they_are_take_one_generated_call_and_views_take_the_gra
             torch.testing.assert_close(m(inp), type(m).forward(m, inp))
         mlp.down_proj.weight = nn.Parameter(torch.randn(32, 64))  # replaced: read from the dict on every call
         torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))
+
+
+def _captures(monkeypatch) -> list:
+    """Each capture patch makes of a module appends to the list returned (the pass runs once per capture)."""
+    calls, real = [], fx_pass.fuse_mlps
+    monkeypatch.setattr(fx_pass, "fuse_mlps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(modules, "_PROOFS", {})
+    return calls
+
+
+def test_one_proof_per_signature_for_every_module_and_model(monkeypatch):
+    """A model's identical MLPs and a second model of the same config share one capture per train/eval mode; each
+    runs with its own weights, and the proof keeps no model's tensors alive."""
+    captures = _captures(monkeypatch)
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    first = _llama(3)
+    mlp_fuser.patch(first)
+    assert len(captures) == 2  # eval and train, for all three layers
+    kept = [weakref.ref(p) for p in first.parameters()]
+    torch.manual_seed(5)
+    second = _llama(3)
+    for p in second.parameters():
+        p.data.normal_()  # other weights than the first's: the proof must read the module it is given
+    with torch.no_grad():
+        ref = second(ids).logits
+        mlp_fuser.patch(second)
+        assert len(captures) == 2 and mlp_fuser.is_patched(second)
+        out = {}
+        assert count_ops(lambda: out.setdefault("y", second(ids).logits)) == 3
+        torch.testing.assert_close(out["y"], ref, rtol=1e-5, atol=1e-5)
+        del first
+        gc.collect()
+        assert all(r() is None for r in kept)
+        assert modules._PROOFS
+        second.train()
+        torch.testing.assert_close(second(ids).logits, ref, rtol=1e-5, atol=1e-5)  # the train-mode proof too
+
+
+class ActMLP(nn.Module):
+    def __init__(self, act, inner=16):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(8, inner), nn.Linear(inner, 8), act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_modules_of_other_signatures_get_their_own_proofs(monkeypatch):
+    """Another width, another activation setting of the same class, another dtype: each its own capture, each
+    computing what it computes (float64 reference)."""
+    captures = _captures(monkeypatch)
+    mods = [ActMLP(nn.GELU()), ActMLP(nn.GELU(approximate="tanh")), ActMLP(nn.GELU(), 24), ActMLP(nn.GELU()).double(),
+            ActMLP(nn.GELU())]
+    for m in mods:
+        mlp_fuser.patch(m.eval())
+    assert len(captures) == 2 * 4  # the last module is the first's kind
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for m in mods:
+            ref = type(m).forward(copy.deepcopy(m).double(), x)
+            xm = x.to(m.fc1.weight.dtype)
+            assert count_ops(lambda m=m, xm=xm: m(xm)) == 1
+            torch.testing.assert_close(m(xm).double(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_per_module_patch_leaves_attention_as_eager_calls_it(monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import types
@@ -128,10 +129,28 @@ def _projections(module: nn.Module) -> list[nn.Module]:
 
 def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
     """The fused forward for ``module`` when it is one MLP in eval or train mode (each proven on its own: a dropout
-    inside is inactive in one and active in the other), else None."""
+    inside is inactive in one and active in the other), else None. The proofs are kept by ``_signature``: a model's
+    identical layers, and the next model of the same kind, are captured once."""
     projs = _projections(module)
     if not projs or "forward" in module.__dict__:
         return None
+    key = _signature(module, options)
+    graphs = _PROOFS.get(key, _UNSEEN) if key is not None else _UNSEEN
+    if graphs is _UNSEEN:
+        graphs = _proofs(module, projs, options)
+        if key is not None:
+            if len(_PROOFS) >= _MAX_PROOFS:
+                _PROOFS.clear()
+            _PROOFS[key] = graphs
+    if not graphs:
+        return None
+    graphs = {training: (g[0], g[1], _own_site(g[2]), *g[3:]) for training, g in graphs.items()}
+    params = list(inspect.signature(type(module).forward).parameters)
+    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
+
+
+def _proofs(module: nn.Module, projs: list[nn.Module], options: dict) -> dict[bool, Proof]:
+    """The proof of ``module`` in each train/eval mode it is one MLP in."""
     modes = {m: m.training for m in module.modules()}
     graphs = {}
     try:
@@ -143,10 +162,70 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
     finally:
         for m, training in modes.items():
             m.training = training
-    if not graphs:
+    return graphs
+
+
+def _own_site(direct: Callable | None) -> Callable | None:
+    """``direct`` with an ``EagerSite`` of its own: a site keeps the plans of a few weights (one module's)."""
+    if direct is None:
         return None
-    params = list(inspect.signature(type(module).forward).parameters)
-    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
+    namespace = {**direct.__globals__, "op": EagerSite(direct.__globals__["op"].entry)}
+    return types.FunctionType(direct.__code__, namespace, direct.__name__)
+
+
+_PROOFS: dict = {}  # _signature -> {training: Proof}: a few entries per process (one per kind of MLP module)
+_MAX_PROOFS = 256
+_UNSEEN = object()
+_MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping (parameters, children, hooks, training)
+_HOOKS = tuple(k for k in _MODULE_STATE if "hooks" in k)
+
+
+def _signature(module: nn.Module, options: dict) -> tuple | None:
+    """What a proof of ``module`` depends on: its class, each submodule's class and plain attributes (activation
+    settings, a config), each parameter's and buffer's type, shape, strides, dtype, device and requires_grad, and the
+    pass's options. None where something else could decide what Dynamo captures (a hook on a child, an attribute of
+    another kind): that module is proven on its own."""
+    try:
+        parts: list = [tuple(sorted((k, _value(v)) for k, v in options.items()))]
+        for path, m in module.named_modules(remove_duplicate=False):
+            if m is not module and any(getattr(m, h, None) for h in _HOOKS):
+                return None
+            tensors = [(k, None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+                       for k, t in (*m._parameters.items(), *m._buffers.items())]
+            if any(t is not None and t[0] not in (Tensor, nn.Parameter) for _, t in tensors):
+                return None  # a DTensor's proof reads its mesh and placements; a subclass is not proven anyway
+            attrs = sorted((k, _value(v, m)) for k, v in vars(m).items() if k not in _MODULE_STATE)
+            parts.append((path, type(m), tuple(tensors), tuple(attrs)))
+        key = tuple(parts)
+        hash(key)
+    except Exception:  # _Unkeyed, an unhashable value, a config that cannot be written out
+        return None
+    return key
+
+
+class _Unkeyed(Exception):
+    """A value ``_signature`` cannot key by."""
+
+
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _value(v, owner: nn.Module | None = None):
+    """A hashable stand-in for attribute value ``v`` equal for values a forward cannot tell apart."""
+    if isinstance(v, _PLAIN_VALUES) or isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return v
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = tuple(_value(x, owner) for x in v)
+        return type(v), tuple(sorted(items, key=repr)) if isinstance(v, (set, frozenset)) else items
+    if isinstance(v, dict):
+        return dict, tuple(sorted(((k, _value(x, owner)) for k, x in v.items()), key=repr))
+    if isinstance(v, types.MethodType) and v.__self__ is owner:  # an activation picked from the module's methods
+        return types.MethodType, v.__func__
+    if isinstance(v, functools.partial):
+        return functools.partial, _value(v.func, owner), _value(v.args, owner), _value(v.keywords, owner)
+    if callable(getattr(v, "to_json_string", None)):  # a transformers config
+        return type(v), v.to_json_string(use_diff=False)
+    raise _Unkeyed(type(v))
 
 
 def _prove(module: nn.Module, projs: list[nn.Module], options: dict, sites: list | None = None) -> Proof | None:
@@ -176,10 +255,12 @@ def _prove(module: nn.Module, projs: list[nn.Module], options: dict, sites: list
             raise  # the graph pass failed: a bug to see, not a sample input of the wrong width
         except Exception:
             continue
-        if len(captured) == 1:
-            proof = _graph(module, x, *captured[0])
+        found = captured[:]
+        captured.clear()  # Dynamo may keep the backend: no weight is kept through it
+        if len(found) == 1:
+            proof = _graph(module, x, *found[0])
             if proof is not None and sites is not None:
-                sites += captured[0][2].fused[:1]
+                sites += found[0][2].fused[:1]
             return proof
     return None
 

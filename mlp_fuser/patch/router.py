@@ -5,7 +5,8 @@ captured on its own in eval mode without gradients, is a graph over its input an
 ``patterns/router_topk.py`` rewrites to ``mlp_fuser::moe_router_topk`` (transformers' ``Qwen3MoeTopKRouter`` and the
 routers that copy it). The installed forward runs that graph for a tensor input in eval mode with no gradient
 needed, and the module's own forward otherwise (training: the op has no backward, and some routers add noise).
-Modules alike (type, weight shape, dtype, device, their plain attributes) share one proof.
+Modules alike (type, weight shape, dtype, device, their attributes: ``modules._signature``) share one proof, in a model
+and across models.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from ..graph._dynamo_utils import fresh_code
 from ..patterns import router_topk
 from .experts import _plain_forward
+from .modules import _signature
 
 _PLAIN_ATTRS = (bool, int, float, str, type(None))
 
@@ -75,9 +77,11 @@ def _prove(module: nn.Module):
         return None
     finally:
         module.train(training)
-    if len(captured) != 1:
+    found = captured[:]
+    captured.clear()  # Dynamo may keep the backend: no weight is kept through it
+    if len(found) != 1:
         return None
-    gm, inputs = captured[0]
+    gm, inputs = found[0]
     chains = [c for c in router_topk.find(gm.graph) if not c.needs_grad]
     if len(chains) != 1 or any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
@@ -103,11 +107,21 @@ def _prove(module: nn.Module):
     return gm.forward, names
 
 
+_PROOFS: dict = {}  # (_key, _signature) -> proof or None: a few entries per process (most of them: not a router)
+_MAX_PROOFS = 256
+
+
 def fuse_router(module: nn.Module, memo: dict) -> FusedRouterForward | None:
-    """The fused forward for a top-k router module, else None; ``memo`` shares proofs among modules alike."""
+    """The fused forward for a top-k router module, else None; proofs are shared among modules alike (``memo`` for
+    those ``_signature`` cannot key)."""
     key = _key(module)
     if key is None:
         return None
+    signature = _signature(module, {})
+    if signature is not None:
+        key, memo = (key, signature), _PROOFS
+        if key not in memo and len(memo) >= _MAX_PROOFS:
+            memo.clear()
     if key not in memo:
         memo[key] = _prove(module)
     proof = memo[key]
