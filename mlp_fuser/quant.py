@@ -77,11 +77,13 @@ def _check(x: Tensor, weights: Sequence[tuple[str, fp8_kernels.Fp8Weight, Tensor
 
 def why_not_kernels(x: Tensor) -> str | None:
     """Why the FP8 kernels cannot run for x (the aten reference runs instead), or None."""
-    return fp8.why_not_kernels(x.device)
+    device = x.device
+    return fp8.why_not_kernels(device.type, device.index)
 
 
 def _problem(x: Tensor, M: int) -> fp8.Problem:
-    return fp8.Problem(x.device.type, x.dtype, M, x.device.index)
+    device = x.device
+    return fp8.Problem(device.type, x.dtype, M, device.index)
 
 
 def choose(x: Tensor, M: int) -> str:

@@ -320,7 +320,7 @@ def test_no_bf16_copy_of_a_weight_exists_in_hbm(M):
 
 
 def test_fp8_w8a8_setting_picks_the_row(monkeypatch):
-    monkeypatch.setattr(fp8, "why_not_kernels", lambda device: None)  # as on an sm89+ GPU
+    monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)  # as on an sm89+ GPU
     x = torch.randn(1, 64)
     assert quant.choose(x, 1) == "fp8_w8a8"
     with mlp_fuser.config.patch(fp8_w8a8=False):

@@ -55,15 +55,23 @@ class Impl:
                 return f"device {p.device} not in {sorted(devices)}"
         if self.dtypes is not None and p.dtype not in self.dtypes:
             return f"dtype {p.dtype} not supported"
-        return next((r for r in (c(p) for c in self.why) if r is not None), None)
+        return _first_reason(self.why, p)
 
     def not_worth(self, p) -> str | None:
         """None when the dispatcher should time this implementation for the problem it supports, else why not."""
-        return next((r for r in (c(p) for c in self.worth) if r is not None), None)
+        return _first_reason(self.worth, p)
 
     def candidate(self, p) -> bool:
         """Whether the dispatcher times this implementation for ``p``: it runs it and it is worth timing there."""
         return self.why_not(p) is None and self.not_worth(p) is None
+
+
+def _first_reason(checks: tuple[Check, ...], p) -> str | None:
+    for check in checks:  # a loop, not a generator: the untimed families (FP8) ask on every call
+        reason = check(p)
+        if reason is not None:
+            return reason
+    return None
 
 
 @dataclass(frozen=True)

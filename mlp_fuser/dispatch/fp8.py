@@ -31,17 +31,17 @@ class Problem(NamedTuple):
         return self.M
 
 
-def why_not_kernels(device: torch.device) -> str | None:
-    """Why the FP8 kernels cannot run on ``device`` (the aten reference runs instead), or None."""
-    if device.type != "cuda":
-        return f"x is on {device.type}: the FP8 kernels run on CUDA"
-    if torch.cuda.get_device_capability(device) < (8, 9):
+def why_not_kernels(device: str, index: int | None) -> str | None:
+    """Why the FP8 kernels cannot run on the device (its type, its index) (the aten reference runs instead), or None."""
+    if device != "cuda":
+        return f"x is on {device}: the FP8 kernels run on CUDA"
+    if torch.cuda.get_device_capability(index) < (8, 9):
         return "the GPU has no float8 conversion (before sm89): the weights are dequantized per call"
     return None
 
 
 def _kernels_run(p: Problem) -> str | None:
-    return why_not_kernels(torch.device(p.device, p.index))
+    return why_not_kernels(p.device, p.index)
 
 
 def _a8_on(p: Problem) -> str | None:
