@@ -505,7 +505,7 @@ def path_model(model, path, first: bool):
 
 def fp8_reference_why_not(device) -> str | None:
     """Why the FP8 reference (the twin as transformers runs it) cannot run here, or None."""
-    from mlp_fuser import patch_fp8
+    from mlp_fuser.patch import fp8 as patch_fp8
 
     if device == "cuda" and patch_fp8.transformers_fp8_kernel_loads():
         return None

@@ -2,8 +2,9 @@
 
 __version__ = "0.1.0"
 
-from . import compat, config, quant, quant_moe  # noqa: F401  (config, compat as attributes; quant* register ops)
+from . import compat, config  # noqa: F401  (config, compat as attributes)
 from .activations import ACTIVATIONS, get_activation  # noqa: F401
+from .ops import quant, quant_moe  # noqa: F401  (register the quant_* ops)
 from .ops.dense import gated_mlp, mlp  # noqa: F401
 from .ops.moe import moe_mlp  # noqa: F401
 from .ops.router import moe_router_topk  # noqa: F401

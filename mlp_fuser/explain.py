@@ -17,8 +17,8 @@ from .graph._dynamo_utils import fresh_code
 from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
 from .patch import experts
 from .patch.api import fused_forwards_aside, original_forward
+from .patch.fp8 import fp8_site, fuse_fp8_linear
 from .patch.modules import weight_near_miss
-from .patch_fp8 import fp8_site, fuse_fp8_linear
 
 
 @dataclass

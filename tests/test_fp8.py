@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import mlp_fuser
-from mlp_fuser import quant
 from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
+from mlp_fuser.ops import quant
 from mlp_fuser.reference import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -243,7 +243,7 @@ def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8):
 
 
 def test_patch_runs_an_fp8_llama_as_its_dequantized_twin(monkeypatch):
-    from mlp_fuser import patch_fp8
+    from mlp_fuser.patch import fp8 as patch_fp8
 
     calls = []
     counted = patch_fp8._COMPUTE["gated_mlp"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mlp_fuser
-from mlp_fuser import quant_moe
+from mlp_fuser.ops import quant_moe
 from mlp_fuser.patch import experts
 from mlp_fuser.reference import rel_err
 from mlp_fuser.tools import models as _hf

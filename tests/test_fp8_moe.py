@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from _moe_cases import sentinels
 from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty, requires_cuda
 
-from mlp_fuser import config, quant_moe
+from mlp_fuser import config
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels import moe as kmoe
+from mlp_fuser.ops import quant_moe
 from mlp_fuser.reference import rel_err
 
 FP8 = torch.float8_e4m3fn

@@ -38,9 +38,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("mlp_fuser/patch/router.py", "_modules"): _MODULE_DICTS,
     ("mlp_fuser/patch/router.py", "_parameters"): _MODULE_DICTS,
     ("mlp_fuser/patch/router.py", "_buffers"): _MODULE_DICTS,
-    ("mlp_fuser/patch_fp8.py", "_modules"): _MODULE_DICTS,
-    ("mlp_fuser/patch_fp8.py", "_parameters"): _MODULE_DICTS,
-    ("mlp_fuser/patch_fp8.py", "_buffers"): _MODULE_DICTS,
+    ("mlp_fuser/patch/fp8.py", "_modules"): _MODULE_DICTS,
+    ("mlp_fuser/patch/fp8.py", "_parameters"): _MODULE_DICTS,
+    ("mlp_fuser/patch/fp8.py", "_buffers"): _MODULE_DICTS,
 }
 
 

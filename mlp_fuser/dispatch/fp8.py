@@ -1,4 +1,4 @@
-"""The FP8-weight MLP ops' implementations (``quant_linear``, ``quant_mlp``, ``quant_gated_mlp``: ``quant.py``) as
+"""The FP8-weight MLP ops' implementations (``quant_linear``, ``quant_mlp``, ``quant_gated_mlp``: ``ops/quant.py``) as
 rows of the one dispatcher's table (``core``). Not timed: from the top down, the first row that runs a call runs it
 (or the one ``config.force_impl`` names). A row's ``fn(x, weights, activation, gated)`` takes x as given and the
 checked weights ``[(name, Fp8Weight, bias)]`` (one: a linear; two: an MLP; three: gate, up, down).

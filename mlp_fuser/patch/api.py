@@ -30,9 +30,9 @@ from ..graph._dynamo_utils import fresh_code
 from ..graph.backend import FilterFn, check_filter, make_backend, pass_options
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
-from ..patch_fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
 from . import hf
 from .experts import FusedExpertsForward, fp8_near_miss, fuse_experts, spec
+from .fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
 from .router import FusedRouterForward, fuse_router
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import compat, quant_moe
+from .. import compat
+from ..ops import quant_moe
 from ..ops.moe import Gate, eager_moe_mlp, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface

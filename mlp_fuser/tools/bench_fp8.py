@@ -37,9 +37,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import compat, quant, quant_moe
+from .. import compat
 from ..kernels import fp8 as K8
-from ..ops import moe
+from ..ops import moe, quant, quant_moe
 from .bench_moe import reference64, routing, time_us
 
 BLOCK = (128, 128)
@@ -132,7 +132,7 @@ def scaled_mm_mlp(fws, x, ref):
 
 
 def transformers_why_not(device) -> str | None:
-    from ..patch_fp8 import transformers_fp8_kernel_loads
+    from ..patch.fp8 import transformers_fp8_kernel_loads
 
     if device == "cuda" and transformers_fp8_kernel_loads():
         return None

@@ -16,8 +16,9 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from . import compat, quant
-from .patch.modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
+from .. import compat
+from ..ops import quant
+from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _OPS = {"mlp": torch.ops.mlp_fuser.quant_mlp.default, "gated_mlp": torch.ops.mlp_fuser.quant_gated_mlp.default}
@@ -57,8 +58,8 @@ def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None, str] | st
         return "no weight_scale_inv beside its float8 weight"
     if type(w) not in (Tensor, nn.Parameter) or type(s) not in (Tensor, nn.Parameter):
         return f"a {type(w).__name__} weight (the FP8 op reads plain tensors)"
-    if block is not None and block[1] >= w.shape[1] and block[0] in (1, w.shape[0]):
-        block = None  # one scale per row (or per tensor) as a block: the op reads it from the scales' shape
+    if maker == "torchao" and block is not None and block[1] >= w.shape[1] and block[0] in (1, w.shape[0]):
+        block = None  # torchao's per-row (or per-tensor) scales as a block: the op reads them from their shape
     try:
         quant._weight("weight", w, s, "fp8_e4m3", block)
     except ValueError as e:

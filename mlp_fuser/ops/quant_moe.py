@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import compat, config
-from .kernels import fp8 as fp8_kernels
-from .ops import moe
+from .. import compat, config
+from ..kernels import fp8 as fp8_kernels
+from . import moe
 from .quant import FORMATS, why_not_kernels
 
 PAIRS_MAX = 64  # up to this many token-expert pairs a GEMV per pair (the "pairs" path), above it the sorted GEMMs
@@ -127,7 +127,7 @@ def _plan(x2, ids2, wts2, fgu, fd, gate: moe.Gate):
            fd.block_n, fd.block_k, gate, config.fp8_w8a8)
     plan = _PLANS.get(key)
     if plan is None:
-        from .kernels import moe as kmoe  # imported on first use: nothing is compiled before
+        from ..kernels import moe as kmoe  # imported on first use: nothing is compiled before
 
         T, k = ids2.shape
         way, a8 = path(T, k)

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .activations import get_activation
-from .dispatch import fp8
-from .kernels import fp8 as fp8_kernels
+from ..activations import get_activation
+from ..dispatch import fp8
+from ..kernels import fp8 as fp8_kernels
 
 FORMATS = ("fp8_e4m3",)
 _FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
