@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import compat, config
+from ..kernels import moe as kmoe
 from ..kernels.common import next_power_of_2
 from ..reference import Gate, reference_experts
 from . import core
@@ -57,8 +58,6 @@ def runner(impl: Impl, args: tuple) -> Callable[..., Tensor]:
 def _triton(path: str) -> ImplFn:
     """The Triton kernels (``kernels/moe.py``) through one of their paths."""
     def impl(x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
-        from ..kernels import moe as kmoe  # imported on first use: nothing is compiled before
-
         return kmoe.moe_experts(x, ids, wts, wgu, bgu, wd, bd, expert_act(gate), gate.interleaved, path)
     return impl
 
@@ -66,8 +65,6 @@ def _triton(path: str) -> ImplFn:
 def _triton_plan(path: str) -> Callable[[tuple], Callable[..., Tensor]]:
     """``kernels.moe.experts_plan`` for one of the paths: the launches' integer arguments worked out once."""
     def plan(args):
-        from ..kernels import moe as kmoe
-
         gate = args[-1]
         return kmoe.experts_plan(*args[:-1], expert_act(gate), gate.interleaved, path)
     return plan
@@ -76,8 +73,6 @@ def _triton_plan(path: str) -> Callable[[tuple], Callable[..., Tensor]]:
 @functools.lru_cache(maxsize=256)
 def expert_act(gate: Gate):
     """The kernels' description of a ``Gate``."""
-    from ..kernels import moe as kmoe
-
     return kmoe.ExpertAct(gate.activation, 0.0, gate.limit, gate.clamp_after, gate.up_offset)
 
 
@@ -94,14 +89,10 @@ def _one_token(p: Problem) -> str | None:
 
 
 def _tma_ok(p: Problem) -> str | None:
-    from ..kernels import moe as kmoe
-
     return kmoe.tma_shape_why_not(torch.device(p.device), p.dtype, p.H, p.I, p.gate.interleaved)
 
 
 def _many_rows(p: Problem) -> str | None:
-    from ..kernels import moe as kmoe
-
     if not config.moe_tma:
         return "off by default: lighter on the GPU, heavier on the host (MLP_FUSER_MOE_TMA=1 times it)"
     if kmoe.rows_bucket(p.T, p.k, p.E) == 128:  # more than 96 rows per touched expert
