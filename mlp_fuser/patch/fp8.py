@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 
 import torch
 from torch import Tensor, nn
 
 from .. import compat
 from ..ops import quant
-from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in
+from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in, fused_forward, in_each_mode
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _OPS = {"mlp": torch.ops.mlp_fuser.quant_mlp.default, "gated_mlp": torch.ops.mlp_fuser.quant_gated_mlp.default}
@@ -166,22 +165,11 @@ def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
     projs = _projections(module)
     if not projs or "forward" in module.__dict__ or (fmt := _format(projs)) is None:
         return None
-    modes = {m: m.training for m in module.modules()}
-    graphs = {}
-    try:
-        for training in (False, True):
-            module.train(training)
-            found = _proof(module, projs, options)
-            if found is not None:
-                op_name, children, activation, _ = found
-                graphs[training] = (None, None, _direct(op_name, children, activation, fmt[1], fmt[2]), None, None)
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    if not graphs:
+    found = in_each_mode(module, lambda: _proof(module, projs, options))
+    if not found:
         return None
-    params = list(inspect.signature(type(module).forward).parameters)
-    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
+    return fused_forward(module, {training: (None, None, _direct(op, children, act, fmt[1], fmt[2]), None, None)
+                                  for training, (op, children, act, _) in found.items()})
 
 
 class FusedFp8Linear:

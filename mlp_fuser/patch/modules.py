@@ -144,25 +144,34 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
             _PROOFS[key] = graphs
     if not graphs:
         return None
-    graphs = {training: (g[0], g[1], _own_site(g[2]), *g[3:]) for training, g in graphs.items()}
+    return fused_forward(module, {training: (g[0], g[1], _own_site(g[2]), *g[3:]) for training, g in graphs.items()})
+
+
+def fused_forward(module: nn.Module, graphs: dict[bool, Proof]) -> FusedModuleForward:
+    """The forward ``patch`` installs for ``module`` with its proofs per train/eval mode."""
     params = list(inspect.signature(type(module).forward).parameters)
     return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
 
 
-def _proofs(module: nn.Module, projs: list[nn.Module], options: dict) -> dict[bool, Proof]:
-    """The proof of ``module`` in each train/eval mode it is one MLP in."""
+def in_each_mode(module: nn.Module, prove: Callable[[], Any]) -> dict[bool, Any]:
+    """``prove()`` with ``module`` in eval, then in train mode (a dropout inside is inactive in one, active in the
+    other), where it gives something; every submodule's mode restored after."""
     modes = {m: m.training for m in module.modules()}
-    graphs = {}
+    found = {}
     try:
         for training in (False, True):
             module.train(training)
-            graph = _prove(module, projs, options)
-            if graph is not None:
-                graphs[training] = graph
+            if (value := prove()) is not None:
+                found[training] = value
     finally:
         for m, training in modes.items():
             m.training = training
-    return graphs
+    return found
+
+
+def _proofs(module: nn.Module, projs: list[nn.Module], options: dict) -> dict[bool, Proof]:
+    """The proof of ``module`` in each train/eval mode it is one MLP in."""
+    return in_each_mode(module, lambda: _prove(module, projs, options))
 
 
 def _own_site(direct: Callable | None) -> Callable | None:
