@@ -132,3 +132,125 @@ def test_float64_raises_not_implemented():
     x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(3, 2, 4, 16, 8, torch.float64)
     with pytest.raises(NotImplementedError, match="float64"):
         moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, ExpertAct("silu"), False, dy)
+
+
+# ---- the op's autograd: mlp_fuser.moe_mlp with gradients runs the Triton backward where the dispatcher chooses it --
+
+
+@pytest.fixture
+def triton_backward(monkeypatch):
+    """The Triton rows allowed on CPU tensors (the interpreter), the choices forgotten before and after."""
+    from mlp_fuser import config
+    from mlp_fuser.ops import moe
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    moe.reset()
+    yield
+    moe.reset()
+
+
+def uneven_ids(T, k, E, seed):
+    """Routing as a skewed router gives it: expert 0 in about 60% of the tokens, the last expert in none, about 10%
+    sentinel ids (>= E), distinct experts per token where the draw allows."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])
+    many = torch.rand(T, generator=gen) < 0.6
+    ids[:, 0] = torch.where(many, 0, ids[:, 0])
+    ids[:, 1:] = torch.where(many[:, None] & (ids[:, 1:] == 0), E - 2, ids[:, 1:])
+    return torch.where(torch.rand((T, k), generator=gen) < 0.1, sentinels(gen, (T, k), E), ids)
+
+
+OP_CASES = {  # T, k, E, H, I, activation, gated, bias
+    "gated_top1": (26, 1, 5, 40, 24, "silu", True, False),
+    "gated_top2_bias": (23, 2, 6, 32, 40, "silu", True, True),
+    "plain_top2": (21, 2, 5, 36, 20, "gelu", False, False),
+    "plain_top1_bias": (19, 1, 4, 24, 16, "gelu_tanh", False, True),
+}
+OP_DTYPE_CASES = [(n, dt) for dt in KERNEL_DTYPES for n in OP_CASES
+                  if dt == torch.float32 or KERNEL_DEVICE == "cuda" or n in ("gated_top2_bias", "plain_top1_bias")]
+
+
+def op_case(name, dtype, seed):
+    T, k, E, H, I, act, gated, bias = OP_CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    x, w_gu, b_gu, w_d, b_d = expert_tensors(gen, T, E, H, I, gated, bias)
+    wts = torch.rand((T, k), generator=gen)
+    dy = torch.randn((T, H), generator=gen)
+    ids = uneven_ids(T, k, E, seed)
+    tensors = [t.to(dtype).to(KERNEL_DEVICE) if t is not None else None for t in (x, wts, w_gu, b_gu, w_d, b_d, dy)]
+    return ids.to(KERNEL_DEVICE), act, Gate(act, gated=gated), tensors
+
+
+@pytest.mark.parametrize(("name", "dtype"), OP_DTYPE_CASES, ids=[f"{n}-{dt}" for n, dt in OP_DTYPE_CASES])
+def test_op_gradients_through_triton_backward(triton_backward, name, dtype):
+    """Every input's gradient through mlp_fuser.moe_mlp against float64 autograd through the aten reference, with an
+    expert that gets most tokens and one that gets none; the backward that ran is the Triton one."""
+    import mlp_fuser
+
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case(name, dtype, seed=len(name))
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, wts, w_gu, b_gu, w_d, b_d)]
+    with poisoned_empty():
+        y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act)
+        assert type(y.grad_fn).__name__ == "_MoEFunctionBackward"
+        y.backward(dy)
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
+    check([t.grad if t is not None else None for t in leaves], ref, BAR[dtype])
+    y64 = reference(*(t.cpu().double() if t.is_floating_point() else t.cpu()
+                      for t in (x, ids, wts, w_gu)), *(t.cpu().double() if t is not None else None
+                                                        for t in (b_gu, w_d, b_d)), gate)
+    assert rel_err(y.detach().cpu(), y64) <= BAR[dtype]
+    E = w_gu.shape[0]
+    assert not leaves[2].grad[E - 1].any() and leaves[2].grad[0].abs().sum() > 0  # none for the unused expert
+
+
+def test_op_frozen_experts_and_3d_input(triton_backward):
+    """Frozen experts (LoRA elsewhere): gradients reach x and the routing weights only; x with two leading dims."""
+    import mlp_fuser
+
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top2_bias", torch.float32, seed=7)
+    xg, wg = x.clone().view(1, *x.shape).requires_grad_(), wts.clone().view(1, *wts.shape).requires_grad_()
+    with poisoned_empty():
+        y = mlp_fuser.moe_mlp(xg, ids.view(1, *ids.shape), wg, w_gu, b_gu, w_d, b_d, act)
+        assert type(y.grad_fn).__name__ == "_MoEFunctionBackward"
+        y.backward(dy.view(1, *dy.shape))
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
+    check([xg.grad.view(x.shape), wg.grad.view(wts.shape)], ref[:2], BAR[torch.float32])
+
+
+def test_op_double_backward_through_aten(triton_backward):
+    """create_graph=True: the gradients come from the aten path, so they can be differentiated again."""
+    import mlp_fuser
+
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top1", torch.float32, seed=3)
+    xs = [x.clone().requires_grad_(), w_d.clone().requires_grad_()]
+    xs64 = [t.detach().double().requires_grad_() for t in xs]
+    outs = []
+    for (xx, wd), dt in ((xs, torch.float32), (xs64, torch.float64)):
+        y = mlp_fuser.moe_mlp(xx, ids, wts.to(dt), w_gu.to(dt), None, wd, None, act)
+        gx, = torch.autograd.grad(y, xx, dy.to(dt), create_graph=True)
+        outs.append(torch.autograd.grad((gx * gx).sum(), wd))
+    assert rel_err(outs[0][0], outs[1][0]) <= BAR[torch.float32]
+
+
+def test_backward_table_reasons_and_fallbacks(triton_backward, monkeypatch):
+    """The dispatcher's rows for calls with gradients: the Triton one where Triton runs, the aten path otherwise
+    (float64, CPU without the interpreter's opt-in), each with its reason."""
+    import mlp_fuser
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import core, experts
+    from mlp_fuser.ops import moe
+
+    gate = Gate("silu")
+    p = experts.StepProblem("cpu", torch.float64, 8, 2, 4, 16, 8, gate, False, True, True)
+    assert experts.BACKWARD_BY_NAME["triton_moe_backward"].why_not(p) == "dtype torch.float64 not supported"
+    assert [i.name for i in core.candidates(experts.BACKWARD, p)] == ["reference"]
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top1", torch.float64, seed=1)
+    y = mlp_fuser.moe_mlp(x.requires_grad_(), ids, wts, w_gu, None, w_d, None, act)
+    assert type(y.grad_fn).__name__ != "_MoEFunctionBackward"
+    monkeypatch.setattr(config, "triton_on_cpu", False)
+    moe.reset()
+    assert "device cpu" in experts.BACKWARD_BY_NAME["triton_moe_backward"].why_not(
+        experts.StepProblem("cpu", torch.float32, 8, 2, 4, 16, 8, gate, False, True, True))
+    y = mlp_fuser.moe_mlp(x.float(), ids, wts.float().requires_grad_(), w_gu.float(), None, w_d.float(), None, act)
+    assert type(y.grad_fn).__name__ != "_MoEFunctionBackward"
+

@@ -2,7 +2,9 @@
 
 The Triton paths (``kernels/moe.py``) on CUDA, timed once per bucket of T on the call's own routing, with the host's
 time (``wall``: between syncs) for plain calls and on the GPU alone for CUDA-graph captures; ``grouped_mm`` and the
-aten path (``reference_experts``) elsewhere or where nothing else runs.
+aten path (``reference_experts``) elsewhere or where nothing else runs. Calls with gradients choose from a table of
+their own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``) or autograd through the aten path, each
+row timed as the whole training step it implies (forward and backward).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 from torch import Tensor
 
 from .. import compat, config
+from ..activations import get_activation
 from ..kernels import moe as kmoe
+from ..kernels import moe_backward as kbwd
 from ..kernels.common import next_power_of_2
 from ..reference import Gate, reference_experts
 from . import core
@@ -162,3 +166,91 @@ def chosen(p: Problem) -> str | None:
     differs), or None."""
     ident = (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases)
     return next((c.name for k, c in core.choices(EXPERTS).items() if k[:9] == ident), None)
+
+
+# ---- calls with gradients: the Triton backward or autograd through the aten path --------------------------------
+
+
+@dataclass(frozen=True)
+class StepProblem(Problem):
+    """A call with gradients: its ``Problem`` and which gradients are asked for (frozen experts: no weights')."""
+
+    need_dx: bool
+    need_weights: bool
+
+
+def problem(x2: Tensor, ids2: Tensor, wgu: Tensor, wd: Tensor, bgu, bd, gate: Gate, *need: bool) -> Problem:
+    """The call's ``Problem``; with ``need`` (need_dx, need_weights) its ``StepProblem``."""
+    return (StepProblem if need else Problem)(x2.device.type, x2.dtype, x2.shape[0], ids2.shape[1], wgu.shape[0],
+                                              x2.shape[1], wd.shape[2], gate, bgu is not None or bd is not None, *need)
+
+
+def triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate: Gate, dy, need_dx: bool, need_weights: bool) -> tuple:
+    """(dx, dwts, dwgu, dbgu, dwd, dbd) from dy (T, H) by ``kernels.moe_backward`` (None where not asked)."""
+    return kbwd.moe_backward(x, ids, wts, wgu, bgu, wd, bd, expert_act(gate), gate.interleaved, dy, need_dx=need_dx,
+                             need_weights=need_weights)
+
+
+# The rows' functions are the training step each implies, (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy) -> grads:
+# what is timed. The op runs the chosen one's forward and backward apart (ops/moe.py).
+def _triton_step(need_dx: bool, need_weights: bool):
+    def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
+        args = (x, ids, wts, wgu, bgu, wd, bd, gate)
+        choose(problem(x, ids, wgu, wd, bgu, bd, gate), args).fn(*args)  # the forward without gradients
+        return triton_backward(*args, dy, need_dx, need_weights)
+    return step
+
+
+def _aten_step(need_dx: bool, need_weights: bool):
+    def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
+        wants = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
+        leaves = [t.detach().requires_grad_(w) if t is not None else None
+                  for t, w in zip((x, wts, wgu, bgu, wd, bd), wants)]
+        with torch.enable_grad():
+            y = reference_experts(leaves[0], ids, *leaves[1:], gate)
+            return torch.autograd.grad(y, [t for t in leaves if t is not None and t.requires_grad], dy)
+    return step
+
+
+def _triton_grad(p: Problem) -> str | None:
+    if get_activation(p.gate.activation).triton_grad is None:
+        return f"activation {p.gate.activation!r} has no Triton derivative"
+    return None
+
+
+def _step(make) -> ImplFn:
+    """A row's function: (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy, (need_dx, need_weights)) -> the gradients."""
+    return lambda *a: make(*a[-1])(*a[:-1])
+
+
+BACKWARD_IMPLS: list[Impl] = [
+    Impl("triton_moe_backward", _step(_triton_step), frozenset({"cuda"}), triton=True, why=(_triton_grad,),
+         notes="the op's forward, then gate/up recomputed, dh and A' in one kernel, dx by the down kernel, dW per "
+               "expert tile; nothing saved but the inputs"),
+    Impl("grouped_mm", _step(_aten_step), frozenset({"cuda"}), frozenset({torch.bfloat16}), why=(_grouped_mm_ok,),
+         notes="autograd through the aten path (torch._grouped_mm): its activations saved"),
+    Impl("reference", _step(_aten_step), None, FLOAT, notes="autograd through the aten path"),
+]
+BACKWARD_BY_NAME = {i.name: i for i in BACKWARD_IMPLS}
+
+
+BACKWARD = core.Registry("moe_backward", BACKWARD_IMPLS, core.Rules(sleep_cycles=10_000_000, wall=True),
+                         what="the backward of ", describe=lambda p: f"moe_mlp {p}")
+
+
+def _backward_key(p: StepProblem) -> tuple:
+    return (*_choice_key(p), p.need_dx, p.need_weights)
+
+
+def choose_backward(p: StepProblem, args: tuple) -> Impl:
+    """The implementation of a call with gradients (``args``: the forward's, x and ids 2-D, detached): on CUDA the
+    faster training step of the eligible rows, timed once per bucket of T on the call's own routing and a random dy;
+    the aten path while the first call of a bucket is being captured in a CUDA graph."""
+    found = core.cached(BACKWARD, _backward_key(p))
+    if found is None:
+        gen = torch.Generator(device=args[0].device).manual_seed(0)  # the caller's random stream left alone
+        dy = torch.randn((p.T, p.H), generator=gen, device=args[0].device).to(p.dtype)
+        found = core.choose(BACKWARD, p, (*args, dy, (p.need_dx, p.need_weights)), _backward_key(p))
+        if found is None:
+            return BACKWARD_BY_NAME["reference"]
+    return found.eager

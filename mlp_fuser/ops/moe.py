@@ -16,11 +16,12 @@ GPT-OSS's transposed storage is passed as ``.transpose(1, 2)`` views, never copi
 and A = act(gu) for plain experts.
 
 Kernels, top of the dispatcher down: autocast (like nn.Linear: floating inputs cast to the autocast dtype);
-autograd (with gradients needed: the grouped aten path, ``reference``, which autograd differentiates, dx, d weights
-and d routing weights); every device: ``_forward`` runs what the dispatcher chose among the experts' rows
-(``dispatch/experts.py``: the Triton paths on CUDA, timed once per shape bucket, for plain calls and for CUDA-graph
-captures apart; the aten path elsewhere; a call
-whose signature, ``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake:
+autograd (with gradients needed: ``_MoEFunction``, the forward as without them, then the Triton backward, where the
+dispatcher's table of calls with gradients, ``experts.BACKWARD``, chooses it; else the grouped aten path,
+``reference``, which autograd differentiates: dx, d weights and d routing weights); every device: ``_forward`` runs
+what the dispatcher chose among the experts' rows (``dispatch/experts.py``: the Triton paths on CUDA, timed once per
+shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere; a call whose signature,
+``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake:
 shapes only. ``eager_moe_mlp`` is the entry for eager callers: plain calls skip those layers.
 """
 
@@ -126,6 +127,7 @@ def _check_ids(ids: Tensor) -> None:
 def reset() -> None:
     """Forget the experts' choices and the calls' signatures."""
     core.reset(experts.EXPERTS)
+    core.reset(experts.BACKWARD)
     _EAGER.clear()
 
 
@@ -218,12 +220,60 @@ def _autograd(keyset, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=Fal
         gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
         H, k = x.shape[-1], ids.shape[-1]
         T = math.prod(x.shape[:-1])
-        y = reference(x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
-        return y.view(x.shape)
+        args = (x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
+        if _triton_backward(args, x.requires_grad, compat.any_requires_grad(wgu, bgu, wd, bd)):
+            return _MoEFunction.apply(x, ids, wts, wgu, bgu, wd, bd, gate)
+        return reference(*args).view(x.shape)
     with compat.below_autograd():
         return torch.ops.mlp_fuser.moe_mlp.default.redispatch(
             keyset & compat.AFTER_AUTOGRAD, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
             clamp_after, up_offset)
+
+
+def _triton_backward(args: tuple, need_dx: bool, need_weights: bool) -> bool:
+    """Whether a call with gradients runs ``_MoEFunction``: plain tensors outside any tracing or transform (the
+    backward's kernels take real tensors), and the dispatcher's choice for its problem (``experts.BACKWARD``)."""
+    x2, ids2, wts2, wgu, bgu, wd, bd, gate = args
+    if (x2.shape[0] == 0 or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()
+            or not all(type(t) is Tensor for t in (x2, ids2, wts2, wgu, wd, *(b for b in (bgu, bd) if b is not None)))):
+        return False
+    p = experts.problem(x2, ids2, wgu, wd, bgu, bd, gate, need_dx, need_weights)
+    detached = tuple(t.detach() if isinstance(t, Tensor) else t for t in args)
+    return experts.choose_backward(p, detached).name == "triton_moe_backward"
+
+
+class _MoEFunction(torch.autograd.Function):
+    """The op with gradients through the Triton backward (``kernels/moe_backward.py``): the forward as chosen for calls
+    without them; saved are the inputs alone (the backward recomputes gate/up from x, as the issue's memory asks)."""
+
+    @staticmethod
+    def forward(ctx, x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
+        y = _forward(x, ids, wts, wgu, bgu, wd, bd, gate.activation, gate.interleaved, gate.limit, gate.clamp_after,
+                     gate.up_offset)
+        ctx.save_for_backward(x, ids, wts, wgu, bgu, wd, bd)
+        ctx.gate = gate
+        return y if y._base is None else y.detach()  # a tensor of its own: callers may update it in place
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ids, wts, wgu, bgu, wd, bd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        H, k = x.shape[-1], ids.shape[-1]
+        T = math.prod(x.shape[:-1])
+        args = (x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, ctx.gate)
+        if torch.is_grad_enabled():  # create_graph=True: the aten path, which autograd differentiates again
+            inputs = [(i, t) for i, t in enumerate((x, None, wts, wgu, bgu, wd, bd)) if need[i]]
+            y = reference(*args)
+            got = torch.autograd.grad(y, [t for _, t in inputs], dy.reshape(T, H), create_graph=True)
+            grads = [None] * 7
+            for (i, _), g in zip(inputs, got):
+                grads[i] = g
+            return (*grads, None)
+        dx, dwts, dwgu, dbgu, dwd, dbd = experts.triton_backward(*args, dy.reshape(T, H), need[0], any(need[3:7]))
+        return (dx.view(x.shape) if need[0] else None, None, dwts.view(wts.shape) if need[2] else None,
+                dwgu if need[3] else None, dbgu if need[4] else None, dwd if need[5] else None,
+                dbd if need[6] else None, None)
 
 
 _lib.impl("moe_mlp", _autograd, "Autograd", with_keyset=True)
