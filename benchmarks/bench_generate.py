@@ -825,8 +825,8 @@ def time_modules(label, model, gen, device, tokens=16, what=""):
         return timed
 
     # a patched MLP's launch plans: the host time of each callee (cuBLAS's F.linear, torch.empty, a Triton launch)
-    from mlp_fuser.runtime import plans
-    plan_globals = [plan.__globals__ for plan in plans.PLANS.values()]
+    from mlp_fuser.dispatch import dense as dispatch
+    plan_globals = [plan.__globals__ for plan in dispatch.PLANS.values()]
     saved = [dict(g) for g in plan_globals]
     for g in plan_globals:
         for n in [n for n in g if n in ("_linear", "_empty", "_zeros") or n.endswith("_launch")]:

@@ -141,7 +141,6 @@ def _host_times(module, patched, w, x):
     from mlp_fuser import config
     from mlp_fuser.dispatch import dense as dispatch
     from mlp_fuser.kernels import common
-    from mlp_fuser.runtime import plans
 
     op = torch.ops.mlp_fuser.gated_mlp.default
     M, K, I = x.shape[0], x.shape[-1], w[0].shape[0]
@@ -199,7 +198,7 @@ def _host_times(module, patched, w, x):
         for label, choice, fn in variants:
             if label.startswith(("module, patched, plans calling", "module, patched (again")):
                 common.compat.LAUNCH_FORMS = {} if "Python launcher" in label else forms
-                plans.clear()  # rebuilt by the first call below, with or without the C launch function
+                dispatch.clear_plans()  # rebuilt by the first call below, with or without the C launch function
             for _ in range(20):
                 fn()
             samples = []

@@ -13,14 +13,13 @@ from mlp_fuser import compat, config
 from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.ops import dense as ops
 from mlp_fuser.reference import reference_mlp
-from mlp_fuser.runtime import plans
 
 
 @pytest.fixture
 def site(monkeypatch):
     monkeypatch.setattr(ops, "_plans_apply", lambda x: True)
     calls = []
-    plans.clear()
+    dispatch.clear_plans()
 
     def make(gated=True, bias=False, c=None):
         c = c or make_case(6, 32, 48, 16, gated=gated, bias=(bias,) * 3, lead=(2,))
@@ -30,12 +29,12 @@ def site(monkeypatch):
             calls.append(x)
             return reference_mlp(x, wg, bg, wu, bu, wd, bd, "silu")
 
-        sig = plans.signature(dispatch.MLPArgs(c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, "silu"), True)
-        plans.PLANS[sig] = plan
+        sig = dispatch.signature(dispatch.MLPArgs(c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, "silu"), True)
+        dispatch.PLANS[sig] = plan
         return s, c
 
     yield make, calls
-    plans.clear()
+    dispatch.clear_plans()
 
 
 def _args(c):
@@ -142,7 +141,7 @@ def test_what_the_signature_holds_beyond_the_tensors(site, monkeypatch, what):
     calls.clear()
     operands = list(_args(c))
     if what == "plans cleared":
-        plans.clear()
+        dispatch.clear_plans()
     elif what == "a setting":
         monkeypatch.setattr(config, "autotune", not config.autotune)
     elif what == "a launch hook":
@@ -197,10 +196,10 @@ def test_a_call_without_a_plan_is_learned_once(site, monkeypatch):
     entry, without looking for a plan on every call."""
     make, calls = site
     s, c = make()
-    plans.clear()  # no plan under this signature
+    dispatch.clear_plans()  # no plan under this signature
     looked = []
-    real = plans.signature
-    monkeypatch.setattr(plans, "signature", lambda *a: looked.append(1) or real(*a))
+    real = dispatch.signature
+    monkeypatch.setattr(dispatch, "signature", lambda *a: looked.append(1) or real(*a))
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(s(c.x, *_args(c)), c.unfused())

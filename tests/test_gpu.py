@@ -237,7 +237,7 @@ def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
     signature run the plan (integers for pointers, one workspace, Triton's C launch function called directly) and
     match float64 as the unfused module does, with freed memory poisoned first and no host synchronisation."""
     monkeypatch.setattr(config, "force_impl", impl)
-    plans.clear()
+    dispatch.clear_plans()
     for M, K, I, O, gated, act, bias, lead in PLAN_SIZES:
         rows = M * math.prod(lead)  # x is (*lead, M, K): the op sees this many rows
         if dispatch.IMPLS_BY_NAME[impl].why_not(dispatch.Problem("cuda", dtype, rows, K, I, O, gated)):
@@ -245,12 +245,12 @@ def test_gpu_planned_calls_match_float64(impl, dtype, monkeypatch):
         for i in range(4):
             case = make_case(M, K, I, O, gated=gated, act=act, dtype=dtype, device="cuda", bias=(bias,) * 3,
                              lead=lead)
-            key = plans.signature(case.record(), False)
+            key = dispatch.signature(case.record(), False)
             # built by the first call, run after; small_m's fp32 calls without b_down return its zeroed accumulator
             planned = i > 0 and not (impl == "triton_small_m" and dtype == torch.float32 and not bias)
-            assert (plans.get(key) is not None) == planned, (impl, M, i)
+            assert (dispatch.get_plan(key) is not None) == planned, (impl, M, i)
             if planned:  # each launch calls Triton's C launch function, not the Python launcher around it
-                launches = {k: v for k, v in plans.get(key).__globals__.items() if k.endswith("_launch")}
+                launches = {k: v for k, v in dispatch.get_plan(key).__globals__.items() if k.endswith("_launch")}
                 assert launches and all(type(f).__name__ == "builtin_function_or_method" for f in launches.values())
             torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory the next outputs may reuse
             ref = case.reference64()
@@ -271,18 +271,18 @@ def test_gpu_gate_and_up_stored_as_one_match_float64(impl, dtype, monkeypatch):
     """Gate and up as the halves of one weight (Phi-3's gate_up_proj): one GEMM over the whole weight, act·mul on its
     two halves, in plain and planned calls, matching float64 as the unfused module does."""
     monkeypatch.setattr(config, "force_impl", impl)
-    plans.clear()
+    dispatch.clear_plans()
     # cublas_two_streams runs at 16 < M <= 256 only (forced outside that, the dispatcher refuses it)
     small, large = (6, 300) if impl == "cublas_act_mul" else (24, 200)
     for M, K, I, O, lead in ((small, 576, 1536, 576, (1,)), (large, 1024, 2816, 1024, ())):
         for i in range(3):
             case = make_case(M, K, I, O, act="silu", dtype=dtype, device="cuda", bias=(False,) * 3, lead=lead,
                              layout="merged")
-            key = plans.signature(case.record(), False)
+            key = dispatch.signature(case.record(), False)
             planned = i > 0 and impl in plans.PLANNED  # cublas_two_streams has no plan: it runs its full path
-            assert (plans.get(key) is not None) == planned, (impl, M, i)
+            assert (dispatch.get_plan(key) is not None) == planned, (impl, M, i)
             if planned:
-                assert "as_strided" in plans.source(plans.get(key))
+                assert "as_strided" in plans.source(dispatch.get_plan(key))
             torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed memory the next outputs may reuse
             ref = case.reference64()
             err, unfused = rel_err(case.op()(*case.args()), ref), rel_err(case.unfused(), ref)
@@ -355,7 +355,7 @@ def _first_calls_in_cuda_graph_trees(case, parameters=False):
     into buffers of their own before recording (so weights stored as one would reach the op as separate copies)."""
     core.reset()
     dispatch._resolved.clear()
-    plans.clear()
+    dispatch.clear_plans()
     torch._dynamo.reset()
     x, *rest = case.args()
     if parameters:
@@ -578,7 +578,7 @@ def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backw
     def steps(planned):
         import copy
         monkeypatch.setattr(config, "plans", planned)
-        plans.clear()
+        dispatch.clear_plans()
         full.update(backward=0, saving=0)
         model = mlp_fuser.patch(copy.deepcopy(base), backward=backward)
         out = []
@@ -593,7 +593,7 @@ def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backw
 
     steps(True)  # the dispatcher's first call of a shape times its candidates (those launches build no plan)
     with_plans, calls = steps(True)
-    assert plans.BACKWARD_PLANS and (bool(plans.SAVING_PLANS) == (backward == "save"))
+    assert dispatch.BACKWARD_PLANS and (bool(dispatch.SAVING_PLANS) == (backward == "save"))
     assert calls == {"backward": 1, "saving": 1 if backward == "save" else 0}, calls
     without, calls = steps(False)
     assert calls == {"backward": 3, "saving": 3 if backward == "save" else 0}, calls

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top; a module may import its own layer and those before it. The package's __init__ (the public API)
@@ -150,3 +153,65 @@ def test_one_dispatcher():
 
     for table in (dense.IMPLS, dense.BACKWARD_IMPLS, experts.IMPLS, router.IMPLS, fp8.IMPLS):
         assert all(type(i) is dispatch_core.Impl for i in table)
+
+
+def _calls_between_modules(fn) -> list[tuple[str, str, str]]:
+    """(caller module, callee module, callee function) of every Python call from one of the package's modules into
+    another that ``fn()`` makes, in order."""
+    by_file = {str(path.resolve()): name for name, path in _modules().items()}
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None:
+            callee = by_file.get(frame.f_code.co_filename)
+            caller = by_file.get(frame.f_back.f_code.co_filename)
+            if callee and caller and callee != caller:
+                calls.append((caller, callee, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["cpu", "recorded", "planned"])
+def test_the_dense_ops_call_passes_each_layer_once(monkeypatch, path):
+    """Following the dense op's input from its entry (torch.ops, no gradient): ops validates and calls the dispatcher
+    once, the dispatcher chooses (or finds the plan it keeps) and calls down into runtime and kernels, and nothing
+    calls back up a layer (runtime calling the dispatcher's or the op's functions, the op looking a plan up before or
+    after the dispatcher). ``recorded``: as on CUDA, the chosen implementation's launches recorded into a plan;
+    ``planned``: a later call with that signature, run by the plan the dispatcher keeps (a stand-in here)."""
+    import torch
+
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import dense as dispatch
+    from mlp_fuser.reference import reference_mlp, rel_err
+
+    dtype = torch.float32
+    x, wg, wu, wd = (torch.randn(*s, dtype=dtype) for s in ((2, 3, 32), (48, 32), (48, 32), (16, 48)))
+    if path != "cpu":
+        monkeypatch.setattr(config, "triton_on_cpu", True)  # the interpreter runs the Triton act·mul
+        monkeypatch.setattr(config, "force_impl", "cublas_act_mul")
+        monkeypatch.setattr(dispatch, "plans_apply", lambda x: True)  # as on CUDA
+    ran = []
+    if path == "planned":
+        def plan(*tensors):
+            ran.append(1)
+            return reference_mlp(*tensors, "silu")
+        a = dispatch.MLPArgs(x, wg, None, wu, None, wd, None, "silu")
+        monkeypatch.setitem(dispatch.PLANS, dispatch.signature(a, False), plan)
+    y = []
+    with torch.no_grad():
+        calls = _calls_between_modules(
+            lambda: y.append(torch.ops.mlp_fuser.gated_mlp.default(x, wg, None, wu, None, wd, None, "silu")))
+    want = reference_mlp(*(t.double() for t in (x, wg)), None, wu.double(), None, wd.double(), None, "silu")
+    assert rel_err(y[0], want) < 1e-5
+    assert [c for c in calls if _layer(c[1]) > _layer(c[0])] == []  # a call up a layer
+    below_ops = [c for c in calls if c[0].startswith("mlp_fuser.ops") and _layer(c[1]) < _layer(c[0])
+                 and LAYERS[_layer(c[1])][0] != "base"]
+    assert below_ops == [("mlp_fuser.ops.dense", "mlp_fuser.dispatch.dense", "run")]
+    assert (ran == [1]) == (path == "planned")
+    if path == "recorded":
+        assert ("mlp_fuser.dispatch.dense", "mlp_fuser.runtime.plans", "record") in calls

@@ -77,6 +77,14 @@ def recording_gemms(monkeypatch) -> list:
     return made
 
 
+def run_and_plan(key, name, fn, x, args):
+    """``fn(*args)``, its plan (``plans.record``) kept for ``key`` in the dispatcher's cache, as ``dispatch.run``
+    keeps it."""
+    y, plan = plans.record(name, fn, x, args)
+    dispatch.keep_plan(dispatch.PLANS, key, plan)
+    return y
+
+
 CASES = [  # (M, K, I, O, gated, bias, lead)
     (1, 64, 96, 48, True, False, (1,)),
     (5, 40, 72, 24, True, True, ()),
@@ -95,10 +103,10 @@ def test_a_plan_launches_what_the_full_path_launched(recorded, name, case):
     x2 = c.x.reshape(-1, K)
     args = c.record(x=x2)
     key = ("test", name, case)
-    plans.clear()
-    y_full = plans.run_and_plan(key, name, impl.fn, c.x, args)
+    dispatch.clear_plans()
+    y_full = run_and_plan(key, name, impl.fn, c.x, args)
     full = list(recorded)
-    plan = plans.get(key)
+    plan = dispatch.get_plan(key)
     assert plan is not None, f"{name}: no plan"
     assert full, "the full path launched nothing"
 
@@ -132,15 +140,21 @@ def test_a_plan_launches_what_the_full_path_launched(recorded, name, case):
 
 
 @pytest.mark.parametrize("name", sorted(plans.PLANNED))
-def test_the_dispatchers_callable_records_a_plan_as_the_op_calls_it(recorded, monkeypatch, name):
-    """The op's own path: ``callable_for(...)`` called with the record's fields spread out, as ``ops._forward`` calls
-    it, keeps a plan for the key (the plan must get a record, not a bare tuple)."""
+def test_the_dispatchers_entry_records_a_plan_then_runs_it(recorded, monkeypatch, name):
+    """The op's own path: ``dispatch.run`` on a validated call keeps a plan for its signature on the first call (a
+    record, as plans read it) and runs that plan on the next, with no choosing."""
     c = make_case(5, 64, 96, 48, dtype=torch.float16)
     monkeypatch.setattr(config, "force_impl", name)
-    args = c.record(x=c.x.reshape(-1, 64))
-    plans.clear()
-    y = dispatch.callable_for(c.x, args, 5, False, ("op path", name))(*args)
-    assert y.shape == (5, 48) and plans.get(("op path", name)) is not None
+    monkeypatch.setattr(dispatch, "plans_apply", lambda x: True)  # as on CUDA
+    a = c.record()
+    dispatch.clear_plans()
+    y = dispatch.run(a, 5, False)
+    key = dispatch.signature(a, False)
+    assert y.shape == (5, 48) and dispatch.get_plan(key) is not None
+    monkeypatch.setattr(dispatch, "resolve", None)  # a call of it fails: the plan must run
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    recorded.clear()
+    assert dispatch.run(c.record(), 5, False).shape == (5, 48) and recorded
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -151,9 +165,9 @@ def test_the_cublas_act_mul_plan_launches_on_the_gate_and_up_it_computed(recorde
     linear = F.linear
     c = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
     impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
-    plans.clear()
-    plans.run_and_plan("k", impl.name, impl.fn, c.x, c.record(x=c.x.reshape(-1, 32)))
-    plan = plans.get("k")
+    dispatch.clear_plans()
+    run_and_plan("k", impl.name, impl.fn, c.x, c.record(x=c.x.reshape(-1, 32)))
+    plan = dispatch.get_plan("k")
     assert plan is not None
     d = make_case(3, 32, 48, 16, gated=gated, bias=(True,) * 3, lead=(2,), dtype=torch.float16)
     made.clear()
@@ -184,9 +198,9 @@ def test_the_cublas_act_mul_plan_runs_one_gemm_where_gate_and_up_are_stored_as_o
 
     c, args, _ = merged_case()
     impl = dispatch.IMPLS_BY_NAME["cublas_act_mul"]
-    plans.clear()
-    plans.run_and_plan("k", impl.name, impl.fn, c.x, dispatch.MLPArgs(c.x.reshape(-1, 32), *args[1:], "silu"))
-    plan = plans.get("k")
+    dispatch.clear_plans()
+    run_and_plan("k", impl.name, impl.fn, c.x, dispatch.MLPArgs(c.x.reshape(-1, 32), *args[1:], "silu"))
+    plan = dispatch.get_plan("k")
     assert plan is not None and "as_strided" in plans.source(plan)
     _, args, w = merged_case()
     made.clear()
@@ -205,7 +219,7 @@ def test_the_signature_tells_apart_everything_a_launch_depends_on():
     base = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
 
     def sig(*tensors, act="silu", eager=False):
-        return plans.signature(dispatch.MLPArgs(*tensors, act), eager)
+        return dispatch.signature(dispatch.MLPArgs(*tensors, act), eager)
 
     key = sig(*base)
     assert sig(*[t.clone() for t in base]) == key  # same metadata, other memory
@@ -239,11 +253,11 @@ def test_no_plan_while_a_launch_hook_is_set(recorded, monkeypatch):
     c = make_case(2, 32, 48, 16, dtype=torch.float16)
     x2 = c.x.reshape(-1, 32)
     impl = dispatch.IMPLS_BY_NAME["triton_gemm_splitk"]
-    plans.clear()
-    plans.run_and_plan("k", impl.name, impl.fn, c.x, c.record(x=x2))
-    assert plans.get("k") is not None
+    dispatch.clear_plans()
+    run_and_plan("k", impl.name, impl.fn, c.x, c.record(x=x2))
+    assert dispatch.get_plan("k") is not None
     monkeypatch.setattr(compat, "launch_hooks", lambda: True)
-    assert plans.get("k") is None  # a profiler's hook: every launch goes through Triton's own path
+    assert dispatch.get_plan("k") is None  # a profiler's hook: every launch goes through Triton's own path
 
 
 def test_small_m_in_fp32_without_b_down_is_not_planned(recorded):
@@ -251,12 +265,12 @@ def test_small_m_in_fp32_without_b_down_is_not_planned(recorded):
     c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, False))
     impl = dispatch.IMPLS_BY_NAME["triton_small_m"]
     args = c.record()
-    plans.clear()
-    plans.run_and_plan("fp32", impl.name, impl.fn, c.x, args)
-    assert plans.get("fp32") is None
+    dispatch.clear_plans()
+    run_and_plan("fp32", impl.name, impl.fn, c.x, args)
+    assert dispatch.get_plan("fp32") is None
     c = make_case(2, 32, 48, 16, dtype=torch.float32, bias=(False, False, True))
-    plans.run_and_plan("fp32 b", impl.name, impl.fn, c.x, c.record())
-    assert plans.get("fp32 b") is not None  # with b_down a finish kernel writes the output
+    run_and_plan("fp32 b", impl.name, impl.fn, c.x, c.record())
+    assert dispatch.get_plan("fp32 b") is not None  # with b_down a finish kernel writes the output
 
 
 # ---- training's plans: the save-mode forward and the backward, computed by stand-in kernels ------------------
@@ -371,12 +385,12 @@ def test_the_backward_plan_gives_the_full_paths_gradients(computing, case, save,
         made.extend(t for t in (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd, g, u) if t is not None)
         return c, c.record(), g, u, torch.randn(*lead, M, O)
 
-    plans.clear()
+    dispatch.clear_plans()
     c, a, g, u, dy = problem()
     n = _need(NEEDS[need], c)
     with torch.no_grad():  # as autograd runs a backward (with grad mode on, _backward_core takes aten ops)
         first = ops._planned_backward("k", n, dy, a, g, u)
-        plan = plans.BACKWARD_PLANS.get("k")
+        plan = dispatch.BACKWARD_PLANS.get("k")
         assert plan is not None, "no plan"
         c, a, g, u, dy = problem()
         want = ops._backward_core(n, dy, a, g, u)
@@ -403,10 +417,10 @@ def test_no_backward_plan_from_the_reference(computing, monkeypatch):
     install("silu")
     monkeypatch.setattr(config, "force_impl", "reference")
     c = make_case(4, 16, 24, 8)
-    plans.clear()
+    dispatch.clear_plans()
     with torch.no_grad():
         ops._planned_backward("k", (True,) * 7, torch.randn(4, 8), c.record())
-    assert plans.BACKWARD_PLANS.get("k") is None
+    assert dispatch.BACKWARD_PLANS.get("k") is None
 
 
 @pytest.mark.parametrize("case", TRAINING_CASES, ids=str)
@@ -423,9 +437,9 @@ def test_the_saving_plan_returns_what_the_full_path_does(computing, case):
         made.extend(t for t in (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd) if t is not None)
         return c.record()
 
-    plans.clear()
+    dispatch.clear_plans()
     ops._planned_saving(name, problem(), "k")
-    plan = plans.SAVING_PLANS.get("k")
+    plan = dispatch.SAVING_PLANS.get("k")
     assert plan is not None and "check" not in plans.source(plan)
     a = problem()
     want = ops._forward_saving(name, a)

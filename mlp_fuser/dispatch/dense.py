@@ -1,5 +1,7 @@
 """The dense MLP op's implementations (``mlp_fuser::mlp``, and its backward) as rows of the one dispatcher's table
-(``core``), and the op's entry into it.
+(``core``; what each row runs is in runtime/dense.py), and the op's one entry into it, ``run``: called once per call
+after the op has validated it, it runs the launch plan kept for the call's signature (``PLANS``, beside the choices),
+else the chosen implementation, recording its plan.
 
 Every implementation declares the devices, dtypes and shapes it supports. ``resolve`` keeps the eligible ones; on
 CUDA, when several are eligible, each is timed once per shape bucket (M rounded up to a power of two) and the fastest
@@ -16,16 +18,14 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .. import config
-from ..kernels import act_mul, fused_mlp_small_m, gate_up_act, quack_gated
-from ..kernels.backward import act_mul_backward, mlp_backward
-from ..kernels.common import gate_up_as_one, is_gate_up_as_one, m_bucket
-from ..kernels.splitk import linear_splitk, splitk_config, splitk_counters
-from ..kernels.swapab import gate_up_act_swapab
+from .. import compat, config
+from ..kernels import act_mul, fused_mlp_small_m, quack_gated
+from ..kernels.backward import mlp_backward
+from ..kernels.common import is_gate_up_as_one, m_bucket, stored_as_one
 from ..reference import reference_mlp, reference_mlp_backward
+from ..runtime import dense as runtime
 from ..runtime import plans
 from . import core
 from .core import Impl, Registry
@@ -52,7 +52,7 @@ class MLPArgs(NamedTuple):
 new_args = partial(tuple.__new__, MLPArgs)
 
 __all__ = ["BACKWARD", "BACKWARD_IMPLS", "FORWARD", "IMPLS", "IMPLS_BY_NAME", "Impl", "MLPArgs", "Problem", "Registry",
-           "callable_for", "chosen", "describe", "eligible", "m_bucket", "resolve", "resolve_backward"]
+           "chosen", "describe", "eligible", "m_bucket", "resolve", "resolve_backward", "run"]
 
 
 class Problem(NamedTuple):
@@ -105,105 +105,30 @@ def _row(name: str, fn: ImplFn, devices, dtypes=core.FLOAT, *, triton=False, max
     return Impl(name, fn, devices, dtypes, triton, why, worth, notes=notes)
 
 
-# ---- the implementations ----------------------------------------------------------------------
-
-
-def _triton_gemm(x2, wg, bg, wu, bu, wd, bd, act):
-    return F.linear(gate_up_act(x2, wg, bg, wu, bu, act), wd, bd)
-
-
-def _then_splitk_down(gate_up) -> ImplFn:
-    """The MLP as ``gate_up`` (gate_up_act's contract; it zeroes the split-K kernel's counters on its way), then the
-    split-K down GEMM: two launches."""
-    def impl(x2, wg, bg, wu, bu, wd, bd, act):
-        M, (O, I) = x2.shape[0], wd.shape
-        config = splitk_config(M, O, I, x2.element_size(), x2.device)
-        counters = splitk_counters(M, O, I, config, x2.device)
-        return linear_splitk(gate_up(x2, wg, bg, wu, bu, act, zero=counters), wd, bd, config, counters=counters)
-    return impl
-
-
-_triton_gemm_splitk = _then_splitk_down(gate_up_act)
-_triton_swapab = _then_splitk_down(gate_up_act_swapab)
-
-
-def _one_gemm_act_mul(x2, wgu, wd, bd, act):
-    """Gate and up stored as one weight (``wgu``, their (2I, K) view): one GEMM for both, act·mul on its halves."""
-    I = wgu.shape[0] // 2
-    gu = F.linear(x2, wgu)
-    return F.linear(act_mul(gu[:, :I], gu[:, I:], act), wd, bd)
-
-
-def _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act):
-    wgu = gate_up_as_one(wg, bg, wu, bu)
-    if wgu is not None:
-        return _one_gemm_act_mul(x2, wgu, wd, bd, act)
-    g = F.linear(x2, wg, bg)
-    u = F.linear(x2, wu, bu) if wu is not None else None
-    return F.linear(act_mul(g, u, act), wd, bd)
-
-
-def _quack_gated(config: str) -> ImplFn:
-    """quack's gated GEMM (tile config ``config``) for gate and up stored as one, then cuBLAS for down."""
-    def impl(x2, wg, bg, wu, bu, wd, bd, act):
-        wgu = gate_up_as_one(wg, bg, wu, bu)
-        if wgu is None:  # forced onto weights it cannot take (the dispatcher only times it where they are one)
-            raise ValueError("mlp_fuser: quack_gated needs gate and up stored as one weight without biases")
-        return F.linear(quack_gated.gated_act(x2, wgu, act, config), wd, bd)
-    return impl
-
-
 def _quack_check(p: Problem) -> str | None:
     return quack_gated.why_not(p.activation, p.K, p.I)
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream cublas_two_streams runs up on
-
-
-def _cublas_two_streams(x2, wg, bg, wu, bu, wd, bd, act):
-    """``cublas_act_mul`` with the up GEMM on a second stream, beside the gate GEMM: at M = 32-256 each of the two
-    leaves SMs idle, and side by side they fill them (faster in CUDA graphs, slower in plain calls by the host's stream
-    switches: benchmarks/NOTES.md, two streams). The fork and the join are stream waits, so a CUDA-graph capture records
-    two branches; u is allocated on the caller's stream, which waits for the side stream before anything reads u or
-    frees x, u or the weights."""
-    if not x2.is_cuda or wu is None:  # the interpreter's CPU runs, or (forced) a plain MLP: one stream
-        return _cublas_act_mul(x2, wg, bg, wu, bu, wd, bd, act)
-    wgu = gate_up_as_one(wg, bg, wu, bu)
-    if wgu is not None:  # stored as one: one stream, whose one GEMM fills the GPU as the two side by side would
-        return _one_gemm_act_mul(x2, wgu, wd, bd, act)
-    here = torch.cuda.current_stream(x2.device)
-    side = _side_streams.get(x2.device.index)
-    if side is None:
-        side = _side_streams[x2.device.index] = torch.cuda.Stream(x2.device)
-    u = torch.empty((x2.shape[0], wu.shape[0]), dtype=x2.dtype, device=x2.device)
-    side.wait_stream(here)  # x, and u's memory, are ready
-    with torch.cuda.stream(side):
-        torch.mm(x2, wu.t(), out=u) if bu is None else torch.addmm(bu, x2, wu.t(), out=u)
-    g = F.linear(x2, wg, bg)
-    here.wait_stream(side)  # u is written
-    return F.linear(act_mul(g, u, act), wd, bd)
 
 
 IMPLS: list[Impl] = [
     _row("triton_small_m", fused_mlp_small_m, frozenset({"cuda"}), max_m=64, triton=True,
          notes="split over I, intermediate on chip, fp32 atomic reduction of partial outputs (zero, kernel, finish)"),
-    _row("triton_gemm", _triton_gemm, frozenset({"cuda"}), triton=True,
+    _row("triton_gemm", runtime.triton_gemm, frozenset({"cuda"}), triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue, then cuBLAS for down"),
-    _row("triton_gemm_splitk", _triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
+    _row("triton_gemm_splitk", runtime.triton_gemm_splitk, frozenset({"cuda"}), max_m=256, triton=True,
          notes="gate and up in one GEMM with act*mul in its epilogue (zeroing the next kernel's counters), then a "
                "split-K GEMM streaming w_down once: two launches"),
     # max_m 32: past it, slower than triton_gemm or cublas_act_mul yet taken within the tie (NOTES.md, swap-AB gate/up)
-    _row("triton_swapab", _triton_swapab, frozenset({"cuda"}), max_m=32, triton=True,
+    _row("triton_swapab", runtime.triton_swapab, frozenset({"cuda"}), max_m=32, triton=True,
          notes="gate and up with the weight rows in the dot's M side (wgmma at a few tokens), act*mul in its epilogue "
                "(zeroing the next kernel's counters), then the split-K GEMM streaming w_down: two launches"),
-    _row("cublas_act_mul", _cublas_act_mul, frozenset({"cuda"}), triton=True,
+    _row("cublas_act_mul", runtime.cublas_act_mul, frozenset({"cuda"}), triton=True,
          notes="cuBLAS for the projections (gate and up in one GEMM where they are stored as one weight), one "
                "Triton kernel for act*mul"),
-    _row("cublas_two_streams", _cublas_two_streams, frozenset({"cuda"}), max_m=256, above_m=16, gated_only=True,
+    _row("cublas_two_streams", runtime.cublas_two_streams, frozenset({"cuda"}), max_m=256, above_m=16, gated_only=True,
          triton=True, notes="cublas_act_mul with gate and up on two streams at once (two branches in a CUDA graph)"),
     # M > 64: at M = 64 it lost to cuBLAS on every measured shape (benchmarks/NOTES.md, quack gated GEMM)
-    *(_row(f"quack_gated_{c}", _quack_gated(c), frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}),
-           above_m=64, gated_only=True, one_weight=True, check=_quack_check,
+    *(_row(f"quack_gated_{c}", runtime.quack_gated_mlp(c), frozenset({"cuda"}),
+           frozenset({torch.float16, torch.bfloat16}), above_m=64, gated_only=True, one_weight=True, check=_quack_check,
            notes=f"quack's warp-specialised gated GEMM ({c} tiles) over gate and up stored as one, act*mul in its "
                  "epilogue, then cuBLAS for down (where quack is installed, sm90)") for c in quack_gated.CONFIGS),
     _row("reference", reference_mlp, None,
@@ -220,10 +145,6 @@ def eligible(p: Problem) -> list[Impl]:
 # ---- the backward: ops.mlp_backward (dy, w_down, g, u, activation, need_h) -> (dgu, h or None) ----------------
 
 
-def _cublas_backward(dy, wd, g, u, act, need_h):
-    return act_mul_backward(dy, wd, g.contiguous(), u.contiguous() if u is not None else None, act, need_h)
-
-
 def _opt_in(p: Problem) -> str | None:
     return None if config.triton_backward else "off unless config.triton_backward (forcing runs it)"
 
@@ -232,7 +153,7 @@ def _opt_in(p: Problem) -> str | None:
 BACKWARD_IMPLS: list[Impl] = [
     _row("triton_backward_gemm", mlp_backward, frozenset({"cuda"}), triton=True, worth=(_opt_in,),
          notes="dh = dy @ w_down in a Triton GEMM with act', the products and h in its epilogue"),
-    _row("cublas_backward_act", _cublas_backward, frozenset({"cuda"}), triton=True,
+    _row("cublas_backward_act", runtime.cublas_backward, frozenset({"cuda"}), triton=True,
          notes="dh from cuBLAS, then the same epilogue as one elementwise Triton pass"),
     _row("reference", reference_mlp_backward, None,
          dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
@@ -298,7 +219,7 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
     ``reg``: the registry (``FORWARD`` or ``BACKWARD``).
     ``activation`` and ``one_weight``: as in ``Problem``, for the implementations whose constraints read them."""
     key = (reg, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu, config.autotune,
-           config.triton_backward, eager, activation, one_weight)  # callable_for builds the same key
+           config.triton_backward, eager, activation, one_weight)  # run builds the same key
     impl = _resolved.get(key)
     if impl is None:
         p = Problem(device.type, dtype, M, K, I, O, gated, activation, one_weight)
@@ -316,20 +237,93 @@ def resolve_backward(device: torch.device, dtype: torch.dtype, M: int, I: int, O
     return resolve(device, dtype, M, O, I, O, gated, args, False, BACKWARD)
 
 
-def callable_for(x: Tensor, args: MLPArgs, M: int, eager: bool, plan_key: tuple | None) -> ImplFn:
-    """What runs one forward call of the op (``fn(*args)``): the chosen implementation, which on this call also
-    records its launch plan for ``plan_key`` where it has one (``plans``: later calls with that signature run the
-    plan and come nowhere near here). ``x``: the call's input as given (the plan passes its pointer)."""
+# ---- the op's one entry: after validation, a signature's plan, else the choice (recording its plan) ---------------
+
+PLANS: dict[tuple, ImplFn] = {}  # signature -> the forward's launch plan (run instead of choosing)
+SAVING_PLANS: dict[tuple, Callable[..., tuple]] = {}  # signature -> the save-mode forward's plan: (y, g, u)
+BACKWARD_PLANS: dict[tuple, Callable[..., tuple]] = {}  # backward signature -> plan: the seven gradients
+_MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
+generation = 0  # counts the plans' clearings: a plan kept elsewhere (patch's EagerSite) is current while this holds
+
+
+def plans_apply(x: Tensor) -> bool:
+    """Whether calls with input x run launch plans: CUDA, plans on, the private path."""
+    return x.is_cuda and config.plans and compat.PRIVATE
+
+
+def signature(a: tuple, eager: bool) -> tuple:
+    """The plan's key for the call ``a`` (its ``MLPArgs``, x as given): see runtime/plans.py's docstring."""
+    x, wg, bg, wu, bu, wd, bd, activation = a
+    pg = wg.data_ptr()
+    if wu is not None:
+        pu = wu.data_ptr()
+        up = (wu.shape, wu.stride(), wu.dtype, wu.device, pu & 15, stored_as_one(wg, wu, pg, pu))
+    return (
+        activation, eager, config.force_impl, config.autotune,
+        x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+        x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+        wg.shape, wg.stride(), wg.dtype, wg.device, pg & 15,
+        wd.shape, wd.stride(), wd.dtype, wd.device, wd.data_ptr() & 15,
+        None if wu is None else up,
+        None if bg is None else (bg.shape, bg.stride(), bg.dtype, bg.device, bg.data_ptr() & 15),
+        None if bu is None else (bu.shape, bu.stride(), bu.dtype, bu.device, bu.data_ptr() & 15),
+        None if bd is None else (bd.shape, bd.stride(), bd.dtype, bd.device, bd.data_ptr() & 15),
+    )
+
+
+def get_plan(key: tuple) -> ImplFn | None:
+    """The forward's plan for a signature, or None (none yet, or a launch hook is set: calls take the full path)."""
+    plan = PLANS.get(key)
+    return plan if plan is None or not compat.launch_hooks() else None
+
+
+def keep_plan(cache: dict, key: tuple, plan: Callable | None) -> None:
+    """``cache[key] = plan`` where there is a plan, the dict started afresh when full."""
+    global generation
+    if plan is not None:
+        if len(cache) >= _MAX_PLANS:
+            cache.clear()
+            generation += 1
+        cache[key] = plan
+
+
+def clear_plans() -> None:
+    """Forget every plan (after the choices are reset)."""
+    global generation
+    PLANS.clear()
+    SAVING_PLANS.clear()
+    BACKWARD_PLANS.clear()
+    generation += 1
+
+
+def run(a: MLPArgs, M: int, eager: bool = False, key: tuple | None = None) -> Tensor:
+    """One validated forward call of the op (``a``: its operands, x as given with M > 0 rows): on CUDA, a signature
+    seen before runs its launch plan; otherwise the chosen implementation runs, and where it has a plan its launches
+    are recorded into one, kept for the signature (``key``, computed here unless the caller has it). ``eager``: the
+    caller runs without CUDA graphs (the choice for such calls)."""
+    x = a.x
+    planned = plans_apply(x)
+    if planned:
+        if key is None:
+            key = signature(a, eager)
+        plan = PLANS.get(key)
+        if plan is not None and not compat.launch_hooks():  # get_plan, without its frame
+            return plan(*a[:7])
+    shape = x.shape
+    args = a if len(shape) == 2 else new_args((x.reshape(M, shape[-1]), *a[1:]))
     _, wg, bg, wu, bu, wd, _, activation = args
     one = is_gate_up_as_one(wg, bg, wu, bu)
-    device, dtype, K, I, O, gated = x.device, x.dtype, x.shape[-1], wg.shape[0], wd.shape[0], wu is not None
+    device, dtype, K, I, O, gated = x.device, x.dtype, shape[-1], wg.shape[0], wd.shape[0], wu is not None
     impl = _resolved.get((FORWARD, device, dtype, M, K, I, O, gated, config.force_impl, config.triton_on_cpu,
                           config.autotune, config.triton_backward, eager, activation, one))  # resolve's key
     if impl is None:  # a new shape: resolve chooses (and keeps the choice under that key)
         impl = resolve(device, dtype, M, K, I, O, gated, args, eager, FORWARD, activation, one)
-    if plan_key is None or impl.name not in plans.PLANNED:
-        return impl.fn
-    return lambda *a: plans.run_and_plan(plan_key, impl.name, impl.fn, x, new_args(a))  # a record, as plans read it
+    if planned and impl.name in plans.PLANNED:
+        y, plan = plans.record(impl.name, impl.fn, x, args)
+        keep_plan(PLANS, key, plan)
+    else:
+        y = impl.fn(*args)
+    return y if len(shape) == 2 else y.view(*shape[:-1], O)
 
 
 def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = False,

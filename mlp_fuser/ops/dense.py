@@ -25,10 +25,9 @@ Registered kernels, from the top of the dispatcher down:
 - autograd: with gradients needed, an autograd.Function (see ``save_preact``); without, a plain CPU or CUDA call
   is computed right there (the hop down the dispatcher would cost more host time than the kernels of a decode
   step), anything else (fake tensors, functionalization) goes on down;
-- every device (CompositeExplicitAutograd): ``_forward``, which validates and runs what ``dispatch`` chose (its
-  choice for eager calls while ``calls.eager`` is set: the backend sets it around graphs run without CUDA graphs);
-  on CUDA a call whose signature was seen before runs that call's launch plan instead (``plans``: the same
-  launches);
+- every device (CompositeExplicitAutograd): ``_forward``, which validates, then hands the call to ``dispatch.run``
+  once (its choice for eager calls while ``calls.eager`` is set: the backend sets it around graphs run without CUDA
+  graphs; on CUDA a call whose signature was seen before runs that call's launch plan, kept by the dispatcher);
 - fake: shapes only, so torch.compile traces the op with no graph break.
 
 Two entries skip the dispatcher where none of its layers is needed: ``eager_mlp`` / ``eager_gated_mlp`` (``patch``'s
@@ -126,29 +125,17 @@ def check_args(op: str, a: MLPArgs) -> None:
 
 
 def _forward(op: str, a: MLPArgs, eager: bool = False, key: tuple | None = None):
-    """Validate, then run what ``dispatch`` gives for the call (``eager``: its choice for calls made without CUDA
-    graphs, where the host's time per call counts too). On CUDA, a signature seen before runs its launch plan
-    (``plans``, kept by the dispatcher's callable on the first call): the same kernels with the same arguments,
-    without the path that found them. ``a``: the call's operands, x as given; ``key``: its signature where the
-    caller has it."""
-    x = a.x
-    planned = x.is_cuda and config.plans and compat.PRIVATE  # _plans_apply, inline (a hot path)
-    if planned:
-        if key is None:
-            key = plans.signature(a, eager)
-        plan = plans.PLANS.get(key)
-        if plan is not None and not compat.launch_hooks():  # plans.get, without its frame
-            return plan(*a[:7])
+    """Validate, then hand the call to the dispatcher's one entry (``dispatch.run``: a launch plan for a signature
+    seen before on CUDA, else its choice; ``eager``: its choice for calls made without CUDA graphs, where the host's
+    time per call counts too). ``a``: the call's operands, x as given; ``key``: its signature where the caller has
+    it."""
     if _problem(a) is not None:
         check_args(op, a)  # raises, naming the argument and every shape
-    shape = x.shape
-    K, O = shape[-1], a.wd.shape[0]
+    shape = a.x.shape
     M = shape[0] if len(shape) == 2 else math.prod(shape[:-1])  # not numel // K, which is 0 rows when K = 0
     if M == 0:
-        return x.new_empty((*shape[:-1], O))
-    args = a if len(shape) == 2 else _args((x.reshape(M, K), *a[1:]))
-    y = dispatch.callable_for(x, args, M, eager, key if planned else None)(*args)
-    return y if len(shape) == 2 else y.view(*shape[:-1], O)
+        return a.x.new_empty((*shape[:-1], a.wd.shape[0]))
+    return dispatch.run(a, M, eager, key)
 
 
 class _Calls(threading.local):
@@ -236,9 +223,7 @@ def eager_gated_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, s
 EAGER = {torch.ops.mlp_fuser.mlp.default: eager_mlp, torch.ops.mlp_fuser.gated_mlp.default: eager_gated_mlp}
 
 
-def _plans_apply(x: Tensor) -> bool:
-    """Whether calls with input x run launch plans: CUDA, plans on, the private path (``_forward`` inlines it)."""
-    return x.is_cuda and config.plans and compat.PRIVATE
+_plans_apply = dispatch.plans_apply
 
 
 class _Seen:
@@ -248,7 +233,7 @@ class _Seen:
 
 
 def _settings(dtype) -> tuple:
-    """What else a call's signature holds (``plans.signature``): the settings that change the dispatcher's choice."""
+    """What else a call's signature holds (``dispatch.signature``): the settings that change the dispatcher's choice."""
     return (config.force_impl, config.autotune, config.plans, compat.PRIVATE,
             dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
@@ -288,12 +273,12 @@ class EagerSite:
             return self.entry(x, *args, **kwargs)
         hit = self.seen.get((x.shape, x.data_ptr() & 15, args[0].data_ptr())) if type(x) is torch.Tensor else None
         if type(hit) is _Unplanned:  # the entry ran it without a plan (its implementation has none)
-            if hit.generation == plans.generation and hit.settings == _settings(x.dtype):
+            if hit.generation == dispatch.generation and hit.settings == _settings(x.dtype):
                 return self.entry(x, *args)
             hit = None  # another implementation may be chosen now: learn again
         if hit is not None:
             tensors = [args[i] for i in hit.where]
-            if ((hit.frozen or not torch.is_grad_enabled()) and hit.generation == plans.generation
+            if ((hit.frozen or not torch.is_grad_enabled()) and hit.generation == dispatch.generation
                     and hit.settings == _settings(x.dtype)  # first: PRIVATE, which the compat checks below need
                     and all(args[i] is None for i in hit.nones) and hit.guards.check(x, *tensors)
                     and hit.pointers == [t.data_ptr() for t in tensors]
@@ -314,7 +299,7 @@ class EagerSite:
                 or not compat.plain_operands(x, operands) or compat.launch_hooks()):
             return
         a = _args((x, *(operands if self.gated else _gated_order(operands)), args[n]))
-        plan = plans.PLANS.get(plans.signature(a, True))  # what the entry's call ran
+        plan = dispatch.PLANS.get(dispatch.signature(a, True))  # what the entry's call ran
         where = tuple(i for i, t in enumerate(operands) if t is not None)
         tensors = [operands[i] for i in where]
         guards = compat.tensor_guards([x, *tensors]) if plan is not None else None
@@ -322,10 +307,10 @@ class EagerSite:
             self.seen.clear()
         key = (x.shape, x.data_ptr() & 15, args[0].data_ptr())
         if guards is None:  # no plan after the entry's call: its implementation has none (or the public path)
-            self.seen[key] = _Unplanned(_settings(x.dtype), plans.generation)
+            self.seen[key] = _Unplanned(_settings(x.dtype), dispatch.generation)
             return
         seen = _Seen()
-        seen.guards, seen.where, seen.plan, seen.generation = guards, where, plan, plans.generation
+        seen.guards, seen.where, seen.plan, seen.generation = guards, where, plan, dispatch.generation
         seen.nones = tuple(i for i in range(n) if operands[i] is None)
         seen.pointers = [t.data_ptr() for t in tensors]
         seen.settings = _settings(x.dtype)
@@ -458,23 +443,23 @@ def _backward_core(need, dy, a: MLPArgs, g=None, u=None):
 
 def _planned_saving(op: str, a: MLPArgs, key: tuple):
     """``_forward_saving`` through its plan for ``key``, recorded and kept on the signature's first call."""
-    plan = plans.SAVING_PLANS.get(key)
+    plan = dispatch.SAVING_PLANS.get(key)
     if plan is not None and not compat.launch_hooks():
         return plan(*a[:7])
     (y, g, u), launches = plans.recorded(_forward_saving, op, a)
     x = a.x
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    plans.keep(plans.SAVING_PLANS, key, plans.build_saving(x, _args((x2, *a[1:])), launches))
+    dispatch.keep_plan(dispatch.SAVING_PLANS, key, plans.build_saving(x, _args((x2, *a[1:])), launches))
     return y, g, u
 
 
 def _planned_backward(key: tuple, need: tuple, dy: Tensor, a: MLPArgs, g=None, u=None):
     """``_backward_core`` through its plan for ``key``, recorded and kept on the signature's first call."""
-    plan = plans.BACKWARD_PLANS.get(key)
+    plan = dispatch.BACKWARD_PLANS.get(key)
     if plan is not None and not compat.launch_hooks():
         return plan(dy, *a[:7], g, u)
     grads, launches = plans.recorded(_backward_core, need, dy, a, g, u)
-    plans.keep(plans.BACKWARD_PLANS, key, plans.build_backward(need, dy, a, g, u, launches))
+    dispatch.keep_plan(dispatch.BACKWARD_PLANS, key, plans.build_backward(need, dy, a, g, u, launches))
     return grads
 
 
@@ -491,7 +476,7 @@ class _MLPFunction(torch.autograd.Function):
         a = _args(args if ctx.gated else (*args[:3], None, None, *args[3:]))
         key = None
         if keyset is None and _plans_apply(a.x):
-            key = plans.signature(a, "save" if save_preact else True)
+            key = dispatch.signature(a, "save" if save_preact else True)
         ctx.plan_key = key
         if save_preact:
             y, g, u = _forward_saving(name, a) if key is None else _planned_saving(name, a, key)

@@ -2,19 +2,20 @@
 
 The first call of the op with a signature runs the full path (validation, the dispatcher's choice, the
 implementation, whose Triton launches go through ``Launcher``, compiling and autotuning the very first time) and
-records those launches. ``build`` turns the record into a plan: one generated function that allocates the output
-and one workspace for every intermediate, then hands each compiled kernel its arguments as plain integers, the
-data pointers included (Triton's launcher takes an integer as a device pointer, skipping the ``data_ptr()`` call
-and the driver's pointer query it makes for a tensor), through Triton's C launch function itself where
-``compat.launch_source`` knows its form; cuBLAS is handed 2-D tensors. Later calls with that signature
-run the plan: no validation, no dispatch, no launch keys. ``source(plan)`` shows what a plan runs.
+records those launches. ``build`` turns the record into a plan: one generated function that allocates the output and
+one workspace for every intermediate, then hands each compiled kernel its arguments as plain integers, the data
+pointers included (Triton's launcher takes an integer as a device pointer, skipping the ``data_ptr()`` call and the
+driver's pointer query it makes for a tensor), through Triton's C launch function itself where
+``compat.launch_source`` knows its form; cuBLAS is handed 2-D tensors. ``source(plan)`` shows what a plan runs.
 
-A signature holds everything the call's validity, the dispatcher's choice and the kernels' specialisation depend
-on: each tensor's shape, strides, dtype, device and 16-byte alignment, whether gate and up are stored as one weight
-(``kernels.common.stored_as_one``: ``cublas_act_mul`` then runs one GEMM for both), the activation, whether the
-call is eager (``patch``, which has its own choice) and the settings that change the choice (``config.force_impl``,
-``config.autotune``, TF32 for fp32). Equal signatures mean the full path would validate, choose and launch the
-same kernels with the same integers; only the data pointers differ, and the plan reads them per call.
+This module builds plans; the dispatcher (``dispatch/dense.py``) keeps them, beside its choices, keyed by the call's
+signature, and a later call with that signature runs the plan: no dispatch, no launch keys. A signature holds
+everything the call's validity, the dispatcher's choice and the kernels' specialisation depend on: each tensor's
+shape, strides, dtype, device and 16-byte alignment, whether gate and up are stored as one weight
+(``kernels.common.stored_as_one``: ``cublas_act_mul`` then runs one GEMM for both), the activation, whether the call
+is eager (``patch``, which has its own choice) and the settings that change the choice (``config.force_impl``,
+``config.autotune``, TF32 for fp32). Equal signatures mean the full path would validate, choose and launch the same
+kernels with the same integers; only the data pointers differ, and the plan reads them per call.
 
 Planned implementations: ``triton_gemm_splitk``, ``triton_swapab`` and ``triton_small_m`` (Triton launches only;
 small_m's fp32 calls without b_down, which return its accumulator, are not planned: that output must start at zero),
@@ -23,11 +24,12 @@ up, the act·mul launch, cuBLAS for down: the choice at prefill sizes, where a p
 decide). The reference takes the full path on every call, and so does every call while a Triton launch hook (a
 profiler) is set: those must go through Triton.
 
-Training through ``patch`` has two plans of its own, kept per signature beside the forward's: ``SAVING_PLANS``, the
-save-mode forward (cuBLAS gate and up, act·mul, cuBLAS down, returning g and u for the backward: ``build_saving``),
-and ``BACKWARD_PLANS``, the backward with the default implementation (cuBLAS dh, the act'·mul epilogue as one
-launch, the weight and input gradients as cuBLAS calls: ``build_backward``). The backward's signature is the
-forward's, the gradients asked for and dy's metadata; the opt-in Triton dh GEMM and the reference take the full path.
+Training through ``patch`` has two plans of its own, kept per signature beside the forward's (the dispatcher's
+``SAVING_PLANS`` and ``BACKWARD_PLANS``): the save-mode forward (cuBLAS gate and up, act·mul, cuBLAS down, returning
+g and u for the backward: ``build_saving``), and the backward with the default implementation (cuBLAS dh, the
+act'·mul epilogue as one launch, the weight and input gradients as cuBLAS calls: ``build_backward``). The backward's
+signature is the forward's, the gradients asked for and dy's metadata; the opt-in Triton dh GEMM and the reference
+take the full path.
 """
 
 from __future__ import annotations
@@ -38,48 +40,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .. import compat, config
+from .. import compat
 from ..compat import launch_source
 from ..kernels.backward import act_mul_backward_launcher
-from ..kernels.common import Launcher, stored_as_one
+from ..kernels.common import Launcher
 
 # name -> (how the workspace starts: "empty" or "zeros", what cuBLAS runs around the launches: "" nothing, "down" the
 # down projection after them, "all" gate and up before them (the launch is act·mul) and down after)
 PLANNED = {"triton_gemm_splitk": ("empty", ""), "triton_swapab": ("empty", ""), "triton_small_m": ("zeros", ""),
            "triton_gemm": ("empty", "down"), "cublas_act_mul": ("empty", "all")}
-PLANS: dict[tuple, Callable[..., Tensor]] = {}  # signature -> plan (read by ops._forward without a call)
-SAVING_PLANS: dict[tuple, Callable[..., tuple]] = {}  # signature -> the save-mode forward's plan: (y, g, u)
-BACKWARD_PLANS: dict[tuple, Callable[..., tuple]] = {}  # backward signature -> plan: the seven gradients
-_MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 _ALIGN = 256  # bytes between the starts of the workspace's pieces (the kernels were specialised on 16)
 _INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # the tensors of dispatch.MLPArgs: what a plan takes
 _HEAD = f"def plan({', '.join(_INPUTS)}):"
-
-
-def signature(a: tuple, eager: bool) -> tuple:
-    """The key of the call ``a`` (its ``dispatch.MLPArgs``, x as given): see the module's docstring."""
-    x, wg, bg, wu, bu, wd, bd, activation = a
-    pg = wg.data_ptr()
-    if wu is not None:
-        pu = wu.data_ptr()
-        up = (wu.shape, wu.stride(), wu.dtype, wu.device, pu & 15, stored_as_one(wg, wu, pg, pu))
-    return (
-        activation, eager, config.force_impl, config.autotune,
-        x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
-        x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
-        wg.shape, wg.stride(), wg.dtype, wg.device, pg & 15,
-        wd.shape, wd.stride(), wd.dtype, wd.device, wd.data_ptr() & 15,
-        None if wu is None else up,
-        None if bg is None else (bg.shape, bg.stride(), bg.dtype, bg.device, bg.data_ptr() & 15),
-        None if bu is None else (bu.shape, bu.stride(), bu.dtype, bu.device, bu.data_ptr() & 15),
-        None if bd is None else (bd.shape, bd.stride(), bd.dtype, bd.device, bd.data_ptr() & 15),
-    )
-
-
-def get(key: tuple) -> Callable[..., Tensor] | None:
-    """The plan for a signature, or None (none yet, or a launch hook is set: calls then take the full path)."""
-    plan = PLANS.get(key)
-    return plan if plan is None or not compat.launch_hooks() else None
 
 
 def recorded(fn: Callable, *args):
@@ -96,35 +68,6 @@ def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tupl
     built from the launches it made (None where ``build`` gives none)."""
     y, launches = recorded(fn, *args)
     return y, build(name, x, args, y, launches)
-
-
-def run_and_plan(key: tuple, name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> Tensor:
-    """``fn(*args)``, keeping the plan ``record`` builds from it for ``key``."""
-    y, plan = record(name, fn, x, args)
-    keep(PLANS, key, plan)
-    return y
-
-
-generation = 0  # counts the dicts' clearings: a plan kept elsewhere (ops.EagerSite) is current while this holds
-
-
-def keep(plans: dict, key: tuple, plan: Callable | None) -> None:
-    """``plans[key] = plan`` where there is a plan, the dict started afresh when full."""
-    global generation
-    if plan is not None:
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-            generation += 1
-        plans[key] = plan
-
-
-def clear() -> None:
-    """Forget every plan (after the dispatcher's choices are reset)."""
-    global generation
-    PLANS.clear()
-    SAVING_PLANS.clear()
-    BACKWARD_PLANS.clear()
-    generation += 1
 
 
 def source(plan: Callable[..., Tensor]) -> str:
@@ -326,7 +269,7 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list,
     if hit is None or len(tensors) != 3 or any(t.shape != h_shape for t in tensors):
         return None
     g, u, h = tensors
-    # one GEMM: g and u the two halves of one (M, 2I) result, as _cublas_act_mul makes them for a merged weight
+    # one GEMM: g and u the halves of one (M, 2I) result, as runtime.dense.cublas_act_mul makes them (merged weight)
     gu = compat.view_base(g)
     one = (wu is not None and gu is not None and gu is compat.view_base(u) and gu.is_contiguous()
            and gu.shape == (h_shape[0], 2 * h_shape[1]) and g.data_ptr() == gu.data_ptr()
