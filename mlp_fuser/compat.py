@@ -3,7 +3,7 @@
 The host-time shortcuts rely on internals: Triton's ``CompiledKernel.run`` launch forms (``Launcher`` and the launch
 plans call a compiled kernel's launcher directly), Inductor's lowering table (``runtime/inductor.py`` renames the op's
 call in generated code), attributes set on ``torch.ops.mlp_fuser`` (what that code calls), ``torch._C`` functions
-on the op's hot path and Dynamo's C++ tensor guards (``ops.EagerSite``). They are used only where the installed
+on the op's hot path and Dynamo's C++ tensor guards (``patch.site.EagerSite``). They are used only where the installed
 versions are within the tested ranges (``TORCH``, ``TRITON``) and ``MLP_FUSER_PRIVATE`` (``config.private_apis``) is
 not ``0``. Otherwise every call takes the public path: Triton's ``kernel[grid](...)`` launch, no launch plans, no
 Inductor renaming, the registered op through the dispatcher; correct, and slower on the host.

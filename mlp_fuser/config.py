@@ -31,8 +31,9 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
 - ``plans`` (``MLP_FUSER_PLANS=0`` turns them off, default True): launch plans (``runtime/plans.py``); off: every CUDA
   call takes the full path (validation, dispatch, launch keys). For benchmarks and for ruling plans out when
   debugging.
-- ``sites`` (``MLP_FUSER_SITES=0`` turns them off, default True): a patched module's call site (``ops.EagerSite``)
-  runs a plan it matched itself; off: every call goes through the eager entry (its checks, the plan's signature).
+- ``sites`` (``MLP_FUSER_SITES=0`` turns them off, default True): a patched module's call site
+  (``patch.site.EagerSite``) runs a plan it matched itself; off: every call goes through the eager entry (its
+  checks, the plan's signature).
 - ``inductor_direct`` (``MLP_FUSER_INDUCTOR_DIRECT=0`` turns it off, default True): Inductor's generated code calls
   the op's Python entry (``runtime/inductor.py``); off: the registered op through the dispatcher, as for any custom
   op. Applies to graphs compiled after it is set (graphs already compiled, or loaded from Inductor's cache, keep the

@@ -1,5 +1,5 @@
-"""ops.EagerSite: a patched module's call site runs a launch plan it saw before at once, where the tensor guards, the
-pointers and the entry's rules all hold, and the entry otherwise.
+"""patch.site.EagerSite: a patched module's call site runs a launch plan it saw before at once, where the tensor
+guards, the pointers and the entry's rules all hold, and the entry otherwise.
 
 Plans exist on CUDA only; here the site is told CPU calls are planned and the plan is a stand-in registered under the
 call's own signature, which records its calls and computes the reference MLP.
@@ -12,18 +12,19 @@ from _mlp_cases import make_case
 from mlp_fuser import compat, config
 from mlp_fuser.dispatch import dense as dispatch
 from mlp_fuser.ops import dense as ops
+from mlp_fuser.patch import site as site_module
 from mlp_fuser.reference import reference_mlp
 
 
 @pytest.fixture
 def site(monkeypatch):
-    monkeypatch.setattr(ops, "_plans_apply", lambda x: True)
+    monkeypatch.setattr(site_module, "_plans_apply", lambda x: True)
     calls = []
     dispatch.clear_plans()
 
     def make(gated=True, bias=False, c=None):
         c = c or make_case(6, 32, 48, 16, gated=gated, bias=(bias,) * 3, lead=(2,))
-        s = ops.EagerSite(ops.eager_gated_mlp if gated else ops.eager_mlp)
+        s = site_module.EagerSite(ops.eager_gated_mlp if gated else ops.eager_mlp)
 
         def plan(x, wg, bg, wu, bu, wd, bd):
             calls.append(x)
@@ -188,7 +189,7 @@ def test_not_learned_on_the_public_path(site, monkeypatch):
     with torch.no_grad():
         s(c.x, *_args(c))
         s(c.x, *_args(c))
-    assert calls == [] and all(type(v) is ops._Unplanned for v in s.seen.values())
+    assert calls == [] and all(type(v) is site_module._Unplanned for v in s.seen.values())
 
 
 def test_a_call_without_a_plan_is_learned_once(site, monkeypatch):
@@ -234,7 +235,7 @@ def test_a_patched_module_calls_through_a_site():
     with torch.no_grad():
         y = mlp(x)
     forward, _, direct = mlp.forward.graphs[False][:3]
-    assert isinstance(direct.__globals__["op"], ops.EagerSite)
+    assert isinstance(direct.__globals__["op"], site_module.EagerSite)
     torch.testing.assert_close(y, type(mlp).forward(mlp, x))
 
 

@@ -610,11 +610,12 @@ def test_gpu_a_patched_modules_site_runs_its_plan(M, monkeypatch):
     module's call site (no ``_forward``), with the full path's result bit for bit (plans off: the same kernels)."""
     import mlp_fuser
     from mlp_fuser.ops import dense as ops
+    from mlp_fuser.patch.site import EagerSite
 
     torch.manual_seed(0)
     mlp = mlp_fuser.patch(_GatedMLP(256, 704, False).cuda().to(torch.bfloat16))
     site = mlp.forward.graphs[mlp.training][2].__globals__["op"]
-    assert isinstance(site, ops.EagerSite)
+    assert isinstance(site, EagerSite)
     entered = []
     real = ops._forward
     monkeypatch.setattr(ops, "_forward", lambda *a, **k: entered.append(1) or real(*a, **k))

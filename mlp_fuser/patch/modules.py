@@ -28,8 +28,9 @@ from torch import Tensor, nn
 from .. import compat
 from ..graph import fx_pass, sharding
 from ..graph._dynamo_utils import fresh_code
-from ..ops.dense import EAGER, EagerSite
+from ..ops.dense import EAGER
 from ..patterns.common import dependents, dropout_active, is_dropout, is_fn, is_method
+from .site import EagerSite
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
 # A proof for one train/eval mode: the rewritten graph's forward, its input getters, the direct call or None, the
@@ -388,7 +389,7 @@ _CONSTANT = (type(None), bool, int, float, str)
 def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, Tensor], Tensor] | None:
     """``(module, x) -> op(x, weights...)`` as one generated function that reads each weight from the modules' dicts,
     when every argument of the op is the input, a weight placeholder or a constant; else None (a view of a weight,
-    such as a merged gate/up weight's halves, needs the graph). ``op`` is called through an ``ops.EagerSite``."""
+    such as a merged gate/up weight's halves, needs the graph). ``op`` is called through an ``EagerSite`` (site.py)."""
     def source(a):
         if a is x_node:
             return "x"
