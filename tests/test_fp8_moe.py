@@ -261,6 +261,36 @@ def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
     assert rel_err(y.cpu(), ref, math.inf) < BAR
 
 
+# (T with k = 3, scale format and block, config.triton_on_cpu, config.fp8_w8a8) -> the path the op takes on CPU tensors
+CHOICES = [
+    ((1, "block", (32, 64), True, True), ("pairs", False)),
+    ((21, "block", (32, 64), True, True), ("pairs", False)),  # 63 pairs: at most PAIRS_MAX, a GEMV per pair
+    ((22, "block", (32, 64), True, True), ("sorted", True)),  # 66 pairs: the grouped GEMMs, W8A8
+    ((22, "block", (32, 64), True, False), ("sorted", False)),  # W8A8 off: W8A16
+    ((40, "channel", None, True, True), ("sorted", True)),
+    ((5, "tensor", None, True, False), ("pairs", False)),
+    ((22, "block", (32, 64), False, True), "dequantize"),  # CPU tensors without the interpreter: the reference
+    ((5, "block", (32, 8), True, True), "dequantize"),  # scale blocks 8 wide along K: the kernels step K by 16
+]
+
+
+@pytest.mark.parametrize("shape,want", CHOICES, ids=str)
+def test_quant_moe_mlp_chooses_its_path_per_shape(shape, want, monkeypatch):
+    """Which path the op takes for a call (what the kernels' plan is built for, or the dequantized reference)."""
+    T, fmt, block, on_cpu, w8a8 = shape
+    monkeypatch.setattr(config, "triton_on_cpu", on_cpu)
+    monkeypatch.setattr(config, "fp8_w8a8", w8a8)
+    monkeypatch.setattr(quant_moe, "_PLANS", {})
+    taken = []
+    monkeypatch.setattr(kmoe, "experts_plan", lambda *a, **kw: taken.append((a[9], kw["a8"])) or (
+        lambda x, *rest: torch.zeros_like(x)))  # the choice only: no kernel runs
+    real = K8.dequantize_experts
+    monkeypatch.setattr(K8, "dequantize_experts", lambda *a: taken.append("dequantize") or real(*a))
+    x, ids, wts, weights, _ = case(fmt, block, T=T, seed=12)
+    quant_moe.quant_moe_mlp(x, ids, wts, *weights, "silu", block=block)
+    assert taken == ([want] if want != "dequantize" else ["dequantize"] * 2)  # gate/up's and down's
+
+
 @requires_cuda
 @pytest.mark.parametrize("T", [1, 64])
 def test_quant_moe_mlp_makes_no_dequantized_copy_on_cuda(T):
