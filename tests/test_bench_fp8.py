@@ -26,7 +26,7 @@ def test_bench_fp8_tiny_through_the_cli(tmp_path, capsys):
         assert 5e-3 < r["errors"]["aten_fp8"] < 0.1
         assert r["impl"] == "aten_dequantize" and r["skipped"]["w8a8"].startswith("x is on cpu")
         assert r["skipped"]["transformers"].startswith("transformers' FP8 kernel does not load here")
-    assert rows[2]["impl"] == "aten reference" and "aten_fp8" not in rows[2]["errors"]
+    assert rows[2]["impl"] == "aten_dequantize" and "aten_fp8" not in rows[2]["errors"]
     assert out.count("| tiny MLP |") == 2 and out.count("| tiny experts |") == 2
     assert (tmp_path / "fp8.md").read_text().count("| tiny ") == 4
 

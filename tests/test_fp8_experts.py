@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mlp_fuser
-from mlp_fuser.ops import quant_moe
+from mlp_fuser.dispatch import fp8_experts
 from mlp_fuser.patch import experts
 from mlp_fuser.reference import rel_err
 from mlp_fuser.tools import models as _hf
@@ -75,8 +75,8 @@ def logits(model, inputs):
 
 def counting(monkeypatch):
     calls = []
-    real = quant_moe._run
-    monkeypatch.setattr(quant_moe, "_run", lambda *a: calls.append(1) or real(*a))
+    real = fp8_experts.run
+    monkeypatch.setattr(fp8_experts, "run", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

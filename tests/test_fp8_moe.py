@@ -13,6 +13,7 @@ from _moe_cases import sentinels
 from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty, requires_cuda
 
 from mlp_fuser import config
+from mlp_fuser.dispatch import fp8_experts
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels import moe as kmoe
 from mlp_fuser.ops import quant_moe
@@ -245,10 +246,10 @@ def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
     calls = []
     real = kmoe.experts_plan
     monkeypatch.setattr(kmoe, "experts_plan", lambda *a, **kw: calls.append((a[9], kw["a8"])) or real(*a, **kw))
-    monkeypatch.setattr(quant_moe, "_PLANS", {})
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
     monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
     x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=T, seed=9)
-    dev, pairs = KERNEL_DEVICE, T * 3 <= quant_moe.PAIRS_MAX
+    dev, pairs = KERNEL_DEVICE, T * 3 <= fp8_experts.PAIRS_MAX
     args = (x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
     y = quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64))
     a8 = w8a8 and not pairs
@@ -280,7 +281,7 @@ def test_quant_moe_mlp_chooses_its_path_per_shape(shape, want, monkeypatch):
     T, fmt, block, on_cpu, w8a8 = shape
     monkeypatch.setattr(config, "triton_on_cpu", on_cpu)
     monkeypatch.setattr(config, "fp8_w8a8", w8a8)
-    monkeypatch.setattr(quant_moe, "_PLANS", {})
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
     taken = []
     monkeypatch.setattr(kmoe, "experts_plan", lambda *a, **kw: taken.append((a[9], kw["a8"])) or (
         lambda x, *rest: torch.zeros_like(x)))  # the choice only: no kernel runs

@@ -149,9 +149,9 @@ def test_one_dispatcher():
     assert _definitions(modules, r"^\s*def time_candidates\b") == core
     assert _definitions(modules, r"^(?!\s*def ).*gpu_sleep\(") == core  # its one caller outside compat
     from mlp_fuser.dispatch import core as dispatch_core
-    from mlp_fuser.dispatch import dense, experts, fp8, router
+    from mlp_fuser.dispatch import dense, experts, fp8, fp8_experts, router
 
-    for table in (dense.IMPLS, dense.BACKWARD_IMPLS, experts.IMPLS, router.IMPLS, fp8.IMPLS):
+    for table in (dense.IMPLS, dense.BACKWARD_IMPLS, experts.IMPLS, router.IMPLS, fp8.IMPLS, fp8_experts.IMPLS):
         assert all(type(i) is dispatch_core.Impl for i in table)
 
 

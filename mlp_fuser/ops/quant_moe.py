@@ -11,12 +11,13 @@ where each W is the weight its stored form ``w`` (E, N, K) and scales ``s`` desc
 gate and up quantized as one or apart, per channel, per tensor). No biases (``FP8Experts`` has none). Expert ids
 >= E contribute nothing; x in fp16, bf16 or fp32, the output in x's dtype.
 
-On CUDA from sm89 the experts kernels (``kernels/moe.py``: the "pairs" GEMVs for up to PAIRS_MAX token-expert
-pairs, else the sorted grouped GEMMs) read the float8 weights as stored: the GEMVs dequantize each tile in
-registers (W8A16), the GEMMs multiply them with x and h quantized per row and 128 columns (W8A8, transformers'
-dynamic scheme; W8A16 where ``config.fp8_w8a8`` is off). Elsewhere the aten reference dequantizes each expert's
-weights to x's dtype and runs ``moe.reference``. The weights are frozen; x and topk_weights get gradients, through
-that reference on the dequantized weights (on CUDA too: a dequantized copy per call where gradients are needed).
+On CUDA from sm89 the experts kernels (``kernels/moe.py``: the "pairs" GEMVs for up to PAIRS_MAX token-expert pairs,
+else the sorted grouped GEMMs; the rows of ``dispatch/fp8_experts.py``) read the float8 weights as stored: the GEMVs
+dequantize each tile in registers (W8A16), the GEMMs multiply them with x and h quantized per row and 128 columns
+(W8A8, transformers' dynamic scheme; W8A16 where ``config.fp8_w8a8`` is off). Elsewhere the aten reference
+dequantizes each expert's weights to x's dtype and runs ``moe.reference``. The weights are frozen; x and
+topk_weights get gradients, through that reference on the dequantized weights (on CUDA too: a dequantized copy per
+call where gradients are needed).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .. import compat, config
+from .. import compat
+from ..dispatch import fp8_experts
 from ..kernels import fp8 as fp8_kernels
 from . import moe
-from .quant import FORMATS, why_not_kernels
+from .quant import FORMATS
 
-PAIRS_MAX = 64  # up to this many token-expert pairs a GEMV per pair (the "pairs" path), above it the sorted GEMMs
 _FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
 
 _lib = torch.library.Library("mlp_fuser", "FRAGMENT")
@@ -82,63 +83,7 @@ def _check_shapes(x, ids, wts, wgu, wd, activation) -> None:
     raise exc(f"mlp_fuser::quant_moe_mlp: {msg}")
 
 
-# ---- forward: the kernels where they run, else the reference ------------------------------------------------
-
-
-def reference(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: moe.Gate) -> Tensor:
-    """Each expert's weights dequantized to x's dtype, then ``moe.reference`` (differentiable in x and the routing
-    weights): what transformers computes on FP8 experts dequantized at load."""
-    wgu = fp8_kernels.dequantize_experts(fgu, x2.dtype)
-    wd = fp8_kernels.dequantize_experts(fd, x2.dtype)
-    return moe.reference(x2, ids2, wts2, wgu, None, wd, None, gate)
-
-
-def kernel_why_not(x: Tensor, fgu, fd) -> str | None:
-    """Why the experts kernels cannot run this call (the reference runs instead), or None."""
-    why = None if x.device.type == "cpu" and config.triton_on_cpu else why_not_kernels(x)
-    if why is not None:
-        return why
-    for name, fe in (("w_gate_up", fgu), ("w_down", fd)):
-        if fe.k_scaled and fe.block_k % 16:
-            return f"{name}'s scale blocks are {fe.block_k} wide along K: the kernels step K in multiples of 16"
-    return None
-
-
-def path(T: int, k: int) -> tuple[str, bool]:
-    """The kernels' path and whether the activations are quantized too: a GEMV per pair for few pairs (decode, the
-    weights' bytes bound it; W8A16 on the CUDA cores), else the sorted grouped GEMMs, W8A8 on the fp8 tensor cores
-    (transformers' dynamic scheme: x and h quantized per row and 128 columns) unless ``config.fp8_w8a8`` is off."""
-    if T * k <= PAIRS_MAX:
-        return "pairs", False
-    return "sorted", bool(config.fp8_w8a8)
-
-
-def _run(x2, ids2, wts2, fgu, fd, gate: moe.Gate) -> Tensor:
-    if kernel_why_not(x2, fgu, fd) is None:
-        return _plan(x2, ids2, wts2, fgu, fd, gate)(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
-    return reference(x2, ids2, wts2, fgu, fd, gate)
-
-
-def _plan(x2, ids2, wts2, fgu, fd, gate: moe.Gate):
-    """The kernels' plan (``kernels.moe.experts_plan``) for calls shaped like this one, built once per shape."""
-    key = (x2.shape, x2.stride(), x2.dtype, x2.device, ids2.shape, ids2.stride(), ids2.dtype, wts2.shape,
-           wts2.stride(), wts2.dtype, fgu.w.shape, fgu.w.stride(), fgu.scale.shape, fgu.scale.stride(),
-           fgu.block_n, fgu.block_k, fgu.up_soff, fd.w.shape, fd.w.stride(), fd.scale.shape, fd.scale.stride(),
-           fd.block_n, fd.block_k, gate, config.fp8_w8a8)
-    plan = _PLANS.get(key)
-    if plan is None:
-        from ..kernels import moe as kmoe  # imported on first use: nothing is compiled before
-
-        T, k = ids2.shape
-        way, a8 = path(T, k)
-        if len(_PLANS) >= _MAX_SEEN:
-            _PLANS.clear()
-        plan = _PLANS[key] = kmoe.experts_plan(x2, ids2, wts2, fgu.w, None, fd.w, None, moe._expert_act(gate),
-                                               gate.interleaved, way, scales=(fgu, fd), a8=a8)
-    return plan
-
-
-_PLANS: dict[tuple, object] = {}
+# ---- forward: the row the dispatcher's FP8 experts table chooses (dispatch/fp8_experts.py) -------------------------
 
 
 def _flat(x, ids, wts):
@@ -181,7 +126,7 @@ def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=Non
     T, x2, ids2, wts2 = _flat(x, ids, wts)
     if T == 0:
         return x.new_zeros(x.shape)
-    return _run(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
+    return fp8_experts.run(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
 
 
 _lib.impl("quant_moe_mlp", _forward, "CompositeExplicitAutograd")
@@ -204,7 +149,7 @@ def _autograd(keyset, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, 
                                  clamp_after, up_offset)
         moe._check_ids(ids)
         T, x2, ids2, wts2 = _flat(x, ids, wts)
-        return reference(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
+        return fp8_experts.dequantized(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
     with compat.below_autograd():
         return torch.ops.mlp_fuser.quant_moe_mlp.default.redispatch(
             keyset & compat.AFTER_AUTOGRAD, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block,

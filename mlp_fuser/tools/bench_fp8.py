@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
+from ..dispatch import fp8_experts
 from ..kernels import fp8 as K8
 from ..ops import moe, quant, quant_moe
 from .bench_moe import reference64, routing, time_us
@@ -248,8 +249,7 @@ class Experts:
 
     def impl(self, x, ids, wts):
         fgu = K8.fp8_experts(self.wgu, self.sgu, BLOCK, gated=True)
-        why = quant_moe.kernel_why_not(x, fgu, K8.fp8_experts(self.wd, self.sd, BLOCK))
-        return "aten reference" if why else quant_moe.path(*ids.shape)
+        return fp8_experts.choose(fp8_experts.problem(x, ids, fgu, K8.fp8_experts(self.wd, self.sd, BLOCK))).name
 
     def floor_bytes(self, args):
         x, ids, _ = args

@@ -1,0 +1,133 @@
+"""The FP8 routed experts' paths (``quant_moe_mlp``: ``ops/quant_moe.py``) as rows of the one dispatcher's table
+(``core``). Not timed: from the top down, the first row that runs a call runs it (or the one ``config.force_impl``
+names). A row's ``fn(x2, ids2, wts2, fgu, fd, gate)`` takes the call flattened to (T, H) and (T, k), the checked
+weights (``kernels.fp8.Fp8Experts``) and the ``Gate``; the kernels' rows run through a launch plan
+(``kernels.moe.experts_plan``) built on a signature's first call and kept with the choice (``run``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+from .. import config
+from ..kernels import fp8 as fp8_kernels
+from ..kernels import moe as kmoe
+from ..reference import Gate, reference_experts
+from . import core
+from .core import Impl
+from .experts import expert_act
+from .fp8 import why_not_kernels
+
+PAIRS_MAX = 64  # up to this many token-expert pairs a GEMV per pair (the "pairs" path), above it the sorted GEMMs
+
+
+class Problem(NamedTuple):
+    device: str  # x's device type
+    index: int | None  # x's CUDA device (its capability decides)
+    pairs: int  # token-expert pairs, T * k
+    k_blocks: tuple  # each weight's (gate/up's, down's) scale block along K; None where not scaled along K
+
+    @property
+    def rows(self) -> int:
+        return self.pairs
+
+
+def problem(x2: Tensor, ids2: Tensor, fgu, fd) -> Problem:
+    T, k = ids2.shape
+    return Problem(x2.device.type, x2.device.index, T * k,
+                   tuple(fe.block_k if fe.k_scaled else None for fe in (fgu, fd)))
+
+
+def _kernels_run(p: Problem) -> str | None:
+    return None if p.device == "cpu" and config.triton_on_cpu else why_not_kernels(p.device, p.index)
+
+
+def _scale_blocks(p: Problem) -> str | None:
+    for name, block_k in zip(("w_gate_up", "w_down"), p.k_blocks):
+        if block_k is not None and block_k % 16:
+            return f"{name}'s scale blocks are {block_k} wide along K: the kernels step K in multiples of 16"
+    return None
+
+
+def _few_pairs(p: Problem) -> str | None:
+    return None if p.pairs <= PAIRS_MAX else f"{p.pairs} token-expert pairs > {PAIRS_MAX}: the sorted GEMMs"
+
+
+def _a8_on(p: Problem) -> str | None:
+    return None if config.fp8_w8a8 else "mlp_fuser.config.fp8_w8a8 is off: the activations keep their dtype"
+
+
+def _kernels(path: str, a8: bool) -> tuple:
+    """(fn, plan) of the experts kernels (``kernels/moe.py``) through ``path``, x and h quantized per row and 128
+    columns (``a8``) or read as they are."""
+    def plan(args: tuple):
+        x2, ids2, wts2, fgu, fd, gate = args
+        return kmoe.experts_plan(x2, ids2, wts2, fgu.w, None, fd.w, None, expert_act(gate), gate.interleaved, path,
+                                 scales=(fgu, fd), a8=a8)
+
+    def fn(x2, ids2, wts2, fgu, fd, gate: Gate) -> Tensor:
+        return plan((x2, ids2, wts2, fgu, fd, gate))(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
+    return fn, plan
+
+
+def dequantized(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> Tensor:
+    """Each expert's weights dequantized to x's dtype, then the aten experts (differentiable in x and the routing
+    weights): what transformers computes on FP8 experts dequantized at load."""
+    wgu = fp8_kernels.dequantize_experts(fgu, x2.dtype)
+    wd = fp8_kernels.dequantize_experts(fd, x2.dtype)
+    return reference_experts(x2, ids2, wts2, wgu, None, wd, None, gate)
+
+
+def _row(name: str, path: str, a8: bool, *why) -> Impl:
+    fn, plan = _kernels(path, a8)
+    return Impl(name, fn, None, None, why=(_kernels_run, _scale_blocks, *why), plan=plan)
+
+
+IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
+    # a GEMV per pair, the weights dequantized in registers (W8A16): decode, where the weights' bytes bound it
+    _row("fp8_moe_pairs", "pairs", False, _few_pairs),
+    # the sorted grouped GEMMs on the fp8 tensor cores, x and h quantized (transformers' dynamic scheme)
+    _row("fp8_moe_sorted_w8a8", "sorted", True, _a8_on),
+    _row("fp8_moe_sorted_w8a16", "sorted", False),  # the sorted GEMMs, the weights cast on chip
+    Impl("aten_dequantize", dequantized, None, None),  # each expert's weights dequantized to x's dtype, then aten
+]
+FP8_EXPERTS = core.Registry("fp8_experts", IMPLS, None)
+
+
+def choose(p: Problem) -> Impl:
+    return core.first(FP8_EXPERTS, p)
+
+
+_PLANS: dict[tuple, tuple] = {}  # a call's signature -> (the row chosen, its plan or None)
+_MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
+
+
+def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> Tensor:
+    """One checked call (T > 0): the row chosen for its signature, through the plan kept with that choice."""
+    key = (x2.shape, x2.stride(), x2.dtype, x2.device, ids2.shape, ids2.stride(), ids2.dtype, wts2.shape,
+           wts2.stride(), wts2.dtype, fgu.w.shape, fgu.w.stride(), fgu.scale.shape, fgu.scale.stride(),
+           fgu.block_n, fgu.block_k, fgu.up_soff, fd.w.shape, fd.w.stride(), fd.scale.shape, fd.scale.stride(),
+           fd.block_n, fd.block_k, gate, config.fp8_w8a8, config.triton_on_cpu, config.force_impl)
+    hit = _PLANS.get(key)
+    if hit is None:
+        impl = choose(problem(x2, ids2, fgu, fd))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        hit = _PLANS[key] = (impl, impl.plan((x2, ids2, wts2, fgu, fd, gate)) if impl.plan is not None else None)
+    impl, plan = hit
+    if plan is None:
+        return impl.fn(x2, ids2, wts2, fgu, fd, gate)
+    return plan(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
+
+
+def describe(p: Problem) -> str:
+    """Which row runs ``p``, and why each one above it does not."""
+    lines = []
+    for impl in IMPLS:
+        why = impl.why_not(p)
+        if why is None:
+            return "\n".join([*lines, f"{impl.name}: runs"])
+        lines.append(f"{impl.name}: {why}")
+    return "\n".join(lines)
