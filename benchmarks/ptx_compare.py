@@ -108,7 +108,7 @@ def compile_launch(kernel, args, kwargs) -> dict[str, str]:
             signature[p.name] = ty
             if ty == "constexpr":  # an integer equal to 1
                 constexprs[p.name] = args[i]
-            elif "D" in attr:
+            elif attr and "D" in attr:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         options = {k: values[k] for k in OPTIONS if k in values}
         src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)

@@ -68,6 +68,37 @@ def test_fp8_linear_matches_float64(fmt, gated, a8, M, N, K):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("M,N,K", [(40, 130, 256), (17, 96, 208)])
+def test_fp8_linear_tma_kernel_matches_float64(fmt, gated, M, N, K):
+    """The large-M kernel (TMA boxes, zero past M, N and K): tiles cut by every edge, against float64."""
+    g = torch.Generator().manual_seed(M + N * K)
+    dt = torch.bfloat16 if CUDA else torch.float16
+    x = torch.randn(M, K, generator=g).to(KERNEL_DEVICE, dt)
+    w = K8.fp8_weight(*quantized(N, K, fmt, device=KERNEL_DEVICE, g=g))
+    u = K8.fp8_weight(*quantized(N, K, fmt, device=KERNEL_DEVICE, g=g)) if gated else None
+    bias = None if gated else torch.randn(N, generator=g).to(KERNEL_DEVICE, dt)
+    cfg = K8.Config(16, 32, 32, 1, 4, 1, tma=True) if INTERPRET else K8.Config(64, 64, 128, 1, 4, 3, tma=True)
+    assert K8.tma_why_not(K8.quantize_rows(x)[0], w, u, True, cfg) is None
+    y = K8.fp8_linear(x, w, u, bias=bias, activation="silu" if gated else "gelu", a8=True, config=cfg)
+    q, s = K8.quantize_rows_reference(x)
+    xx = q.double() * s.double().repeat_interleave(K8.A8_BLOCK, 1)[:, :K]
+    ref = xx @ K8.dequantize(w, torch.float64).T
+    ref = F.silu(ref) * (xx @ K8.dequantize(u, torch.float64).T) if gated else F.gelu(ref + bias.double())
+    assert y.dtype == dt and y.shape == (M, N)
+    assert rel_err(y, ref) < (8e-3 if dt == torch.bfloat16 else 1e-3)
+
+
+def test_fp8_tma_kernel_says_why_it_cannot_run():
+    w = K8.fp8_weight(*quantized(64, 200, "block", g=torch.Generator().manual_seed(0)))
+    cfg = K8.Config(16, 32, 32, 1, 4, 1, tma=True)
+    xq = torch.zeros(4, 200, dtype=K8.FP8)
+    assert "16-byte" in K8.tma_why_not(xq, w, None, True, cfg)  # rows of 200 bytes
+    assert "W8A16" in K8.tma_why_not(xq, w, None, False, cfg)
+
+
+@needs_kernels
 def test_fp8_linear_reads_a_transposed_weight_and_splits_k():
     """The backward reads W transposed where it lies; split-K sums partials: both against float64."""
     g = torch.Generator().manual_seed(1)

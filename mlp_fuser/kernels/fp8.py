@@ -29,7 +29,12 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, num_sms
+from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, launch, num_sms
+
+try:  # host tensor descriptors (Triton >= 3.4): the large-M kernel's TMA boxes
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -188,7 +193,7 @@ def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     pad = cdiv(K, A8_BLOCK) * A8_BLOCK - K
     xb = torch.nn.functional.pad(x.float(), (0, pad)).view(M, -1, A8_BLOCK)
     s = xb.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    q = (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, -1)[:, :K]
+    q = (xb / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, -1)[:, :K].contiguous()  # as the kernel's
     return q, s
 
 
@@ -325,6 +330,69 @@ def _epilogue(acc, acc_u, ws_ptr, wus_ptr, s_ptrs, su_ptrs, b_ptr, offs_n, y_ptr
     tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask_y)
 
 
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    x_desc, xs_ptr, w_desc, ws_ptr, wu_desc, wus_ptr, b_ptr, y_ptr,
+    M, N, K, stride_sn, stride_sk, stride_ym, stride_yn,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, K_SCALED: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """W8A8 at prefill sizes: y tile (BLOCK_M tokens, BLOCK_N columns) = x8 @ w8ᵀ, both operands fp8 boxes read by
+    TMA (zero past M, N, K: no pointer tensors held in registers), each K step's product scaled by x's per-token
+    scale and, for block scales, the weight rows' scale of that K block."""
+    # -- which output tile (grouped along M for L2 reuse of the weight panels) ---------------------------------
+    tile = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_m
+    pid_n = (tile % in_group) // group_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    s_ptrs = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_BN) * stride_sn
+    su_ptrs = wus_ptr + (tl.minimum(offs_n, N - 1) // SCALE_BN) * stride_sn
+    xs_ptrs = xs_ptr + offs_m * tl.cdiv(K, 128)
+
+    # -- the K loop: fp8 boxes in, fp32 products scaled per K step ---------------------------------------------
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = x_desc.load([off_m, k])
+        xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[:, None]
+        part = tl.dot(x, w_desc.load([off_n, k]).T)
+        if K_SCALED:
+            acc += part * (xs * tl.load(s_ptrs + (k // SCALE_BK) * stride_sk)[None, :])
+        else:
+            acc += part * xs
+        if GATED:
+            part_u = tl.dot(x, wu_desc.load([off_n, k]).T)
+            if K_SCALED:
+                acc_u += part_u * (xs * tl.load(su_ptrs + (k // SCALE_BK) * stride_sk)[None, :])
+            else:
+                acc_u += part_u * xs
+
+    # -- epilogue: the scales a whole sum shares, bias, act (· up), cast, store --------------------------------
+    if not K_SCALED:
+        acc = acc * tl.load(s_ptrs)[None, :]
+        if GATED:
+            acc_u = acc_u * tl.load(su_ptrs)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_ACT:
+        acc = ACT(acc)
+    if GATED:
+        acc = acc * acc_u
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
 class Config(NamedTuple):
     block_m: int
     block_n: int
@@ -333,6 +401,7 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     group_m: int = 8
+    tma: bool = False  # the large-M kernel (_fp8_gemm_tma_kernel): W8A8 only, no split
 
 
 @cache
@@ -380,6 +449,11 @@ def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tenso
         xq, xs = quantize_rows(x)
     else:
         xq, xs = x, y
+    act = get_activation(activation) if activation is not None else None
+    if cfg.tma:
+        if tma_why_not(xq, w, up, a8, cfg) is None:
+            return _fp8_linear_tma(xq, xs, w, up, bias, act, cfg, y)
+        cfg = cfg._replace(tma=False)
     unit = max(cfg.block_k, w.block_k if w.k_scaled else cfg.block_k, A8_BLOCK if a8 else cfg.block_k)
     k_per_split = cdiv(cdiv(K, cfg.split_k), unit) * unit  # a K range never cuts a scale block
     split = cdiv(K, k_per_split)
@@ -389,7 +463,6 @@ def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tenso
         counters = torch.zeros(tiles, device=x.device, dtype=torch.int32)
     else:
         parts = counters = y
-    act = get_activation(activation) if activation is not None else None
     u = up if gated else w
     b = bias if bias is not None else y
     sxm, sxk = xq.stride()
@@ -408,6 +481,42 @@ def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tenso
         SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return y
+
+
+def tma_why_not(xq: Tensor, w: Fp8Weight, up: Fp8Weight | None, a8: bool, cfg: Config) -> str | None:
+    """Why the large-M kernel cannot run this call (None: it can): TMA boxes need host descriptors, a Hopper GPU
+    (or the interpreter), fp8 activations, and each operand contiguous, 16-byte aligned, rows of 16-byte multiples;
+    a K step within one scale block."""
+    if TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors"
+    if not a8:
+        return "W8A16: the activations are not fp8"
+    if not INTERPRET and torch.cuda.get_device_capability(xq.device)[0] < 9:
+        return "TMA needs a Hopper or newer GPU"
+    for name, t in (("x", xq), ("weight", w.w), ("up weight", up.w if up is not None else w.w)):
+        if not t.is_contiguous() or t.data_ptr() % 16 or t.shape[1] % 16:
+            return f"the {name} is no TMA operand (contiguous, 16-byte aligned, rows of 16-byte multiples)"
+    if w.k_scaled and w.block_k % cfg.block_k:
+        return f"a K step of {cfg.block_k} straddles the weight's {w.block_k}-wide scale blocks"
+    return None
+
+
+def _fp8_linear_tma(xq: Tensor, xs: Tensor, w: Fp8Weight, up: Fp8Weight | None, bias: Tensor | None, act,
+                    cfg: Config, y: Tensor) -> Tensor:
+    """``fp8_linear`` on the large-M kernel (``tma_why_not`` is None for these operands)."""
+    M, K = xq.shape
+    N = w.w.shape[0]
+    u = up if up is not None else w
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    launch(_fp8_gemm_tma_kernel, (cdiv(M, bm) * cdiv(N, bn),),
+           TensorDescriptor.from_tensor(xq, [bm, bk]), xs, TensorDescriptor.from_tensor(w.w, [bn, bk]), w.scale,
+           TensorDescriptor.from_tensor(u.w, [bn, bk]), u.scale, bias if bias is not None else y, y,
+           M, N, K, w.scale.stride(0), w.scale.stride(1), y.stride(0), y.stride(1),
+           SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled,
+           GATED=up is not None, ACT=act.triton_fn if act else None, HAS_ACT=act is not None,
+           HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
