@@ -239,7 +239,7 @@ def test_experts_kernels_fp8_clamped_gate(path, interleaved):
 @pytest.mark.parametrize("T,w8a8", [(2, True), (30, True), (30, False)])
 def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
     """The op runs the kernels where they can run (here: Triton on the CPU tensors), with no dequantized weight: the
-    pairs path (W8A16) for few pairs, the sorted one above PAIRS_MAX, W8A8 unless config.fp8_w8a8 is off."""
+    sorted path at every size, W8A8 unless config.fp8_w8a8 is off."""
     if not HAS_CUDA:
         monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "fp8_w8a8", w8a8)
@@ -249,11 +249,11 @@ def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
     monkeypatch.setattr(fp8_experts, "_PLANS", {})
     monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
     x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=T, seed=9)
-    dev, pairs = KERNEL_DEVICE, T * 3 <= fp8_experts.PAIRS_MAX
+    dev = KERNEL_DEVICE
     args = (x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
     y = quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64))
-    a8 = w8a8 and not pairs
-    assert calls == [("pairs" if pairs else "sorted", a8)]  # the plan built once, run again by the next call
+    a8 = w8a8
+    assert calls == [("sorted", a8)]  # the plan built once, run again by the next call
     sd2 = sd.to(dev) * 2  # another layer's scales, the same signature: its own values
     assert torch.equal(quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64)), y) and len(calls) == 1
     assert rel_err(quant_moe.quant_moe_mlp(*args[:6], sd2, "silu", block=(32, 64)).float(), 2 * y.float()) < 2e-3
@@ -264,12 +264,11 @@ def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
 
 # (T with k = 3, scale format and block, config.triton_on_cpu, config.fp8_w8a8) -> the path the op takes on CPU tensors
 CHOICES = [
-    ((1, "block", (32, 64), True, True), ("pairs", False)),
-    ((21, "block", (32, 64), True, True), ("pairs", False)),  # 63 pairs: at most PAIRS_MAX, a GEMV per pair
-    ((22, "block", (32, 64), True, True), ("sorted", True)),  # 66 pairs: the grouped GEMMs, W8A8
+    ((1, "block", (32, 64), True, True), ("sorted", True)),  # one token: the grouped GEMMs too, W8A8
+    ((22, "block", (32, 64), True, True), ("sorted", True)),
     ((22, "block", (32, 64), True, False), ("sorted", False)),  # W8A8 off: W8A16
     ((40, "channel", None, True, True), ("sorted", True)),
-    ((5, "tensor", None, True, False), ("pairs", False)),
+    ((5, "tensor", None, True, False), ("sorted", False)),
     ((22, "block", (32, 64), False, True), "dequantize"),  # CPU tensors without the interpreter: the reference
     ((5, "block", (32, 8), True, True), "dequantize"),  # scale blocks 8 wide along K: the kernels step K by 16
 ]

@@ -20,8 +20,6 @@ from .core import Impl
 from .experts import expert_act
 from .fp8 import why_not_kernels
 
-PAIRS_MAX = 64  # up to this many token-expert pairs a GEMV per pair (the "pairs" path), above it the sorted GEMMs
-
 
 class Problem(NamedTuple):
     device: str  # x's device type
@@ -49,10 +47,6 @@ def _scale_blocks(p: Problem) -> str | None:
         if block_k is not None and block_k % 16:
             return f"{name}'s scale blocks are {block_k} wide along K: the kernels step K in multiples of 16"
     return None
-
-
-def _few_pairs(p: Problem) -> str | None:
-    return None if p.pairs <= PAIRS_MAX else f"{p.pairs} token-expert pairs > {PAIRS_MAX}: the sorted GEMMs"
 
 
 def _a8_on(p: Problem) -> str | None:
@@ -86,9 +80,8 @@ def _row(name: str, path: str, a8: bool, *why) -> Impl:
 
 
 IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
-    # a GEMV per pair, the weights dequantized in registers (W8A16): decode, where the weights' bytes bound it
-    _row("fp8_moe_pairs", "pairs", False, _few_pairs),
-    # the sorted grouped GEMMs on the fp8 tensor cores, x and h quantized (transformers' dynamic scheme)
+    # the sorted grouped GEMMs on the fp8 tensor cores, x and h quantized (transformers' dynamic scheme); from one
+    # token up: faster than a GEMV per pair on FP8 weights (benchmarks/NOTES.md, "FP8 routed experts")
     _row("fp8_moe_sorted_w8a8", "sorted", True, _a8_on),
     _row("fp8_moe_sorted_w8a16", "sorted", False),  # the sorted GEMMs, the weights cast on chip
     Impl("aten_dequantize", dequantized, None, None),  # each expert's weights dequantized to x's dtype, then aten

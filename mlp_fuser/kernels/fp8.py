@@ -406,16 +406,21 @@ class Config(NamedTuple):
 
 @cache
 def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.device) -> Config:
-    """Small M: 64 weight rows a program, K split until about four programs per SM stream weights (the best of the
-    first H200 sweep, benchmarks/NOTES.md, FP8 weights); mid M: 64-row tiles; large M: 128-row tiles on 8 warps (two
-    fp32 accumulators of 128 x 64 spill on 4)."""
+    """Small M: the split-K swap-AB kernel, 16-64 weight rows a program; gate/up (two weights a step) unsplit, down
+    split to about two programs per SM. Larger M, W8A8: the TMA kernel, 64 tokens by 64 (to 256 tokens) or 128
+    columns on 4 warps. W8A16 above 64 tokens: the split-K kernel's 64- then 128-row tiles. From an H100 sweep
+    (benchmarks/NOTES.md, FP8 weights)."""
     if INTERPRET:
         return Config(16, 32, 32, min(3, cdiv(K, 32)), 4, 1)
     sms = num_sms(device)
     if M <= 64:
         bm = max(16, triton.next_power_of_2(M))
+        if gated:
+            return Config(bm, 64, 128, 1 if a8 else max(1, min(cdiv(4 * sms, cdiv(N, 64)), cdiv(K, 256), 8)), 4, 3)
         tiles = cdiv(M, bm) * cdiv(N, 64)
-        return Config(bm, 64, 128, max(1, min(cdiv(4 * sms, tiles), cdiv(K, 2 * 128), 16)), 4, 3)
+        return Config(bm, 64, 128, max(1, min(cdiv(2 * sms, tiles), cdiv(K, 2 * 128), 16)), 4, 3)
+    if a8:
+        return Config(64, 64 if M <= 256 else 128, 128, 1, 4, 3 if gated and M > 256 else 4, 8, True)
     bn = 64 if gated else 128
     if M <= 256:
         tiles = cdiv(M, 64) * cdiv(N, bn)

@@ -1002,7 +1002,12 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
     E, H, I = w_d.shape
 
     def cfg(kind: str) -> dict:
-        return (configs or {}).get(kind) or default_config(kind, T, k, E, H, I, x.dtype, x.device)
+        given = (configs or {}).get(kind)
+        if given:
+            return given
+        if not INTERPRET and rows_bucket(T, k, E) >= 64:
+            return dict(moe_tuning.FP8_W8A8[kind])
+        return default_config(kind, T, k, E, H, I, x.dtype, x.device)
 
     no_memset, pdl = _FUSED.get(path, (False, False))
     down = cfg("down")

@@ -11,10 +11,10 @@ where each W is the weight its stored form ``w`` (E, N, K) and scales ``s`` desc
 gate and up quantized as one or apart, per channel, per tensor). No biases (``FP8Experts`` has none). Expert ids
 >= E contribute nothing; x in fp16, bf16 or fp32, the output in x's dtype.
 
-On CUDA from sm89 the experts kernels (``kernels/moe.py``: the "pairs" GEMVs for up to PAIRS_MAX token-expert pairs,
-else the sorted grouped GEMMs; the rows of ``dispatch/fp8_experts.py``) read the float8 weights as stored: the GEMVs
-dequantize each tile in registers (W8A16), the GEMMs multiply them with x and h quantized per row and 128 columns
-(W8A8, transformers' dynamic scheme; W8A16 where ``config.fp8_w8a8`` is off). Elsewhere the aten reference
+On CUDA from sm89 the experts kernels (``kernels/moe.py``: the sorted grouped GEMMs at every size; the rows of
+``dispatch/fp8_experts.py``) read the float8 weights as stored and multiply them with x and h quantized per row and
+128 columns (W8A8, transformers' dynamic scheme; W8A16, each tile cast in registers, where ``config.fp8_w8a8`` is
+off). Elsewhere the aten reference
 dequantizes each expert's weights to x's dtype and runs ``moe.reference``. The weights are frozen; x and
 topk_weights get gradients, through that reference on the dequantized weights (on CUDA too: a dequantized copy per
 call where gradients are needed).
