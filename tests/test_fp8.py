@@ -79,7 +79,7 @@ def test_fp8_linear_tma_kernel_matches_float64(fmt, gated, M, N, K):
     w = K8.fp8_weight(*quantized(N, K, fmt, device=KERNEL_DEVICE, g=g))
     u = K8.fp8_weight(*quantized(N, K, fmt, device=KERNEL_DEVICE, g=g)) if gated else None
     bias = None if gated else torch.randn(N, generator=g).to(KERNEL_DEVICE, dt)
-    cfg = K8.Config(16, 32, 32, 1, 4, 1, tma=True) if INTERPRET else K8.Config(64, 64, 128, 1, 4, 3, tma=True)
+    cfg = K8.Config(16, 32, 32, 1, 4, 1, tma=True) if INTERPRET else K8.Config(64, 64, 64, 1, 4, 3, tma=True)
     assert K8.tma_why_not(K8.quantize_rows(x)[0], w, u, True, cfg) is None
     y = K8.fp8_linear(x, w, u, bias=bias, activation="silu" if gated else "gelu", a8=True, config=cfg)
     q, s = K8.quantize_rows_reference(x)
@@ -141,8 +141,9 @@ def test_quantize_blocks_makes_checkpoint_weights():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the quantization kernel runs on CUDA (the interpreter misrounds fp8 casts)")
-def test_quantize_rows_kernel_matches_reference():
-    x = torch.randn(37, 520, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("M", [5, 37])
+def test_quantize_rows_kernel_matches_reference(M):
+    x = torch.randn(M, 520, device="cuda", dtype=torch.bfloat16)
     q, s = K8.quantize_rows(x)
     q2, s2 = K8.quantize_rows_reference(x)
     assert torch.equal(s, s2) and torch.equal(q.float(), q2.float())

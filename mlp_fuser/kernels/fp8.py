@@ -163,16 +163,18 @@ def dequantize(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr):
-    """One (row, 128-wide K block) per program: scale = amax / 448, q = x / scale in float8_e4m3fn."""
-    m = tl.program_id(0)
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK_M rows by one 128-wide K block per program: each row's scale = amax / 448, q = x / scale in fp8."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     offs = kb * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + m * stride_xm + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 448.0
-    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)  # amax / scale may round a hair past 448
-    tl.store(q_ptr + m * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-    tl.store(s_ptr + m * tl.cdiv(K, BLOCK) + kb, scale)
+    mask = (offs_m[:, None] < M) & (offs[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)  # amax / scale may round a hair past 448
+    tl.store(q_ptr + offs_m[:, None] * K + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_m * tl.cdiv(K, BLOCK) + kb, scale, mask=offs_m < M)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,7 +185,9 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     q = torch.empty((M, K), device=x.device, dtype=FP8)
     s = torch.empty((M, cdiv(K, A8_BLOCK)), device=x.device, dtype=torch.float32)
     if M:
-        _quantize_rows_kernel[(M, cdiv(K, A8_BLOCK))](x, q, s, K, x.stride(0), x.stride(1), BLOCK=A8_BLOCK)
+        bm = 16 if M >= 16 else triton.next_power_of_2(M)
+        launch(_quantize_rows_kernel, (cdiv(M, bm), cdiv(K, A8_BLOCK)), x, q, s, M, K, x.stride(0), x.stride(1),
+               BLOCK_M=bm, BLOCK=A8_BLOCK, num_warps=4)
     return q, s
 
 
@@ -497,13 +501,13 @@ def tma_why_not(xq: Tensor, w: Fp8Weight, up: Fp8Weight | None, a8: bool, cfg: C
         return "this Triton has no host tensor descriptors"
     if not a8:
         return "W8A16: the activations are not fp8"
-    if not INTERPRET and torch.cuda.get_device_capability(xq.device)[0] < 9:
-        return "TMA needs a Hopper or newer GPU"
     for name, t in (("x", xq), ("weight", w.w), ("up weight", up.w if up is not None else w.w)):
         if not t.is_contiguous() or t.data_ptr() % 16 or t.shape[1] % 16:
             return f"the {name} is no TMA operand (contiguous, 16-byte aligned, rows of 16-byte multiples)"
     if w.k_scaled and w.block_k % cfg.block_k:
         return f"a K step of {cfg.block_k} straddles the weight's {w.block_k}-wide scale blocks"
+    if not INTERPRET and (xq.device.type != "cuda" or torch.cuda.get_device_capability(xq.device)[0] < 9):
+        return "TMA needs a Hopper or newer GPU"
     return None
 
 
