@@ -188,7 +188,8 @@ def test_op_gradients_through_triton_backward(triton_backward, name, dtype):
     import mlp_fuser
 
     ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case(name, dtype, seed=len(name))
-    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, wts, w_gu, b_gu, w_d, b_d)]
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, wts)]
+    leaves += [torch.nn.Parameter(t.clone()) if t is not None else None for t in (w_gu, b_gu, w_d, b_d)]  # a model's
     with poisoned_empty():
         y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act)
         assert type(y.grad_fn).__name__ == "_MoEFunctionBackward"

@@ -236,7 +236,7 @@ def _triton_backward(args: tuple, need_dx: bool, need_weights: bool) -> bool:
     x2, ids2, wts2, wgu, bgu, wd, bd, gate = args
     if (x2.shape[0] == 0 or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()
-            or not all(type(t) is Tensor for t in (x2, ids2, wts2, wgu, wd, *(b for b in (bgu, bd) if b is not None)))):
+            or not compat.PLAIN_TYPES.issuperset(map(type, (x2, ids2, wts2, wgu, wd, bgu, bd)))):
         return False
     p = experts.problem(x2, ids2, wgu, wd, bgu, bd, gate, need_dx, need_weights)
     detached = tuple(t.detach() if isinstance(t, Tensor) else t for t in args)
