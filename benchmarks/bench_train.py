@@ -17,8 +17,11 @@ and ``patch-save`` (``mlp_fuser.patch(model, backward=...)``, undone after); on 
 ``--model qwen3moe-small``: Qwen3-MoE with Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads, head_dim 128,
 128 experts of intermediate 768, top 8, vocabulary 151936), 8 layers (``--layers``), built on the meta device and
 filled in place. Its default variants (``MOE_VARIANTS``): ``eager`` (transformers' default experts, grouped_mm),
-``experts`` (``set_experts_implementation("mlp_fuser")``), ``patch-recompute``, ``compile``, ``compile-experts``
-(torch.compile with the mlp_fuser experts) and ``backend-recompute``.
+``experts`` (``set_experts_implementation("mlp_fuser")``; with gradients the dispatcher's choice between the Triton
+backward and autograd through grouped_mm, logged with both steps' times), ``patch-recompute``, ``compile``,
+``compile-experts`` (torch.compile with the mlp_fuser experts) and ``backend-recompute``; on request ``experts-aten``
+(the experts switch with its grouped_mm rows forced, ``MLP_FUSER_IMPL=grouped_mm``: the op's path before its Triton
+backward).
 
 Step time: the median of ``--steps`` steps after ``--warmup`` warm-up steps (compilation and the op's kernel choice
 happen there), each step timed between torch.cuda.synchronize() calls. Peak: torch.cuda.max_memory_allocated()
@@ -157,13 +160,17 @@ def profile_step(step, label):
 
 def run_variant(name, model, ids, args, counter):
     import mlp_fuser
+    from mlp_fuser import config
     from mlp_fuser.patch import experts
 
     torch._dynamo.reset()
     counter.fused = 0
-    if name in ("experts", "compile-experts"):
+    if name in ("experts", "experts-aten", "compile-experts"):
         model.set_experts_implementation(experts.NAME)
-    if name in ("eager", "experts"):
+    forced = config.force_impl
+    if name == "experts-aten":
+        config.force_impl = "grouped_mm" if args.device == "cuda" else "reference"  # the aten rows: CUDA's, CPU's
+    if name in ("eager", "experts", "experts-aten"):
         forward = model
     elif name in ("compile", "compile-experts"):
         forward = torch.compile(model)
@@ -187,8 +194,9 @@ def run_variant(name, model, ids, args, counter):
     finally:
         if name.startswith("patch-"):
             mlp_fuser.unpatch(model)
-        if name in ("experts", "compile-experts"):
+        if name in ("experts", "experts-aten", "compile-experts"):
             model.set_experts_implementation("grouped_mm")
+        config.force_impl = forced
         if saved is not None:
             with torch.no_grad():
                 model.load_state_dict(saved)
@@ -238,7 +246,7 @@ def main(argv=None):
     moe = args.model == "qwen3moe-small"
     args.shapes = args.shapes or ("1x1024,4x1024" if moe else "4x1024,1x4096")
     variants = (args.variants or ",".join(MOE_VARIANTS if moe else VARIANTS)).split(",")
-    known = VARIANTS + EXTRA + (["experts", "compile-experts"] if moe else [])
+    known = VARIANTS + EXTRA + (["experts", "experts-aten", "compile-experts"] if moe else [])
     if set(variants) - set(known):
         ap.error(f"unknown variant(s) {sorted(set(variants) - set(known))}; known: {', '.join(known)}")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]

@@ -149,14 +149,18 @@ def test_generate_moe_paths_compare_with_transformers_best():
 
 def test_train_qwen3moe_small_tiny(tmp_path):
     bench_train = _benchmark("bench_train")
-    assert bench_train.main(["--model", "qwen3moe-small", "--tiny", "--device", "cpu", "--variants", "eager,experts",
-                             "--shapes", "1x16", "--steps", "1", "--warmup", "1", "--adamw",
-                             "--out", str(tmp_path)]) == 0
+    from mlp_fuser import config
+
+    assert bench_train.main(["--model", "qwen3moe-small", "--tiny", "--device", "cpu", "--variants",
+                             "eager,experts,experts-aten", "--shapes", "1x16", "--steps", "1", "--warmup", "1",
+                             "--adamw", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "train.json").read_text())
-    eager, experts = data["rows"]
-    assert (eager["variant"], experts["variant"]) == ("eager", "experts") and data["env"]["adamw"]
-    assert abs(eager["loss"] - experts["loss"]) < 1e-5  # the same weights at each variant's start
-    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 2
+    eager, experts, aten = data["rows"]
+    assert (eager["variant"], experts["variant"], aten["variant"]) == ("eager", "experts", "experts-aten")
+    assert data["env"]["adamw"] and config.force_impl is None  # experts-aten's forced rows undone
+    for r in (experts, aten):
+        assert abs(eager["loss"] - r["loss"]) < 1e-5  # the same weights at each variant's start
+    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 3
 
 
 def test_moe_row_where_ours_failed_says_so():
