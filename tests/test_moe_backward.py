@@ -219,18 +219,20 @@ def test_op_frozen_experts_and_3d_input(triton_backward):
 
 
 def test_op_double_backward_through_aten(triton_backward):
-    """create_graph=True: the gradients come from the aten path, so they can be differentiated again."""
+    """create_graph=True: every gradient from the aten path, which can be differentiated again (float64 alike)."""
     import mlp_fuser
 
-    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top1", torch.float32, seed=3)
-    xs = [x.clone().requires_grad_(), w_d.clone().requires_grad_()]
-    xs64 = [t.detach().double().requires_grad_() for t in xs]
+    ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=3)
+    dy = tensors[-1]
     outs = []
-    for (xx, wd), dt in ((xs, torch.float32), (xs64, torch.float64)):
-        y = mlp_fuser.moe_mlp(xx, ids, wts.to(dt), w_gu.to(dt), None, wd, None, act)
-        gx, = torch.autograd.grad(y, xx, dy.to(dt), create_graph=True)
-        outs.append(torch.autograd.grad((gx * gx).sum(), wd))
-    assert rel_err(outs[0][0], outs[1][0]) <= BAR[torch.float32]
+    for dt in (torch.float32, torch.float64):
+        leaves = [t.detach().to(dt).requires_grad_() for t in tensors[:-1]]
+        y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act)
+        assert (type(y.grad_fn).__name__ == "_MoEFunctionBackward") == (dt == torch.float32)
+        grads = torch.autograd.grad(y, leaves, dy.to(dt), create_graph=True)
+        outs.append((*grads, *torch.autograd.grad((grads[0] * grads[0]).sum(), leaves[4])))
+    for name, got, want in zip((*NAMES, "d(dx²)/dw_d"), *outs):
+        assert rel_err(got, want) <= BAR[torch.float32], name
 
 
 def test_backward_table_reasons_and_fallbacks(triton_backward, monkeypatch):
@@ -255,3 +257,23 @@ def test_backward_table_reasons_and_fallbacks(triton_backward, monkeypatch):
     y = mlp_fuser.moe_mlp(x.float(), ids, wts.float().requires_grad_(), w_gu.float(), None, w_d.float(), None, act)
     assert type(y.grad_fn).__name__ != "_MoEFunctionBackward"
 
+
+
+def test_op_checkpointed_and_autocast_over_fp32_weights(triton_backward):
+    """As fine-tuning runs it: activation checkpointing (non-reentrant) and fp16 autocast over fp32 master weights,
+    the gradients reaching the fp32 leaves through the casts, within fp16's bar."""
+    import mlp_fuser
+
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top2_bias", torch.float32, seed=11)
+    leaves = [torch.nn.Parameter(t.clone()) for t in (x, wts, w_gu, b_gu, w_d, b_d)]
+
+    def f(xx, ww, wgu, bgu, wd, bd):
+        return mlp_fuser.moe_mlp(xx, ids, ww, wgu, bgu, wd, bd, act)
+
+    with torch.autocast(KERNEL_DEVICE, dtype=torch.float16), poisoned_empty():
+        y = torch.utils.checkpoint.checkpoint(f, *leaves, use_reentrant=False)
+    assert y.dtype == torch.float16 and type(y.grad_fn).__name__ == "_MoEFunctionBackward"
+    y.backward(dy.half())
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
+    assert all(t.grad.dtype == torch.float32 for t in leaves)
+    check([t.grad for t in leaves], ref, BAR[torch.float16])
