@@ -234,8 +234,7 @@ def _triton_backward(args: tuple, need_dx: bool, need_weights: bool) -> bool:
     """Whether a call with gradients runs ``_MoEFunction``: plain tensors outside any tracing or transform (the
     backward's kernels take real tensors), and the dispatcher's choice for its problem (``experts.BACKWARD``)."""
     x2, ids2, wts2, wgu, bgu, wd, bd, gate = args
-    if (x2.shape[0] == 0 or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._are_functorch_transforms_active()
+    if (x2.shape[0] == 0 or torch.compiler.is_compiling() or not compat.no_dispatch_mode_or_transform()
             or not compat.PLAIN_TYPES.issuperset(map(type, (x2, ids2, wts2, wgu, wd, bgu, bd)))):
         return False
     p = experts.problem(x2, ids2, wgu, wd, bgu, bd, gate, need_dx, need_weights)
@@ -253,7 +252,7 @@ class _MoEFunction(torch.autograd.Function):
                      gate.up_offset)
         ctx.save_for_backward(x, ids, wts, wgu, bgu, wd, bd)
         ctx.gate = gate
-        return y if y._base is None else y.detach()  # a tensor of its own: callers may update it in place
+        return y if compat.view_base(y) is None else y.detach()  # a tensor of its own: callers may update it in place
 
     @staticmethod
     def backward(ctx, dy):
