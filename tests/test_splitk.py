@@ -46,6 +46,7 @@ def test_counters_zeroed_by_the_gate_up_kernel(impl, dtype, monkeypatch):
     arrival counters, which start as garbage here (poisoned), so a counter left unzeroed leaves tiles unwritten or
     reduced twice."""
     from mlp_fuser.dispatch import dense as dispatch
+    from mlp_fuser.runtime import dense as runtime_dense
 
     M, K, I, O = 5, 48, 1024, 40  # I long enough for the default config to split it, on the GPU and the CPU
     assert splitk._plan(M, O, I, splitk.splitk_config(M, O, I, dtype.itemsize, torch.device(KERNEL_DEVICE)))[1] > 1
@@ -57,7 +58,7 @@ def test_counters_zeroed_by_the_gate_up_kernel(impl, dtype, monkeypatch):
         made.append(counters)
         return counters
 
-    monkeypatch.setattr(dispatch, "splitk_counters", poisoned)
+    monkeypatch.setattr(runtime_dense, "splitk_counters", poisoned)
     x = torch.randn(M, K, device=KERNEL_DEVICE).to(dtype)
     wg, wu = ((torch.randn(I, K, device=KERNEL_DEVICE) * K**-0.5).to(dtype) for _ in range(2))
     wd = (torch.randn(O, I, device=KERNEL_DEVICE) * I**-0.5).to(dtype)
