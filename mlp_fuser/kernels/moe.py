@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2, num_sms
-from .fp8 import A8_BLOCK, quantize_rows
+from .fp8 import A8_BLOCK, FP8, quantize_rows
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 from .moe_tuning import _cfg
@@ -1002,12 +1002,7 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
     E, H, I = w_d.shape
 
     def cfg(kind: str) -> dict:
-        given = (configs or {}).get(kind)
-        if given:
-            return given
-        if not INTERPRET and rows_bucket(T, k, E) >= 64:
-            return dict(moe_tuning.FP8_W8A8[kind])
-        return default_config(kind, T, k, E, H, I, x.dtype, x.device)
+        return _fp8_config(kind, configs, True, T, k, E, H, I, x)
 
     no_memset, pdl = _FUSED.get(path, (False, False))
     down = cfg("down")
@@ -1020,6 +1015,18 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
     if path in _FUSED:
         return moe_down_combine(hq, routing, ids, wts, w_d, None, x.dtype, down, counts, pdl, s_d, hs)
     return moe_combine(moe_down(hq, routing, wts, w_d, None, down, s_d, hs), ids, E, x.dtype)
+
+
+def _fp8_config(kind: str, configs: dict | None, a8: bool, T: int, k: int, E: int, H: int, I: int,
+                x: Tensor) -> dict:
+    """The grouped GEMMs' config on float8 weights: the one given, else W8A8's own tiles from 64 rows per expert
+    (``moe_tuning.FP8_W8A8``), else the bf16 table's."""
+    given = (configs or {}).get(kind)
+    if given:
+        return given
+    if a8 and not INTERPRET and rows_bucket(T, k, E) >= 64:
+        return dict(moe_tuning.FP8_W8A8[kind])
+    return default_config(kind, T, k, E, H, I, x.dtype, x.device)
 
 
 def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
@@ -1065,6 +1072,8 @@ def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, ac
     the slot ``_scale_args`` gives them); the other paths through ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    if path == "sorted" and T * k and I and H and E:
+        return _fp8_sorted_plan(x, ids, wts, w_gu, w_d, act, interleaved, configs, scales, a8)
     if path != "pairs" or T * k == 0 or I == 0 or H == 0 or E == 0:
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d, scales: moe_experts(
             x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs, scales, a8)
@@ -1084,6 +1093,52 @@ def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, ac
         down(h, ids, wts, w_d, w_d, y, *head_d, scales[1].scale, *tail_d)
         return y
     return pairs
+
+
+def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
+                     interleaved: bool, configs: dict | None, scales: tuple, a8: bool):
+    """``experts_plan`` for the sorted path on float8 weights: the four launches' grids, integers and constexprs
+    worked out once; a call passes its routing, its activations' quantization (``a8``) and its own scales (views
+    like these ones') into the slots kept for them."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    S, dtype, device = T * k, x.dtype, x.device
+    up, down = (_fp8_config(kind, configs, a8, T, k, E, H, I, x) for kind in ("gate_up", "down"))
+    blocks = (max_blocks(S, E, up["BLOCK_M"]), up["BLOCK_M"])
+    align = align_plan(ids, E, up["BLOCK_M"])
+    # stand-ins with the strides and dtypes of the call's operands (quantize_rows' are contiguous)
+    xq = torch.empty((T, H), dtype=FP8, device=device) if a8 else x
+    hq = torch.empty((S, I), dtype=FP8 if a8 else dtype, device=device)
+    xs, hs = ((torch.empty((n, cdiv(w, A8_BLOCK)), dtype=torch.float32, device=device) for n, w in ((T, H), (S, I)))
+              if a8 else (None, None))
+    grid_gu, ints_gu, ids_gu, n_counts, const_gu = _gate_up_args(xq, ids, k, blocks, w_gu, None, act, I, interleaved,
+                                                                 up, None, False, scales[0], xs)
+    grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, hq.dtype, ids, wts, w_d, None, down, False, False,
+                                                scales[1], hs)
+    grid_c, ints_c, const_c = _combine_args(ids, E, H)
+    gu, dn, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
+                    Prepared(_moe_combine_kernel, grid_c, **const_c))
+    # the slots of the call's own tensors among the integers: each weight's scales, the activations' scales
+    at_gu, at_d = (next(i for i, a in enumerate(ints) if a is fe.scale)
+                   for ints, fe in ((ints_gu, scales[0]), (ints_d, scales[1])))
+    head_gu, mid_gu = ints_gu[:at_gu], ints_gu[at_gu + 1:-2]
+    head_d, mid_d = ints_d[:at_d], ints_d[at_d + 1:-2]
+    xs_stride, hs_stride = ints_gu[-1], ints_d[-1]
+
+    def sorted_fp8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
+        routing = align(ids)[:3]
+        xq, xs = quantize_rows(x) if a8 else (x, None)
+        h = torch.empty((S, I), dtype=dtype, device=device)
+        gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride, None, *ids_gu, None,
+           n_counts)
+        hq, hs = quantize_rows(h) if a8 else (h, None)
+        out = torch.empty((S, H), dtype=torch.float32, device=device)
+        dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
+           *ids_d)
+        y = torch.empty((T, H), dtype=dtype, device=device)
+        comb(out, ids, y, *ints_c)
+        return y
+    return sorted_fp8
 
 
 def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, cfgs: dict):
