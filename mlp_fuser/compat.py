@@ -287,6 +287,19 @@ def below_autograd():
     return torch._C._AutoDispatchBelowAutograd()
 
 
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView,
+                  torch._C.DispatchKey.AutogradOther)
+
+
+def autograd_recording():
+    """A context in which autograd records again inside an op's kernel (a dispatch mode's handler runs kernels with
+    the autograd keys excluded): for a kernel whose aten path computes gradients by autograd."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def autocast_key(device_type: str) -> str:
     """The Autocast dispatch key's name of a device type (``AutocastCUDA``), as ``Library.impl`` takes it."""
     return "Autocast" + torch._C._dispatch_key_for_device(device_type)

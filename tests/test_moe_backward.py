@@ -149,6 +149,17 @@ def triton_backward(monkeypatch):
     moe.reset()
 
 
+@pytest.fixture
+def triton_calls(triton_backward, monkeypatch):
+    """``triton_backward``, and the list of the Triton backward's calls (their need_dx, need_weights)."""
+    from mlp_fuser.kernels import moe_backward as kbwd
+
+    calls, real = [], kbwd.moe_backward
+    monkeypatch.setattr(kbwd, "moe_backward", lambda *a, **k: calls.append((k["need_dx"], k["need_weights"]))
+                        or real(*a, **k))
+    return calls
+
+
 def uneven_ids(T, k, E, seed):
     """Routing as a skewed router gives it: expert 0 in about 60% of the tokens, the last expert in none, about 10%
     sentinel ids (>= E), distinct experts per token where the draw allows."""
@@ -182,7 +193,7 @@ def op_case(name, dtype, seed):
 
 
 @pytest.mark.parametrize(("name", "dtype"), OP_DTYPE_CASES, ids=[f"{n}-{dt}" for n, dt in OP_DTYPE_CASES])
-def test_op_gradients_through_triton_backward(triton_backward, name, dtype):
+def test_op_gradients_through_triton_backward(triton_calls, name, dtype):
     """Every input's gradient through mlp_fuser.moe_mlp against float64 autograd through the aten reference, with an
     expert that gets most tokens and one that gets none; the backward that ran is the Triton one."""
     import mlp_fuser
@@ -192,8 +203,8 @@ def test_op_gradients_through_triton_backward(triton_backward, name, dtype):
     leaves += [torch.nn.Parameter(t.clone()) if t is not None else None for t in (w_gu, b_gu, w_d, b_d)]  # a model's
     with poisoned_empty():
         y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act)
-        assert type(y.grad_fn).__name__ == "_MoEFunctionBackward"
         y.backward(dy)
+    assert triton_calls == [(True, True)]
     ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
     check([t.grad if t is not None else None for t in leaves], ref, BAR[dtype])
     y64 = reference(*(t.cpu().double() if t.is_floating_point() else t.cpu()
@@ -204,7 +215,7 @@ def test_op_gradients_through_triton_backward(triton_backward, name, dtype):
     assert not leaves[2].grad[E - 1].any() and leaves[2].grad[0].abs().sum() > 0  # none for the unused expert
 
 
-def test_op_frozen_experts_and_3d_input(triton_backward):
+def test_op_frozen_experts_and_3d_input(triton_calls):
     """Frozen experts (LoRA elsewhere): gradients reach x and the routing weights only; x with two leading dims."""
     import mlp_fuser
 
@@ -212,13 +223,13 @@ def test_op_frozen_experts_and_3d_input(triton_backward):
     xg, wg = x.clone().view(1, *x.shape).requires_grad_(), wts.clone().view(1, *wts.shape).requires_grad_()
     with poisoned_empty():
         y = mlp_fuser.moe_mlp(xg, ids.view(1, *ids.shape), wg, w_gu, b_gu, w_d, b_d, act)
-        assert type(y.grad_fn).__name__ == "_MoEFunctionBackward"
         y.backward(dy.view(1, *dy.shape))
+    assert triton_calls == [(True, False)]
     ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
     check([xg.grad.view(x.shape), wg.grad.view(wts.shape)], ref[:2], BAR[torch.float32])
 
 
-def test_op_double_backward_through_aten(triton_backward):
+def test_op_double_backward_through_aten(triton_calls):
     """create_graph=True: every gradient from the aten path, which can be differentiated again (float64 alike)."""
     import mlp_fuser
 
@@ -228,14 +239,14 @@ def test_op_double_backward_through_aten(triton_backward):
     for dt in (torch.float32, torch.float64):
         leaves = [t.detach().to(dt).requires_grad_() for t in tensors[:-1]]
         y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act)
-        assert (type(y.grad_fn).__name__ == "_MoEFunctionBackward") == (dt == torch.float32)
         grads = torch.autograd.grad(y, leaves, dy.to(dt), create_graph=True)
+        assert not triton_calls
         outs.append((*grads, *torch.autograd.grad((grads[0] * grads[0]).sum(), leaves[4])))
     for name, got, want in zip((*NAMES, "d(dx²)/dw_d"), *outs):
         assert rel_err(got, want) <= BAR[torch.float32], name
 
 
-def test_backward_table_reasons_and_fallbacks(triton_backward, monkeypatch):
+def test_backward_table_reasons_and_fallbacks(triton_calls, monkeypatch):
     """The dispatcher's rows for calls with gradients: the Triton one where Triton runs, the aten path otherwise
     (float64, CPU without the interpreter's opt-in), each with its reason."""
     import mlp_fuser
@@ -248,18 +259,19 @@ def test_backward_table_reasons_and_fallbacks(triton_backward, monkeypatch):
     assert experts.BACKWARD_BY_NAME["triton_moe_backward"].why_not(p) == "dtype torch.float64 not supported"
     assert [i.name for i in core.candidates(experts.BACKWARD, p)] == ["reference"]
     ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top1", torch.float64, seed=1)
-    y = mlp_fuser.moe_mlp(x.requires_grad_(), ids, wts, w_gu, None, w_d, None, act)
-    assert type(y.grad_fn).__name__ != "_MoEFunctionBackward"
+    mlp_fuser.moe_mlp(x.requires_grad_(), ids, wts, w_gu, None, w_d, None, act).backward(dy)
+    assert x.grad is not None and not triton_calls
     monkeypatch.setattr(config, "triton_on_cpu", False)
     moe.reset()
     assert "device cpu" in experts.BACKWARD_BY_NAME["triton_moe_backward"].why_not(
         experts.StepProblem("cpu", torch.float32, 8, 2, 4, 16, 8, gate, False, True, True))
-    y = mlp_fuser.moe_mlp(x.float(), ids, wts.float().requires_grad_(), w_gu.float(), None, w_d.float(), None, act)
-    assert type(y.grad_fn).__name__ != "_MoEFunctionBackward"
+    wf = wts.float().requires_grad_()
+    mlp_fuser.moe_mlp(x.float(), ids, wf, w_gu.float(), None, w_d.float(), None, act).backward(dy.float())
+    assert wf.grad is not None and not triton_calls
 
 
 
-def test_op_checkpointed_and_autocast_over_fp32_weights(triton_backward):
+def test_op_checkpointed_and_autocast_over_fp32_weights(triton_calls):
     """As fine-tuning runs it: activation checkpointing (non-reentrant) and fp16 autocast over fp32 master weights,
     the gradients reaching the fp32 leaves through the casts, within fp16's bar."""
     import mlp_fuser
@@ -272,8 +284,52 @@ def test_op_checkpointed_and_autocast_over_fp32_weights(triton_backward):
 
     with torch.autocast(KERNEL_DEVICE, dtype=torch.float16), poisoned_empty():
         y = torch.utils.checkpoint.checkpoint(f, *leaves, use_reentrant=False)
-    assert y.dtype == torch.float16 and type(y.grad_fn).__name__ == "_MoEFunctionBackward"
+    assert y.dtype == torch.float16
     y.backward(dy.half())
+    assert triton_calls == [(True, True)]
     ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
     assert all(t.grad.dtype == torch.float32 for t in leaves)
     check([t.grad for t in leaves], ref, BAR[torch.float16])
+
+
+# ---- the backward as an op of its own: mlp_fuser::moe_mlp_backward, what eager and compiled graphs both call ------
+
+OP_BACKWARD = [  # a case of CASES, need_dx, need_weights, the Triton row (else the aten one)
+    ("silu_concat", True, True, False),
+    ("gelu_interleaved_bias_transposed", True, True, False),
+    ("gpt_oss_clamped", True, False, False),  # frozen experts
+    ("plain_gelu_bias", False, False, False),  # the routing weights' gradient alone
+    ("gelu_interleaved_bias_transposed", True, True, True),
+    ("silu_clamp_after", False, True, True),
+]
+
+
+@pytest.mark.parametrize(("name", "need_dx", "need_weights", "triton"), OP_BACKWARD,
+                         ids=[f"{c[0]}-{'dx' if c[1] else ''}{'dw' if c[2] else ''}-{'triton' if c[3] else 'aten'}"
+                              for c in OP_BACKWARD])
+def test_backward_op_matches_float64_and_opcheck(monkeypatch, name, need_dx, need_weights, triton):
+    """The op's six gradients (empty where not asked) against float64 autograd, through the row the table names;
+    then torch.library.opcheck: schema, fake kernel against the real one, AOT dispatch."""
+    from mlp_fuser import config
+    from mlp_fuser.ops import moe
+
+    monkeypatch.setattr(config, "triton_on_cpu", triton)
+    monkeypatch.setattr(config, "force_impl", None)
+    moe.reset()
+    T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES[name]
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed, seed=5)
+    args = (dy, x, ids, wts, w_gu, b_gu, w_d, b_d, gate.activation, gate.interleaved, gate.limit, gate.clamp_after,
+            gate.up_offset, need_dx, need_weights)
+    op = torch.ops.mlp_fuser.moe_mlp_backward.default
+    with poisoned_empty():
+        out = op(*args)
+    p = moe.experts.problem(x, ids, w_gu, w_d, b_gu, b_d, gate, need_dx, need_weights)
+    assert moe.experts.choose_backward(p, (x, ids, wts, w_gu, b_gu, w_d, b_d, gate)).name == (
+        "triton_moe_backward" if triton else "reference")
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
+    wanted = (need_dx, True, need_weights, need_weights and bias, need_weights, need_weights and bias)
+    check([o if w else None for o, w in zip(out, wanted)], [r if w else None for r, w in zip(ref, wanted)],
+          BAR[torch.float32])
+    assert all(o.shape == (0,) for o, w in zip(out, wanted) if not w)
+    torch.library.opcheck(op, args)
+    moe.reset()

@@ -2,9 +2,9 @@
 
 The Triton paths (``kernels/moe.py``) on CUDA, timed once per bucket of T on the call's own routing, with the host's
 time (``wall``: between syncs) for plain calls and on the GPU alone for CUDA-graph captures; ``grouped_mm`` and the
-aten path (``reference_experts``) elsewhere or where nothing else runs. Calls with gradients choose from a table of
-their own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``) or autograd through the aten path, each
-row timed as the whole training step it implies (forward and backward).
+aten path (``reference_experts``) elsewhere or where nothing else runs. The op's backward (``moe_mlp_backward``)
+chooses from a table of its own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``) or autograd through
+the aten path recomputed from the inputs, each row timed as the backward alone (the forward is the same for both).
 """
 
 from __future__ import annotations
@@ -191,13 +191,11 @@ def triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate: Gate, dy, need_dx: bool
                              need_weights=need_weights)
 
 
-# The rows' functions are the training step each implies, (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy) -> grads:
-# what is timed. The op runs the chosen one's forward and backward apart (ops/moe.py).
+# The rows' functions are the backward op's work, (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy) ->
+# (dx, dwts, dwgu, dbgu, dwd, dbd), None where not asked: what is timed, the op's forward being the same for both.
 def _triton_step(need_dx: bool, need_weights: bool):
     def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
-        args = (x, ids, wts, wgu, bgu, wd, bd, gate)
-        choose(problem(x, ids, wgu, wd, bgu, bd, gate), args).fn(*args)  # the forward without gradients
-        return triton_backward(*args, dy, need_dx, need_weights)
+        return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights)
     return step
 
 
@@ -206,9 +204,11 @@ def _aten_step(need_dx: bool, need_weights: bool):
         wants = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
         leaves = [t.detach().requires_grad_(w) if t is not None else None
                   for t, w in zip((x, wts, wgu, bgu, wd, bd), wants)]
-        with torch.enable_grad():
+        asked = [t for t in leaves if t is not None and t.requires_grad]
+        with compat.autograd_recording(), torch.enable_grad():  # gate/up recomputed from x, then autograd
             y = reference_experts(leaves[0], ids, *leaves[1:], gate)
-            return torch.autograd.grad(y, [t for t in leaves if t is not None and t.requires_grad], dy)
+            got = iter(torch.autograd.grad(y, asked, dy))
+        return tuple(next(got) if t is not None and t.requires_grad else None for t in leaves)
     return step
 
 
@@ -225,11 +225,11 @@ def _step(make) -> ImplFn:
 
 BACKWARD_IMPLS: list[Impl] = [
     Impl("triton_moe_backward", _step(_triton_step), frozenset({"cuda"}), triton=True, why=(_triton_grad,),
-         notes="the op's forward, then gate/up recomputed, dh and A' in one kernel, dx by the down kernel, dW per "
+         notes="gate/up recomputed, dh and A' in one kernel, dx by the down kernel, dW per "
                "expert tile; nothing saved but the inputs"),
     Impl("grouped_mm", _step(_aten_step), frozenset({"cuda"}), frozenset({torch.bfloat16}), why=(_grouped_mm_ok,),
-         notes="autograd through the aten path (torch._grouped_mm): its activations saved"),
-    Impl("reference", _step(_aten_step), None, FLOAT, notes="autograd through the aten path"),
+         notes="the aten path (torch._grouped_mm) recomputed from the inputs, then autograd through it"),
+    Impl("reference", _step(_aten_step), None, FLOAT, notes="the aten path recomputed, then autograd through it"),
 ]
 BACKWARD_BY_NAME = {i.name: i for i in BACKWARD_IMPLS}
 
@@ -243,9 +243,9 @@ def _backward_key(p: StepProblem) -> tuple:
 
 
 def choose_backward(p: StepProblem, args: tuple) -> Impl:
-    """The implementation of a call with gradients (``args``: the forward's, x and ids 2-D, detached): on CUDA the
-    faster training step of the eligible rows, timed once per bucket of T on the call's own routing and a random dy;
-    the aten path while the first call of a bucket is being captured in a CUDA graph."""
+    """The implementation of ``mlp_fuser::moe_mlp_backward`` (``args``: the forward's, x and ids 2-D): on CUDA the
+    faster backward of the eligible rows, timed once per bucket of T on the call's own routing and a random dy; the
+    aten path while the first call of a bucket is being captured in a CUDA graph."""
     found = core.cached(BACKWARD, _backward_key(p))
     if found is None:
         gen = torch.Generator(device=args[0].device).manual_seed(0)  # the caller's random stream left alone

@@ -16,13 +16,14 @@ GPT-OSS's transposed storage is passed as ``.transpose(1, 2)`` views, never copi
 and A = act(gu) for plain experts.
 
 Kernels, top of the dispatcher down: autocast (like nn.Linear: floating inputs cast to the autocast dtype);
-autograd (with gradients needed: ``_MoEFunction``, the forward as without them, then the Triton backward, where the
-dispatcher's table of calls with gradients, ``experts.BACKWARD``, chooses it; else the grouped aten path,
-``reference``, which autograd differentiates: dx, d weights and d routing weights); every device: ``_forward`` runs
-what the dispatcher chose among the experts' rows (``dispatch/experts.py``: the Triton paths on CUDA, timed once per
+autograd (``torch.library.register_autograd``: the inputs saved, nothing else; the backward is the op
+``mlp_fuser::moe_mlp_backward``, in eager mode and in compiled graphs alike, whose kernel runs what the dispatcher's
+table of backwards, ``experts.BACKWARD``, chooses: the Triton backward or autograd through the aten path recomputed
+from the inputs; with create_graph=True the aten path, differentiable again); every device: ``_forward`` runs what
+the dispatcher chose among the experts' rows (``dispatch/experts.py``: the Triton paths on CUDA, timed once per
 shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere; a call whose signature,
-``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake:
-shapes only. ``eager_moe_mlp`` is the entry for eager callers: plain calls skip those layers.
+``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake: shapes only.
+``eager_moe_mlp`` is the entry for eager callers: plain calls skip those layers.
 """
 
 from __future__ import annotations
@@ -203,7 +204,17 @@ def _forward_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, l
     return y.view(*x.shape[:-1], H)
 
 
-_lib.impl("moe_mlp", _forward, "CompositeExplicitAutograd")
+def _own_tensor(forward):
+    """``forward`` as the dispatcher's kernel: a view of the result returned as a tensor of its own, so callers may
+    update it in place under autograd (a custom autograd Function's view output may not be)."""
+    def kernel(*args):
+        y = forward(*args)
+        return y if compat.view_base(y) is None else y.detach()
+    return kernel
+
+
+_kernel = _own_tensor(_forward)
+_lib.impl("moe_mlp", _kernel, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mlp_fuser::moe_mlp")
@@ -212,70 +223,81 @@ def _fake(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=No
     return x.new_empty(x.shape)
 
 
-def _autograd(keyset, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
-              up_offset=0.0):
-    if torch.is_grad_enabled() and compat.any_requires_grad(x, wts, wgu, bgu, wd, bd):
-        check_args(x, ids, wts, wgu, bgu, wd, bd, activation)
-        _check_ids(ids)
-        gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
-        H, k = x.shape[-1], ids.shape[-1]
-        T = math.prod(x.shape[:-1])
-        args = (x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
-        if _triton_backward(args, x.requires_grad, compat.any_requires_grad(wgu, bgu, wd, bd)):
-            return _MoEFunction.apply(x, ids, wts, wgu, bgu, wd, bd, gate)
-        return reference(*args).view(x.shape)
-    with compat.below_autograd():
-        return torch.ops.mlp_fuser.moe_mlp.default.redispatch(
-            keyset & compat.AFTER_AUTOGRAD, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
-            clamp_after, up_offset)
+_lib.define(
+    "moe_mlp_backward(Tensor dy, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor? b_gate_up, "
+    "Tensor w_down, Tensor? b_down, str activation, bool interleaved, float? limit, bool clamp_after, float up_offset, "
+    "bool need_dx, bool need_weights) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _triton_backward(args: tuple, need_dx: bool, need_weights: bool) -> bool:
-    """Whether a call with gradients runs ``_MoEFunction``: plain tensors outside any tracing or transform (the
-    backward's kernels take real tensors), and the dispatcher's choice for its problem (``experts.BACKWARD``)."""
-    x2, ids2, wts2, wgu, bgu, wd, bd, gate = args
-    if (x2.shape[0] == 0 or torch.compiler.is_compiling() or not compat.no_dispatch_mode_or_transform()
-            or not compat.PLAIN_TYPES.issuperset(map(type, (x2, ids2, wts2, wgu, wd, bgu, bd)))):
-        return False
-    p = experts.problem(x2, ids2, wgu, wd, bgu, bd, gate, need_dx, need_weights)
-    detached = tuple(t.detach() if isinstance(t, Tensor) else t for t in args)
-    return experts.choose_backward(p, detached).name == "triton_moe_backward"
+def _backward(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset, need_dx,
+              need_weights):
+    """The op's backward on real tensors: what the dispatcher's table (``experts.BACKWARD``) chooses, the Triton
+    backward or autograd through the aten path recomputed from the inputs."""
+    H, k = x.shape[-1], ids.shape[-1]
+    T = math.prod(x.shape[:-1])
+    gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
+    args = (x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
+    if T == 0:
+        grads = (x.new_zeros((0, H)), wts.new_zeros((0, k)), *(torch.zeros_like(t) if t is not None else None
+                                                               for t in (wgu, bgu, wd, bd)))
+    else:
+        p = experts.problem(*args[:2], wgu, wd, bgu, bd, gate, need_dx, need_weights)
+        grads = experts.choose_backward(p, args).fn(*args, dy.reshape(T, H), (need_dx, need_weights))
+    dx, dwts, *dw = grads
+    wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
+    # the fake kernel's outputs: each gradient contiguous in its input's shape, (0,) where not asked or no input
+    return tuple(g.reshape(t.shape).contiguous() if w and t is not None else x.new_empty(0)
+                 for g, t, w in zip((dx, dwts, *dw), (x, wts, wgu, bgu, wd, bd), wanted))
 
 
-class _MoEFunction(torch.autograd.Function):
-    """The op with gradients through the Triton backward (``kernels/moe_backward.py``): the forward as chosen for calls
-    without them; saved are the inputs alone (the backward recomputes gate/up from x, as the issue's memory asks)."""
-
-    @staticmethod
-    def forward(ctx, x, ids, wts, wgu, bgu, wd, bd, gate: Gate):
-        y = _forward(x, ids, wts, wgu, bgu, wd, bd, gate.activation, gate.interleaved, gate.limit, gate.clamp_after,
-                     gate.up_offset)
-        ctx.save_for_backward(x, ids, wts, wgu, bgu, wd, bd)
-        ctx.gate = gate
-        return y if compat.view_base(y) is None else y.detach()  # a tensor of its own: callers may update it in place
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, ids, wts, wgu, bgu, wd, bd = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        H, k = x.shape[-1], ids.shape[-1]
-        T = math.prod(x.shape[:-1])
-        args = (x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, ctx.gate)
-        if torch.is_grad_enabled():  # create_graph=True: the aten path, which autograd differentiates again
-            inputs = [(i, t) for i, t in enumerate((x, None, wts, wgu, bgu, wd, bd)) if need[i]]
-            y = reference(*args)
-            got = torch.autograd.grad(y, [t for _, t in inputs], dy.reshape(T, H), create_graph=True)
-            grads = [None] * 7
-            for (i, _), g in zip(inputs, got):
-                grads[i] = g
-            return (*grads, None)
-        dx, dwts, dwgu, dbgu, dwd, dbd = experts.triton_backward(*args, dy.reshape(T, H), need[0], any(need[3:7]))
-        return (dx.view(x.shape) if need[0] else None, None, dwts.view(wts.shape) if need[2] else None,
-                dwgu if need[3] else None, dbgu if need[4] else None, dwd if need[5] else None,
-                dbd if need[6] else None, None)
+_lib.impl("moe_mlp_backward", _backward, "CompositeExplicitAutograd")
 
 
-_lib.impl("moe_mlp", _autograd, "Autograd", with_keyset=True)
+@torch.library.register_fake("mlp_fuser::moe_mlp_backward")
+def _backward_fake(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset, need_dx,
+                   need_weights):
+    wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
+    return tuple(t.new_empty(t.shape) if w and t is not None else x.new_empty(0)
+                 for t, w in zip((x, wts, wgu, bgu, wd, bd), wanted))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])  # the inputs alone: the backward recomputes gate/up from x
+    ctx.options = inputs[7:]
+
+
+def _differentiable_backward(ctx, dy):
+    """create_graph=True: every gradient through the aten path, which autograd differentiates again."""
+    x, ids, wts, wgu, bgu, wd, bd = ctx.saved_tensors
+    H, k = x.shape[-1], ids.shape[-1]
+    T = math.prod(x.shape[:-1])
+    gate = _gate(wgu, wd, *ctx.options)
+    inputs = [(i, t) for i, t in enumerate((x, None, wts, wgu, bgu, wd, bd)) if ctx.needs_input_grad[i]]
+    y = reference(x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
+    got = torch.autograd.grad(y, [t for _, t in inputs], dy.reshape(T, H), create_graph=True)
+    grads = [None] * 12
+    for (i, _), g in zip(inputs, got):
+        grads[i] = g
+    return tuple(grads)
+
+
+def _autograd_backward(ctx, dy):
+    """The forward op's backward: ``moe_mlp_backward``, in eager mode as in a compiled graph."""
+    if torch.is_grad_enabled():
+        return _differentiable_backward(ctx, dy)
+    x, ids, wts, wgu, bgu, wd, bd = saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_dx, need_weights = need[0], any(need[3:7])
+    if compat.plain_call(dy, saved[:1] + saved[2:]):
+        grads = _backward(dy, *saved, *ctx.options, need_dx, need_weights)
+    else:  # the op where a mode or a tracer must see it
+        grads = torch.ops.mlp_fuser.moe_mlp_backward.default(dy, *saved, *ctx.options, need_dx, need_weights)
+    dx, dwts, dwgu, dbgu, dwd, dbd = grads
+    return (dx if need[0] else None, None, dwts if need[2] else None, dwgu if need[3] else None,
+            dbgu if need[4] else None, dwd if need[5] else None, dbd if need[6] else None, *(None,) * 5)
+
+
+torch.library.register_autograd("mlp_fuser::moe_mlp", _autograd_backward, setup_context=_setup_context, lib=_lib)
 
 
 def _register_autocast(device_type: str) -> None:
