@@ -37,13 +37,13 @@ def counting():
     from mlp_fuser.ops import dense as ops
     from mlp_fuser.patch.modules import OPS
 
-    calls, inner = [], (ops._forward, ops._forward_saving, fx_pass.fuse_mlps)
+    calls, inner = [], (ops._forward, ops._forward_training, fx_pass.fuse_mlps)
 
     def counted(*args, **kwargs):
         calls.append(("run", args[0]))
         return inner[0](*args, **kwargs)
 
-    def counted_saving(*args, **kwargs):
+    def counted_training(*args, **kwargs):
         calls.append(("run", args[0]))
         return inner[1](*args, **kwargs)
 
@@ -53,11 +53,11 @@ def counting():
             calls.extend(("site", n.name) for n in gm.graph.nodes if n.op == "call_function" and n.target in OPS)
         return report
 
-    ops._forward, ops._forward_saving, fx_pass.fuse_mlps = counted, counted_saving, counted_pass
+    ops._forward, ops._forward_training, fx_pass.fuse_mlps = counted, counted_training, counted_pass
     try:
         yield calls
     finally:
-        ops._forward, ops._forward_saving, fx_pass.fuse_mlps = inner
+        ops._forward, ops._forward_training, fx_pass.fuse_mlps = inner
 
 
 def fused_count(calls, how: str) -> int:

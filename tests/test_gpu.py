@@ -562,7 +562,7 @@ def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backw
     full path not called again), and every step's output and gradients equal the full path's (plans off) exactly,
     with freed memory poisoned with NaN before each step."""
     import mlp_fuser
-    from mlp_fuser.ops import dense as ops
+    from mlp_fuser.dispatch import dense_training as training
 
     torch.manual_seed(0)
     make = _GatedMLP if kind.startswith("gated") else _PlainMLP
@@ -570,9 +570,9 @@ def test_gpu_patched_training_runs_plans_with_the_full_paths_results(kind, backw
     x = torch.randn(2, 96, 256, device="cuda", dtype=torch.bfloat16)
     dys = [torch.randn(2, 96, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     full = {"backward": 0, "saving": 0}
-    for name, attr in (("backward", "_backward_core"), ("saving", "_forward_saving")):
-        real = getattr(ops, attr)
-        monkeypatch.setattr(ops, attr, lambda *a, real=real, name=name: full.__setitem__(name, full[name] + 1)
+    for name, attr in (("backward", "backward_core"), ("saving", "forward_saving")):
+        real = getattr(training, attr)
+        monkeypatch.setattr(training, attr, lambda *a, real=real, name=name: full.__setitem__(name, full[name] + 1)
                             or real(*a))
 
     def steps(planned):

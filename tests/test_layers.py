@@ -215,3 +215,81 @@ def test_the_dense_ops_call_passes_each_layer_once(monkeypatch, path):
     assert (ran == [1]) == (path == "planned")
     if path == "recorded":
         assert ("mlp_fuser.dispatch.dense", "mlp_fuser.runtime.plans", "record") in calls
+
+
+class _EveryPlan(dict):
+    """A plan cache holding a stand-in plan for every signature (``make(key)``)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def get(self, key, default=None):
+        return self.make(key)
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
+@pytest.mark.parametrize("entry,path", [("op", "cpu"), ("eager", "cpu"), ("eager", "recorded"), ("eager", "planned")])
+def test_the_dense_ops_training_call_passes_each_layer_once(monkeypatch, entry, path, save):
+    """A call with gradients, forward and backward, followed as above: the op validates and calls down once for the
+    forward (the training path's entry, or the dispatcher's ``run`` where the op redispatches a recomputing call) and
+    once for the backward, and nothing calls back up (plans record the launches of code that runs inside the
+    recording, not of a callback). ``op``: through torch.ops; ``eager``: patch's entry (plain tensors), where on CUDA
+    the forward and the backward record plans (``recorded``) and later run them (``planned``: stand-ins here)."""
+    import torch
+
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import dense as dispatch
+    from mlp_fuser.dispatch import dense_training as training
+    from mlp_fuser.ops import dense as ops
+    from mlp_fuser.reference import reference_mlp, rel_err
+
+    dtype = torch.float32
+    x, wg, wu, wd = (torch.randn(*s, dtype=dtype) for s in ((2, 3, 32), (48, 32), (48, 32), (16, 48)))
+    dy = torch.randn(2, 3, 16, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    if path != "cpu":
+        monkeypatch.setattr(config, "triton_on_cpu", True)  # the interpreter runs the Triton act·mul and backward
+        monkeypatch.setattr(config, "force_impl", "cublas_act_mul")
+        monkeypatch.setattr(dispatch, "plans_apply", lambda x: True)  # as on CUDA
+    ran = []
+    if path == "planned":
+        def forward_plan(key):
+            return lambda *t: ran.append("forward") or reference_mlp(*t, "silu")
+
+        def saving_plan(key):
+            return lambda *t: ran.append("saving") or training.forward_saving(dispatch.MLPArgs(*t, "silu"))
+
+        def backward_plan(bkey):  # (the forward's signature, need, ...)
+            return lambda dy, *t: ran.append("backward") or training.backward_core(
+                bkey[1], dy, dispatch.MLPArgs(*t[:7], "silu"), *t[7:])
+
+        for name, make in (("PLANS", forward_plan), ("SAVING_PLANS", saving_plan), ("BACKWARD_PLANS", backward_plan)):
+            monkeypatch.setattr(dispatch, name, _EveryPlan(make))
+    call = torch.ops.mlp_fuser.gated_mlp.default if entry == "op" else ops.eager_gated_mlp
+    xg, wgg, wug, wdg = leaves
+
+    def step():
+        y = call(xg, wgg, None, wug, None, wdg, None, "silu", save)
+        y.backward(dy)
+        ran.append(y.detach())
+
+    calls = _calls_between_modules(step)
+    y = ran.pop()
+    want = [t.double().requires_grad_() for t in (x, wg, wu, wd)]
+    y64 = reference_mlp(want[0], want[1], None, want[2], None, want[3], None, "silu")
+    y64.backward(dy.double())
+    assert rel_err(y, y64) < 1e-5
+    for got, w in zip(leaves, want):
+        assert rel_err(got.grad, w.grad) < 1e-5
+    assert [c for c in calls if _layer(c[1]) > _layer(c[0])] == []  # a call up a layer
+    below_ops = [c for c in calls if c[0].startswith("mlp_fuser.ops") and _layer(c[1]) < _layer(c[0])
+                 and LAYERS[_layer(c[1])][0] != "base"]
+    first = ("mlp_fuser.dispatch.dense", "run") if entry == "op" and not save else (
+        "mlp_fuser.dispatch.dense_training", "forward")
+    assert below_ops == [("mlp_fuser.ops.dense", *first),
+                         ("mlp_fuser.ops.dense", "mlp_fuser.dispatch.dense_training", "backward")]
+    if path == "planned":
+        assert ran == ["saving" if save else "forward", "backward"]
+    if path == "recorded":
+        assert ("mlp_fuser.dispatch.dense_training", "mlp_fuser.runtime.plans", "build_backward") in calls

@@ -7,6 +7,7 @@ separate piece of one workspace, the output the tensor returned.
 """
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from _mlp_cases import make_case
 
 from mlp_fuser import activations, compat, config, reference
 from mlp_fuser.dispatch import dense as dispatch
+from mlp_fuser.dispatch import dense_training as training
 from mlp_fuser.kernels import backward, common
-from mlp_fuser.ops import dense as ops
 from mlp_fuser.runtime import plans
 
 act_mul_kernels = importlib.import_module("mlp_fuser.kernels.act_mul")  # the package exports a function of that name
@@ -362,7 +363,7 @@ NEEDS = {"all": (True,) * 7, "frozen input": (False,) + (True,) * 6, "input only
 
 
 def _need(need, c):
-    """``need`` as _backward_core takes it for case c: False where the case has no such tensor."""
+    """``need`` as backward_core takes it for case c: False where the case has no such tensor."""
     tensors = (c.x, c.wg, c.bg, c.wu, c.bu, c.wd, c.bd)
     return tuple(n and t is not None for n, t in zip(need, tensors))
 
@@ -388,16 +389,15 @@ def test_the_backward_plan_gives_the_full_paths_gradients(computing, case, save,
     dispatch.clear_plans()
     c, a, g, u, dy = problem()
     n = _need(NEEDS[need], c)
-    with torch.no_grad():  # as autograd runs a backward (with grad mode on, _backward_core takes aten ops)
-        first = ops._planned_backward("k", n, dy, a, g, u)
-        plan = dispatch.BACKWARD_PLANS.get("k")
-        assert plan is not None, "no plan"
+    with torch.no_grad():  # as autograd runs a backward (with grad mode on, backward_core takes aten ops)
+        first = training.backward(n, dy, a, g, u, "k")  # "k": the forward's signature
+        (plan,) = dispatch.BACKWARD_PLANS.values()
         c, a, g, u, dy = problem()
-        want = ops._backward_core(n, dy, a, g, u)
+        want = training.backward_core(n, dy, a, g, u)
         calls = stand_in.calls
-        got = ops._planned_backward("k", n, dy, a, g, u)
+        got = training.backward(n, dy, a, g, u, "k")
     assert stand_in.calls == calls + 1, "the plan's one launch"
-    assert "_backward_core" not in plans.source(plan) and "resolve" not in plans.source(plan)
+    assert "backward_core" not in plans.source(plan) and "resolve" not in plans.source(plan)
     for name, w, p, f in zip(("x", "wg", "bg", "wu", "bu", "wd", "bd"), want, got, first):
         assert (w is None) == (p is None) == (f is None) == (not n[("x", "wg", "bg", "wu", "bu", "wd", "bd").index(
             name)]), name
@@ -419,18 +419,18 @@ def test_no_backward_plan_from_the_reference(computing, monkeypatch):
     c = make_case(4, 16, 24, 8)
     dispatch.clear_plans()
     with torch.no_grad():
-        ops._planned_backward("k", (True,) * 7, torch.randn(4, 8), c.record())
-    assert dispatch.BACKWARD_PLANS.get("k") is None
+        training.backward((True,) * 7, torch.randn(4, 8), c.record(), None, None, "k")
+    assert not dispatch.BACKWARD_PLANS
 
 
 @pytest.mark.parametrize("case", TRAINING_CASES, ids=str)
-def test_the_saving_plan_returns_what_the_full_path_does(computing, case):
+def test_the_saving_plan_returns_what_the_full_path_does(computing, case, monkeypatch):
     """The save-mode forward planned: (y, g, u) on fresh tensors equal the full path's exactly, g and u tensors of
     their own for the backward."""
     made, install = computing
     M, K, I, O, gated, bias, lead = case
     install("silu")
-    name = "gated_mlp" if gated else "mlp"
+    monkeypatch.setattr(dispatch, "plans_apply", lambda x: True)  # as on CUDA
 
     def problem():
         c = make_case(M, K, I, O, gated=gated, bias=(bias,) * 3, lead=lead)
@@ -438,12 +438,13 @@ def test_the_saving_plan_returns_what_the_full_path_does(computing, case):
         return c.record()
 
     dispatch.clear_plans()
-    ops._planned_saving(name, problem(), "k")
-    plan = dispatch.SAVING_PLANS.get("k")
-    assert plan is not None and "check" not in plans.source(plan)
+    rows = M * math.prod(lead)
+    training.forward(problem(), rows, True, True)
+    (plan,) = dispatch.SAVING_PLANS.values()
+    assert "check" not in plans.source(plan)
     a = problem()
-    want = ops._forward_saving(name, a)
-    got = ops._planned_saving(name, a, "k")
+    want = training.forward_saving(a)
+    got = training.forward(a, rows, True, True)[:3]
     assert got[1].data_ptr() != want[1].data_ptr()
     for w, p in zip(want, got):
         assert (w is None) == (p is None)

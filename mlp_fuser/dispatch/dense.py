@@ -297,11 +297,13 @@ def clear_plans() -> None:
 
 
 def run(a: MLPArgs, M: int, eager: bool = False, key: tuple | None = None) -> Tensor:
-    """One validated forward call of the op (``a``: its operands, x as given with M > 0 rows): on CUDA, a signature
+    """One validated forward call of the op (``a``: its operands, x as given with M rows): on CUDA, a signature
     seen before runs its launch plan; otherwise the chosen implementation runs, and where it has a plan its launches
     are recorded into one, kept for the signature (``key``, computed here unless the caller has it). ``eager``: the
     caller runs without CUDA graphs (the choice for such calls)."""
     x = a.x
+    if M == 0:
+        return x.new_empty((*x.shape[:-1], a.wd.shape[0]))
     planned = plans_apply(x)
     if planned:
         if key is None:

@@ -41,17 +41,15 @@ import math
 import threading
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .. import compat, config
+from .. import compat
 from ..activations import ACTIVATIONS, ALIASES, get_activation
 from ..dispatch import dense as dispatch
+from ..dispatch import dense_training as training
 from ..dispatch.dense import MLPArgs
 from ..dispatch.dense import new_args as _args
-from ..kernels import act_mul as act_mul_kernel
-from ..reference import reference_mlp_backward
-from ..runtime import inductor, plans
+from ..runtime import inductor
 
 _lib = torch.library.Library("mlp_fuser", "DEF")
 _lib.define("mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, bool save_preact=False) "
@@ -123,18 +121,26 @@ def check_args(op: str, a: MLPArgs) -> None:
 # ---- forward: every device ----------------------------------------------------------------------
 
 
+def _rows(op: str, a: MLPArgs) -> int:
+    """Validate the call ``a`` (x as given), then its number of rows M."""
+    if _problem(a) is not None:
+        check_args(op, a)  # raises, naming the argument and every shape
+    shape = a.x.shape
+    return shape[0] if len(shape) == 2 else math.prod(shape[:-1])  # not numel // K, which is 0 rows when K = 0
+
+
 def _forward(op: str, a: MLPArgs, eager: bool = False, key: tuple | None = None):
     """Validate, then hand the call to the dispatcher's one entry (``dispatch.run``: a launch plan for a signature
     seen before on CUDA, else its choice; ``eager``: its choice for calls made without CUDA graphs, where the host's
     time per call counts too). ``a``: the call's operands, x as given; ``key``: its signature where the caller has
     it."""
-    if _problem(a) is not None:
-        check_args(op, a)  # raises, naming the argument and every shape
-    shape = a.x.shape
-    M = shape[0] if len(shape) == 2 else math.prod(shape[:-1])  # not numel // K, which is 0 rows when K = 0
-    if M == 0:
-        return a.x.new_empty((*shape[:-1], a.wd.shape[0]))
-    return dispatch.run(a, M, eager, key)
+    return dispatch.run(a, _rows(op, a), eager, key)
+
+
+def _forward_training(op: str, a: MLPArgs, save: bool, planned: bool):
+    """The forward under autograd: validate, then hand the call to the training path's one entry
+    (``dense_training.forward``): (y, g, u, the signature the backward's plan builds on)."""
+    return training.forward(a, _rows(op, a), save, planned)
 
 
 class _Calls(threading.local):
@@ -251,25 +257,11 @@ compat.set_op_attribute(INDUCTOR_NAMES["mlp"], inductor_mlp)
 compat.set_op_attribute(INDUCTOR_NAMES["gated_mlp"], inductor_gated_mlp)
 
 
-# ---- the training path's helper ops: act_mul and mlp_backward ------------------------------------
+# ---- the training path's helper ops: act_mul and mlp_backward (their kernels: dispatch/dense_training.py) --------
 
 
-def _act_mul(g, u, activation):
-    if dispatch.triton_act_mul(g.device, g.dtype):
-        return act_mul_kernel(g, u, activation)
-    act = get_activation(activation)
-    return act.fn(g) * u if u is not None else act.fn(g)
-
-
-def _mlp_backward(dy, w_down, g, u, activation, need_h):
-    M, I = g.shape
-    args = (dy, w_down, g, u, activation, need_h)
-    dgu, h = dispatch.resolve_backward(dy.device, dy.dtype, M, I, w_down.shape[0], u is not None, args).fn(*args)
-    return dgu, h if h is not None else dy.new_empty(0)
-
-
-_lib.impl("act_mul", _act_mul, "CompositeExplicitAutograd")
-_lib.impl("mlp_backward", _mlp_backward, "CompositeExplicitAutograd")
+_lib.impl("act_mul", training.act_mul, "CompositeExplicitAutograd")
+_lib.impl("mlp_backward", training.mlp_backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mlp_fuser::act_mul")
@@ -286,88 +278,10 @@ def _mlp_backward_fake(dy, w_down, g, u, activation, need_h):
 # ---- autograd: pre-activations recomputed (default) or saved; the fused backward ---------------------
 
 
-def _forward_saving(op: str, a: MLPArgs):
-    """The forward as cuBLAS gate and up, one act·mul, cuBLAS down: (y, g, u), g and u (M, I) for the backward."""
-    check_args(op, a)
-    x = a.x
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    g = F.linear(x2, a.wg, a.bg)
-    u = F.linear(x2, a.wu, a.bu) if a.wu is not None else None
-    if compat.plain_call(g, (u,)):
-        h = _act_mul(g, u, a.activation)
-    else:  # the op where a mode or a tracer must see it
-        h = torch.ops.mlp_fuser.act_mul.default(g, u, a.activation)
-    y = F.linear(h, a.wd, a.bd)
-    return y.view(*x.shape[:-1], a.wd.shape[0]).detach(), g, u  # detach(): a tensor of its own, as _forward's
-
-
-def _backward_core(need, dy, a: MLPArgs, g=None, u=None):
-    """Gradients of the seven tensors of ``a`` (those ``need`` asks for) from dy; g and u, the pre-activations,
-    are recomputed from x when not given."""
-    x, wg, bg, wu, bu, wd, bd, activation = a
-    K, O, I = x.shape[-1], wd.shape[0], wg.shape[0]
-    x2 = x.reshape(-1, K)
-    dy2 = dy.reshape(-1, O)
-    if g is None or torch.is_grad_enabled():  # create_graph=True: saved g, u are not connected to x's graph
-        g = F.linear(x2, wg, bg)
-        u = F.linear(x2, wu, bu) if wu is not None else None
-    if torch.is_grad_enabled():  # create_graph=True: aten ops, which autograd differentiates again
-        dgu, h = reference_mlp_backward(dy2, wd, g, u, activation, need[5])
-    elif compat.plain_call(dy2, (wd, g, u)):
-        dgu, h = _mlp_backward(dy2, wd, g, u, activation, need[5])
-    else:
-        dgu, h = torch.ops.mlp_fuser.mlp_backward.default(dy2, wd, g, u, activation, need[5])
-    del g, u  # recomputed ones are freed before the GEMMs below allocate
-    dg, du = dgu[:, :I], (dgu[:, I:] if wu is not None else None)
-    dwd = dy2.t().mm(h) if need[5] else None
-    del h
-    dbd = dy2.sum(0) if bd is not None and need[6] else None
-    dx = None
-    if need[0]:
-        dx = dg.mm(wg) if du is None else torch.addmm(dg.mm(wg), du, wu)
-        dx = dx.view(x.shape)
-    dwg = dwu = dbg = dbu = None
-    if du is not None and need[1] and need[3]:  # d(w_gate | w_up) in one GEMM over the packed gradient
-        dwgu = dgu.t().mm(x2)
-        dwg, dwu = dwgu[:I], dwgu[I:]
-    else:
-        dwg = dg.t().mm(x2) if need[1] else None
-        dwu = du.t().mm(x2) if du is not None and need[3] else None
-    if bg is not None and bu is not None and need[2] and need[4]:
-        dbgu = dgu.sum(0)
-        dbg, dbu = dbgu[:I], dbgu[I:]
-    else:
-        dbg = dg.sum(0) if bg is not None and need[2] else None
-        dbu = du.sum(0) if du is not None and bu is not None and need[4] else None
-    return dx, dwg, dbg, dwu, dbu, dwd, dbd
-
-
-def _planned_saving(op: str, a: MLPArgs, key: tuple):
-    """``_forward_saving`` through its plan for ``key``, recorded and kept on the signature's first call."""
-    plan = dispatch.SAVING_PLANS.get(key)
-    if plan is not None and not compat.launch_hooks():
-        return plan(*a[:7])
-    (y, g, u), launches = plans.recorded(_forward_saving, op, a)
-    x = a.x
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    dispatch.keep_plan(dispatch.SAVING_PLANS, key, plans.build_saving(x, _args((x2, *a[1:])), launches))
-    return y, g, u
-
-
-def _planned_backward(key: tuple, need: tuple, dy: Tensor, a: MLPArgs, g=None, u=None):
-    """``_backward_core`` through its plan for ``key``, recorded and kept on the signature's first call."""
-    plan = dispatch.BACKWARD_PLANS.get(key)
-    if plan is not None and not compat.launch_hooks():
-        return plan(dy, *a[:7], g, u)
-    grads, launches = plans.recorded(_backward_core, need, dy, a, g, u)
-    dispatch.keep_plan(dispatch.BACKWARD_PLANS, key, plans.build_backward(need, dy, a, g, u, launches))
-    return grads
-
-
 class _MLPFunction(torch.autograd.Function):
     """Both ops under autograd: ``apply(keyset, op, save_preact, *op_args)``, op_args without save_preact; keyset
     None from the eager entries (plain tensors: the forward is computed right here). There, on CUDA, the forward and
-    the backward run launch plans (``plans``) for signatures seen before."""
+    the backward run launch plans for signatures seen before (``dense_training``, which computes both halves)."""
 
     @staticmethod
     def forward(ctx, keyset, op, save_preact, *args):
@@ -375,20 +289,14 @@ class _MLPFunction(torch.autograd.Function):
         ctx.gated = len(args) == 8
         name = "gated_mlp" if ctx.gated else "mlp"
         a = _args(args if ctx.gated else (*args[:3], None, None, *args[3:]))
-        key = None
-        if keyset is None and dispatch.plans_apply(a.x):
-            key = dispatch.signature(a, "save" if save_preact else True)
-        ctx.plan_key = key
-        if save_preact:
-            y, g, u = _forward_saving(name, a) if key is None else _planned_saving(name, a, key)
+        if save_preact or keyset is None:
+            y, g, u, ctx.plan_key = _forward_training(name, a, save_preact, keyset is None)
             ctx.save_for_backward(*a[:7], g, u)
-        elif keyset is None:
-            y = _forward(name, a, True, key)
-            ctx.save_for_backward(*a[:7])
         else:
+            ctx.plan_key = None
             with compat.below_autograd():
                 y = op.redispatch(keyset & compat.AFTER_AUTOGRAD, *args)
-            ctx.save_for_backward(*a[:7])
+            ctx.save_for_backward(*a[:7], None, None)  # no pre-activations: the backward recomputes them
         # A view of the 2-D result is returned as a tensor of its own, so callers may update it in place under
         # autograd (Falcon adds the attention output into the MLP output with +=).
         return y.detach() if compat.view_base(y) is not None else y
@@ -398,14 +306,7 @@ class _MLPFunction(torch.autograd.Function):
         n = ctx.needs_input_grad[3:]
         need = n[:7] if ctx.gated else (n[0], n[1], n[2], False, False, n[3], n[4])
         saved = ctx.saved_tensors
-        a = _args((*saved[:7], ctx.activation))
-        key = ctx.plan_key
-        if key is not None and not torch.is_grad_enabled() and compat.plain_call(dy, ()):
-            # the backward's signature: the forward's, the gradients asked for, dy's metadata, the choice's setting
-            bkey = (key, need, dy.shape, dy.stride(), dy.dtype, dy.device, dy.data_ptr() & 15, config.triton_backward)
-            grads = _planned_backward(bkey, need, dy, a, *saved[7:])
-        else:
-            grads = _backward_core(need, dy, a, *saved[7:])
+        grads = training.backward(need, dy, _args((*saved[:7], ctx.activation)), saved[7], saved[8], ctx.plan_key)
         if not ctx.gated:
             grads = grads[:3] + grads[5:]
         return (None, None, None, *grads, None)

@@ -34,6 +34,7 @@ take the full path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -54,13 +55,21 @@ _INPUTS = ("x", "wg", "bg", "wu", "bu", "wd", "bd")  # the tensors of dispatch.M
 _HEAD = f"def plan({', '.join(_INPUTS)}):"
 
 
-def recorded(fn: Callable, *args):
-    """(``fn(*args)``, the launches it made, as ``Launcher`` records them for this thread)."""
+@contextlib.contextmanager
+def recording():
+    """``with recording() as launches``: the launches made meanwhile on this thread, as ``Launcher`` records them
+    (a context, not a callback: the caller's own code runs inside, and nothing here calls back up into it)."""
     Launcher.recording.launches = launches = []
     try:
-        return fn(*args), launches
+        yield launches
     finally:
         Launcher.recording.launches = None
+
+
+def recorded(fn: Callable, *args):
+    """(``fn(*args)``, the launches it made, as ``Launcher`` records them for this thread)."""
+    with recording() as launches:
+        return fn(*args), launches
 
 
 def record(name: str, fn: Callable[..., Tensor], x: Tensor, args: tuple) -> tuple[Tensor, Callable[..., Tensor] | None]:
@@ -139,8 +148,9 @@ def build(name: str, x: Tensor, args: tuple, y: Tensor, launches: list) -> Calla
 
 
 def build_saving(x: Tensor, args: tuple, launches: list) -> Callable[..., tuple] | None:
-    """The save-mode forward's plan from one call of ``ops._forward_saving`` (``args`` its ``dispatch.MLPArgs``, x
-    flattened to 2-D; ``launches`` its act·mul launch): ``plan(x, wg, bg, wu, bu, wd, bd) -> (y, g, u)``."""
+    """The save-mode forward's plan from one call of ``dispatch.dense_training.forward_saving`` (``args`` its
+    ``dispatch.MLPArgs``, x flattened to 2-D; ``launches`` its act·mul launch):
+    ``plan(x, wg, bg, wu, bu, wd, bd) -> (y, g, u)``."""
     if not launches or compat.launch_hooks() or args.x.data_ptr() != x.data_ptr():
         return None
     return _build_cublas_act_mul("save", x, args, launches, keep_preact=True)
@@ -151,11 +161,11 @@ _BACKWARD_HEAD = "def plan(dy, x, wg, bg, wu, bu, wd, bd, g=None, u=None):"
 
 def build_backward(need: tuple, dy: Tensor, a: tuple, g: Tensor | None, u: Tensor | None,
                    launches: list) -> Callable[..., tuple] | None:
-    """The backward's plan from one call of ``ops._backward_core`` (``need``, ``dy``, ``a`` and the saved g, u it was
-    given, None where it recomputed them; ``launches`` what it launched): ``plan(dy, *a[:7], g, u)`` returns the
-    same seven gradients from the same aten calls and the same launch, minus the checks, the dispatcher's lookup and
-    the launch keys. None unless the record is the default implementation's one launch (``cublas_backward_act``:
-    cuBLAS dh, then the act'·mul epilogue over the contiguous g and u)."""
+    """The backward's plan from one call of ``dispatch.dense_training.backward_core`` (``need``, ``dy``, ``a`` and
+    the saved g, u it was given, None where it recomputed them; ``launches`` what it launched):
+    ``plan(dy, *a[:7], g, u)`` returns the same seven gradients from the same aten calls and the same launch, minus
+    the checks, the dispatcher's lookup and the launch keys. None unless the record is the default implementation's
+    one launch (``cublas_backward_act``: cuBLAS dh, then the act'·mul epilogue over the contiguous g and u)."""
     x, wg, bg, wu, bu, wd, bd = a[:7]
     gated, need_h = wu is not None, need[5]
     K, I, O = x.shape[-1], wg.shape[0], wd.shape[0]
@@ -258,7 +268,7 @@ def _build_cublas_act_mul(name: str, x: Tensor, args: tuple, launches: list,
     and up are stored as one weight, one GEMM gives gu = [g, u] and g, u are its halves), then its one launch,
     act·mul, whose first three tensor arguments are g, u (g again without up) and h, then cuBLAS for the down
     projection of h. None where the record is not that one launch. ``keep_preact``: the plan returns (y, g, u), g
-    and u as two tensors of their own (u None without up), as ``ops._forward_saving`` does."""
+    and u as two tensors of their own (u None without up), as ``dispatch.dense_training.forward_saving`` does."""
     x2, wg, wu, wd = args.x, args.wg, args.wu, args.wd
     if len(launches) != 1:
         return None
