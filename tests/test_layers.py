@@ -293,3 +293,69 @@ def test_the_dense_ops_training_call_passes_each_layer_once(monkeypatch, entry, 
         assert ran == ["saving" if save else "forward", "backward"]
     if path == "recorded":
         assert ("mlp_fuser.dispatch.dense_training", "mlp_fuser.runtime.plans", "build_backward") in calls
+
+
+def _functions_with_imports() -> set[tuple[str, int]]:
+    """(file, first line) of every function of the package whose body imports something."""
+    found = set()
+    for path in _modules().values():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                    isinstance(m, ast.Import | ast.ImportFrom) for m in ast.walk(n)):
+                found.add((str(path.resolve()), min([n.lineno, *(d.lineno for d in n.decorator_list)])))
+    return found
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_the_moe_ops_call_goes_down_to_its_kernels_without_imports(monkeypatch, grad):
+    """The MoE op's input followed from torch.ops down to the Triton kernels (the interpreter on CPU), forward and,
+    with gradients, backward: no call goes up a layer, and no function on the way imports anything (its modules
+    are imported with the package, not per call)."""
+    import torch
+
+    from mlp_fuser import config
+    from mlp_fuser.reference import Gate, reference_experts, rel_err
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    T, k, E, H, I = 6, 2, 4, 16, 8
+    x = torch.randn(T, H, requires_grad=grad)
+    ids = torch.rand(T, E).argsort(-1)[:, :k]
+    wts = torch.rand(T, k) + 0.1
+    wgu = (torch.randn(E, 2 * I, H) / H**0.5).requires_grad_(grad)
+    wd = (torch.randn(E, H, I) / I**0.5).requires_grad_(grad)
+    dy = torch.randn(T, H)
+    out = []
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            y = torch.ops.mlp_fuser.moe_mlp.default(x, ids, wts, wgu, None, wd, None, "silu")
+            if grad:
+                y.backward(dy)
+        out.append(y.detach())
+
+    by_file = {str(path.resolve()): name for name, path in _modules().items()}
+    called, calls = set(), []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename in by_file:
+            called.add((frame.f_code.co_filename, frame.f_code.co_firstlineno, frame.f_code.co_name))
+            caller = by_file.get(frame.f_back.f_code.co_filename) if frame.f_back is not None else None
+            if caller:
+                calls.append((caller, by_file[frame.f_code.co_filename], frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    want = [t.detach().double().requires_grad_(grad) for t in (x, wgu, wd)]
+    y64 = reference_experts(want[0], ids, wts.double(), want[1], None, want[2], None, Gate("silu"))
+    assert rel_err(out[-1], y64) < 1e-5
+    if grad:
+        y64.backward(dy.double())
+        for t, w in zip((x, wgu, wd), want):
+            assert rel_err(t.grad, w.grad) < 1e-5
+    assert any(by_file[f].startswith("mlp_fuser.kernels.moe") for f, _, _ in called)  # down to its kernels
+    assert [c for c in calls if _layer(c[1]) > _layer(c[0])] == []
+    importing = _functions_with_imports()
+    assert sorted((by_file[f], name) for f, line, name in called if (f, line) in importing) == []
