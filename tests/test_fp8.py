@@ -351,6 +351,59 @@ def test_no_bf16_copy_of_a_weight_exists_in_hbm(M):
     assert extra < I * K * 2 // 2  # h, x and h quantized, split-K partials: well under a bf16 weight's 117 MB
 
 
+@needs_kernels
+@pytest.mark.parametrize("a8", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "mlp", "gated"])
+def test_quant_ops_plan_once_per_signature_and_read_each_calls_weights(kind, a8, monkeypatch):
+    """The kernels' launches are worked out once per call signature (``dispatch/fp8.run``); a later call with
+    another layer's weights and x of that signature gets its own result, equal to fp8_linear's unplanned one."""
+    if not CUDA:
+        monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
+    monkeypatch.setattr(fp8, "_PLANS", {})
+    built = []
+    real = K8.linear_plan
+    monkeypatch.setattr(K8, "linear_plan", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    dt = torch.bfloat16 if CUDA else torch.float16
+    M, K, I = 6, 256, 192
+
+    def layer(seed):
+        g = torch.Generator().manual_seed(seed)
+        w = [quantized(*shape, "block", block=(128, 128), device=KERNEL_DEVICE, g=g)[:2]
+             for shape in {"linear": [(I, K)], "mlp": [(I, K), (K, I)], "gated": [(I, K), (I, K), (K, I)]}[kind]]
+        bias = torch.randn(I, generator=g).to(KERNEL_DEVICE, dt)
+        return torch.randn(2, 3, K, generator=g).to(KERNEL_DEVICE, dt), w, bias
+
+    def op(x, w, bias):
+        if kind == "linear":
+            return quant.quant_linear(x, *w[0], bias, "fp8_e4m3", [128, 128])
+        if kind == "mlp":
+            return quant.quant_mlp(x, *w[0], bias, *w[1], None, "gelu", "fp8_e4m3", [128, 128])
+        return quant.quant_gated_mlp(x, *w[0], None, *w[1], None, *w[2], None, "silu", "fp8_e4m3", [128, 128])
+
+    def unplanned(x, w, bias):
+        fw = [K8.fp8_weight(q, s, (128, 128)) for q, s in w]
+        x2 = x.reshape(M, K)
+        with mlp_fuser.config.patch(fp8_w8a8=a8):
+            if kind == "linear":
+                y = real(x2, fw[0], bias=bias, a8=a8)(x2, fw[0], None, bias)
+            elif kind == "mlp":
+                h = real(x2, fw[0], None, bias, "gelu", a8)(x2, fw[0], None, bias)
+                y = real(h, fw[1], a8=a8)(h, fw[1], None, None)
+            else:
+                h = real(x2, fw[0], fw[1], None, "silu", a8)(x2, fw[0], fw[1], None)
+                y = real(h, fw[2], a8=a8)(h, fw[2], None, None)
+        return y.reshape(2, 3, -1)
+
+    with mlp_fuser.config.patch(fp8_w8a8=a8):
+        first, second = layer(1), layer(2)
+        y1 = op(*first)
+        n = len(built)
+        y2 = op(*second)
+        assert len(built) == n and n == {"linear": 1, "mlp": 2, "gated": 2}[kind]
+    assert torch.equal(y1, unplanned(*first)) and torch.equal(y2, unplanned(*second))
+    assert not torch.equal(y1, y2)
+
+
 def test_fp8_w8a8_setting_picks_the_row(monkeypatch):
     monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)  # as on an sm89+ GPU
     x = torch.randn(1, 64)

@@ -49,28 +49,48 @@ def _a8_on(p: Problem) -> str | None:
 
 
 def _kernels(a8: bool):
-    """The FP8 kernels (``kernels/fp8.py``): x quantized per token and 128 columns (``a8``) or as it is."""
-    def run(x: Tensor, weights, activation, gated: bool) -> Tensor:
+    """(fn, plan) of the FP8 kernels (``kernels/fp8.py``): x quantized per token and 128 columns (``a8``) or as it
+    is. ``plan(args)``: for calls like ``args`` = (x, weights, activation, gated), a function of (x, weights) with
+    every launch worked out once; None where gate or up has a bias (their product runs in aten)."""
+    def plan(args: tuple):
+        x, weights, activation, gated = args
         lead, width = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, width)
         if len(weights) == 1:
-            y = fp8_kernels.fp8_linear(x2, weights[0][1], bias=weights[0][2], a8=a8)
-        else:
+            (_, w, b), = weights
+            one = fp8_kernels.linear_plan(x2, w, bias=b, a8=a8)
+
+            def linear(x, weights):
+                (_, w, b), = weights
+                return one(x.reshape(-1, width), w, None, b).reshape(*lead, w.w.shape[0])
+            return linear
+        (_, w1, b1), *rest = weights
+        if gated and (b1 is not None or rest[0][2] is not None):
+            return None
+        wu = rest[0][1] if gated else None
+        first = fp8_kernels.linear_plan(x2, w1, wu, None if gated else b1, activation, a8)
+        _, wd, bd = rest[-1]
+        h = torch.empty((x2.shape[0], w1.w.shape[0]), dtype=x.dtype, device=x.device)  # a stand-in: its layout
+        second = fp8_kernels.linear_plan(h, wd, bias=bd, a8=a8)
+
+        def mlp(x, weights):
             (_, w1, b1), *rest = weights
-            if gated:
-                (_, wu, bu), (_, wd, bd) = rest
-                if b1 is not None or bu is not None:  # biases before the product: in aten (rare on gated MLPs)
-                    g = fp8_kernels.fp8_linear(x2, w1, bias=b1, a8=a8)
-                    u = fp8_kernels.fp8_linear(x2, wu, bias=bu, a8=a8)
-                    h = get_activation(activation).fn(g) * u
-                else:
-                    h = fp8_kernels.fp8_linear(x2, w1, wu, activation=activation, a8=a8)
-            else:
-                (_, wd, bd), = rest
-                h = fp8_kernels.fp8_linear(x2, w1, bias=b1, activation=activation, a8=a8)
-            y = fp8_kernels.fp8_linear(h, wd, bias=bd, a8=a8)
-        return y.reshape(*lead, y.shape[-1])
-    return run
+            h = first(x.reshape(-1, width), w1, rest[0][1] if gated else None, None if gated else b1)
+            _, wd, bd = rest[-1]
+            return second(h, wd, None, bd).reshape(*lead, wd.w.shape[0])
+        return mlp
+
+    def fn(x: Tensor, weights, activation, gated: bool) -> Tensor:
+        p = plan((x, weights, activation, gated))
+        if p is not None:
+            return p(x, weights)
+        (_, w1, b1), (_, wu, bu), (_, wd, bd) = weights  # gated, with biases before the product: in aten
+        x2 = x.reshape(-1, x.shape[-1])
+        h = (get_activation(activation).fn(fp8_kernels.fp8_linear(x2, w1, bias=b1, a8=a8))
+             * fp8_kernels.fp8_linear(x2, wu, bias=bu, a8=a8))
+        y = fp8_kernels.fp8_linear(h, wd, bias=bd, a8=a8)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return fn, plan
 
 
 def dequantized(x: Tensor, weights, activation, gated: bool) -> Tensor:
@@ -86,10 +106,15 @@ def dequantized(x: Tensor, weights, activation, gated: bool) -> Tensor:
     return reference_mlp(x, w1, b1, None, None, wd, bd, activation)
 
 
+def _row(name: str, a8: bool, *why) -> Impl:
+    fn, plan = _kernels(a8)
+    return Impl(name, fn, None, None, why=why, plan=plan)
+
+
 IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
     # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
-    Impl("fp8_w8a8", _kernels(True), None, None, why=(_kernels_run, _a8_on)),
-    Impl("fp8_w8a16", _kernels(False), None, None, why=(_kernels_run,)),  # weights cast on chip, x as it is
+    _row("fp8_w8a8", True, _kernels_run, _a8_on),
+    _row("fp8_w8a16", False, _kernels_run),  # weights cast on chip, x as it is
     Impl("aten_dequantize", dequantized, None, None),  # each weight dequantized to x's dtype, then aten
 ]
 FP8 = core.Registry("fp8", IMPLS, None)
@@ -97,6 +122,27 @@ FP8 = core.Registry("fp8", IMPLS, None)
 
 def choose(p: Problem) -> Impl:
     return core.first(FP8, p)
+
+
+_PLANS: dict = {}  # a call's signature -> (the row chosen, its plan or None)
+_MAX_PLANS = 1024
+
+
+def run(x: Tensor, weights, activation, gated: bool) -> Tensor:
+    """One checked call: the row chosen for its signature, through the plan kept with that choice."""
+    key = (x.shape, x.stride(), x.dtype, x.device, activation, gated, config.fp8_w8a8, config.force_impl,
+           *[(fw.w.shape, fw.w.stride(), fw.scale.shape, fw.scale.stride(), fw.block_n, fw.block_k,
+              None if b is None else (b.shape, b.stride(), b.dtype)) for _, fw, b in weights])
+    hit = _PLANS.get(key)
+    if hit is None:
+        impl = choose(Problem(x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        hit = _PLANS[key] = (impl, impl.plan((x, weights, activation, gated)) if impl.plan is not None else None)
+    impl, plan = hit
+    if plan is None:
+        return impl.fn(x, weights, activation, gated)
+    return plan(x, weights)
 
 
 def describe(p: Problem) -> str:

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, launch, num_sms
+from .common import INTERPRET, Prepared, cdiv, dot_precision, launch, num_sms
 
 try:  # host tensor descriptors (Triton >= 3.4): the large-M kernel's TMA boxes
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -432,65 +432,87 @@ def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.
     return Config(128, bn, 128, 1, 8, 3)
 
 
-_launch = Launcher(_fp8_linear_kernel)
-
-
 def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tensor | None = None,
                activation: str | None = None, a8: bool = False, config: Config | None = None,
                out_dtype: torch.dtype | None = None, f16: bool = False) -> Tensor:
     """y (M, N) = act(x @ (w·s)ᵀ + bias) [· (x @ (up·s)ᵀ)] for 2-D x (M, K) in bf16/fp16/fp32, any strides.
     ``a8``: quantize x per token and 128-wide K block and multiply in fp8 (needs the fp8 tensor cores)."""
+    return linear_plan(x, w, up, bias, activation, a8, config, out_dtype, f16)(x, w, up, bias)
+
+
+def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tensor | None = None,
+                activation: str | None = None, a8: bool = False, config: Config | None = None,
+                out_dtype: torch.dtype | None = None, f16: bool = False):
+    """``fp8_linear`` as a function ``(x, w, up, bias) -> y`` of calls like this one (x's shape, strides, dtype and
+    device; each weight's and scale's shape and strides; a bias or none): the config, grids, integers and
+    constexprs worked out here, once (a decode step's host time is the launches' argument building)."""
     M, K = x.shape
     N = w.w.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
-    if M == 0 or N == 0:
-        return y
+    dtype, device = out_dtype or x.dtype, x.device
     gated = up is not None
     if gated and (up.w.shape != w.w.shape or up.w.stride() != w.w.stride() or up.scale.stride() != w.scale.stride()
                   or (up.block_n, up.block_k) != (w.block_n, w.block_k)):
         raise ValueError("mlp_fuser: gate and up FP8 weights must share shape, strides and scale format")
-    cfg = config or default_config(M, N, K, gated, a8, x.device)
+    if M == 0 or N == 0:
+        return lambda x, w, up, bias: torch.empty((M, N), device=device, dtype=dtype)
+    cfg = config or default_config(M, N, K, gated, a8, device)
     if w.k_scaled and (w.block_k % cfg.block_k or (a8 and A8_BLOCK % cfg.block_k)):
         cfg = cfg._replace(block_k=_divisor(min(w.block_k, A8_BLOCK if a8 else w.block_k), cfg.block_k))
     if a8 and A8_BLOCK % cfg.block_k:
         cfg = cfg._replace(block_k=_divisor(A8_BLOCK, cfg.block_k))
-    if a8:
-        xq, xs = quantize_rows(x)
-    else:
-        xq, xs = x, y
     act = get_activation(activation) if activation is not None else None
-    if cfg.tma:
-        if tma_why_not(xq, w, up, a8, cfg) is None:
-            return _fp8_linear_tma(xq, xs, w, up, bias, act, cfg, y)
-        cfg = cfg._replace(tma=False)
+    quant = _quantize_plan(M, K) if a8 else None
+    if cfg.tma:  # large M: the launch's own host time is small beside it; the x box is the call's
+        def tma(x, w, up, bias):
+            xq, xs = quant(x)
+            y = torch.empty((M, N), device=device, dtype=dtype)
+            if tma_why_not(xq, w, up, a8, cfg) is None:
+                return _fp8_linear_tma(xq, xs, w, up, bias, act, cfg, y)
+            return linear_plan(x, w, up, bias, activation, a8, cfg._replace(tma=False), out_dtype)(x, w, up, bias)
+        return tma
     unit = max(cfg.block_k, w.block_k if w.k_scaled else cfg.block_k, A8_BLOCK if a8 else cfg.block_k)
     k_per_split = cdiv(cdiv(K, cfg.split_k), unit) * unit  # a K range never cuts a scale block
     split = cdiv(K, k_per_split)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    if split > 1:
-        parts = torch.empty(split * (2 if gated else 1) * M * N, device=x.device, dtype=torch.float32)
-        counters = torch.zeros(tiles, device=x.device, dtype=torch.int32)
-    else:
-        parts = counters = y
-    u = up if gated else w
-    b = bias if bias is not None else y
-    sxm, sxk = xq.stride()
-    (swn, swk), (ssn, ssk), (sym, syn) = w.w.stride(), w.scale.stride(), y.stride()
-    scale_bk = w.block_k if w.k_scaled else A8_BLOCK
-    precision, use_f16 = dot_precision(x.dtype), f16 and not a8
-    key = (x.get_device(), x.dtype, y.dtype, b.dtype, M, N, K, k_per_split, sxm, sxk, swn, swk, ssn, ssk, sym, syn,
-           aligned(xq, xs, w.w, w.scale, u.w, u.scale, b, y, parts, counters), w.block_n, scale_bk, w.k_scaled, a8,
-           precision, use_f16, gated, act.name if act else None, bias is not None, split, cfg)
-    _launch(
-        key, (tiles, split),
-        xq, xs, w.w, w.scale, u.w, u.scale, b, y, parts, counters,
-        M, N, K, k_per_split, sxm, sxk, swn, swk, ssn, ssk, sym, syn,
-        SCALE_BN=w.block_n, SCALE_BK=scale_bk, K_SCALED=w.k_scaled, A8=a8, PRECISION=precision, F16=use_f16,
-        GATED=gated, ACT=act.triton_fn if act else None, HAS_ACT=act is not None, HAS_BIAS=bias is not None,
-        SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return y
+    sxm, sxk = (K, 1) if a8 else x.stride()  # quantize_rows' output is contiguous
+    ints = (M, N, K, k_per_split, sxm, sxk, *w.w.stride(), *w.scale.stride(), N, 1)
+    gemm = Prepared(
+        _fp8_linear_kernel, (tiles, split),
+        SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled, A8=a8,
+        PRECISION=dot_precision(x.dtype), F16=f16 and not a8, GATED=gated, ACT=act.triton_fn if act else None,
+        HAS_ACT=act is not None, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    n_parts = split * (2 if gated else 1) * M * N
+
+    def splitk(x, w, up, bias):
+        y = torch.empty((M, N), device=device, dtype=dtype)
+        xq, xs = quant(x) if a8 else (x, y)
+        if split > 1:
+            parts = torch.empty(n_parts, device=device, dtype=torch.float32)
+            counters = torch.zeros(tiles, device=device, dtype=torch.int32)
+        else:
+            parts = counters = y
+        u = up if up is not None else w
+        gemm(xq, xs, w.w, w.scale, u.w, u.scale, bias if bias is not None else y, y, parts, counters, *ints)
+        return y
+    return splitk
+
+
+def _quantize_plan(M: int, K: int):
+    """``quantize_rows`` for x of M rows and K columns, its launch worked out once."""
+    if INTERPRET:
+        return quantize_rows
+    bm = 16 if M >= 16 else triton.next_power_of_2(M)
+    kernel = Prepared(_quantize_rows_kernel, (cdiv(M, bm), cdiv(K, A8_BLOCK)), BLOCK_M=bm, BLOCK=A8_BLOCK,
+                      num_warps=4)
+
+    def quant(x):
+        q = torch.empty((M, K), device=x.device, dtype=FP8)
+        s = torch.empty((M, cdiv(K, A8_BLOCK)), device=x.device, dtype=torch.float32)
+        kernel(x, q, s, M, K, x.stride(0), x.stride(1))
+        return q, s
+    return quant
 
 
 def tma_why_not(xq: Tensor, w: Fp8Weight, up: Fp8Weight | None, a8: bool, cfg: Config) -> str | None:
