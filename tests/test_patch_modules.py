@@ -214,10 +214,17 @@ def test_patched_calls_skip_the_dispatcher_only_where_nothing_needs_it(monkeypat
         return forward(op, a, eager, key)
 
     monkeypatch.setattr(ops, "_forward", recorded)
+    training = ops._forward_training
+
+    def recorded_training(op, a, save, planned):  # planned: the eager entry's call, no dispatcher hop before it
+        routes.append(planned)
+        return training(op, a, save, planned)
+
+    monkeypatch.setattr(ops, "_forward_training", recorded_training)
     with torch.no_grad():
         torch.testing.assert_close(mlp(x), ref)
     assert routes == [True]
-    y = mlp(x)  # the weights require grad: the op's autograd.Function, its forward the eager choice
+    y = mlp(x)  # the weights require grad: the op's autograd.Function, its forward the training path's entry
     y.sum().backward()
     assert routes == [True, True] and mlp.down_proj.weight.grad is not None
     torch.testing.assert_close(y, ref)
