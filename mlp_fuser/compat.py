@@ -112,6 +112,11 @@ def plain_operands(x, tensors) -> bool:
             and nothing_intercepts() and PLAIN_TYPES.issuperset(map(type, tensors)))
 
 
+def functorch_active() -> bool:
+    """A torch.func transform (grad, vmap, jvp, ...) is active."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
 def no_dispatch_mode_or_transform() -> bool:
     """No torch dispatch mode (fake tensors, tracing) and no functorch transform is active."""
     return not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()

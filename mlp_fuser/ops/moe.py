@@ -320,12 +320,24 @@ for _dev in ("cuda", "cpu"):
     _register_autocast(_dev)
 
 
+def _functorch(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset) -> Tensor:
+    """Under a torch.func transform: the aten path, which the transforms see through (an op with
+    ``register_autograd`` is no autograd.Function they take)."""
+    H, k = x.shape[-1], ids.shape[-1]
+    T = math.prod(x.shape[:-1])
+    gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
+    y = reference(x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd, gate)
+    return y.reshape(x.shape)
+
+
 def eager_moe_mlp(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
                   up_offset=0.0) -> Tensor:
     """``moe_mlp`` for a caller that runs eagerly (``patch``, the experts switch outside torch.compile): what the op
     computes, minus the dispatcher's layers (autocast, autograd, the op's entry) where nothing needs them."""
     if type(ids) is Tensor and compat.plain_call(x, (wts, wgu, bgu, wd, bd)):
         return _forward(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
+    if compat.functorch_active():
+        return _functorch(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
     return torch.ops.mlp_fuser.moe_mlp.default(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
                                                clamp_after, up_offset)
 
@@ -334,5 +346,8 @@ def moe_mlp(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor
             w_down: Tensor, b_down: Tensor | None, activation: str, interleaved: bool = False,
             limit: float | None = None, clamp_after: bool = False, up_offset: float = 0.0) -> Tensor:
     """Routed experts as one op: ``torch.ops.mlp_fuser.moe_mlp`` (see the module's docstring)."""
+    if compat.functorch_active():
+        return _functorch(x, topk_ids, topk_weights, w_gate_up, b_gate_up, w_down, b_down, activation, interleaved,
+                          limit, clamp_after, up_offset)
     return torch.ops.mlp_fuser.moe_mlp.default(x, topk_ids, topk_weights, w_gate_up, b_gate_up, w_down, b_down,
                                                activation, interleaved, limit, clamp_after, up_offset)
