@@ -156,6 +156,29 @@ def first(reg: Registry, p) -> Impl:
     return forced if forced is not None else next(i for i in reg.impls if i.candidate(p))
 
 
+def describe_first(reg: Registry, p) -> str:
+    """For a family that is not timed: which row runs ``p``, and why each one above it does not."""
+    lines = []
+    for impl in reg.impls:
+        why = impl.why_not(p)
+        if why is None:
+            return "\n".join([*lines, f"{impl.name}: runs"])
+        lines.append(f"{impl.name}: {why}")
+    return "\n".join(lines)
+
+
+def kept_plan(plans: dict, key: tuple, choose: Callable[[], Impl], args: tuple, limit: int = 1024):
+    """(row, plan or None) kept in ``plans`` for a call signature ``key``: chosen (``choose()``) and its plan built
+    from ``args`` at the signature's first call; ``plans`` emptied when it holds ``limit``."""
+    hit = plans.get(key)
+    if hit is None:
+        impl = choose()
+        if len(plans) >= limit:
+            plans.clear()
+        hit = plans[key] = (impl, impl.plan(args) if impl.plan is not None else None)
+    return hit
+
+
 def _key(reg: Registry, key: tuple) -> tuple:
     return (*key, config.force_impl, config.triton_on_cpu, config.autotune, reg.kind)
 

@@ -133,13 +133,9 @@ def run(x: Tensor, weights, activation, gated: bool) -> Tensor:
     key = (x.shape, x.stride(), x.dtype, x.device, activation, gated, config.fp8_w8a8, config.force_impl,
            *[(fw.w.shape, fw.w.stride(), fw.scale.shape, fw.scale.stride(), fw.block_n, fw.block_k,
               None if b is None else (b.shape, b.stride(), b.dtype)) for _, fw, b in weights])
-    hit = _PLANS.get(key)
-    if hit is None:
-        impl = choose(Problem(x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index))
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        hit = _PLANS[key] = (impl, impl.plan((x, weights, activation, gated)) if impl.plan is not None else None)
-    impl, plan = hit
+    impl, plan = core.kept_plan(_PLANS, key, lambda: choose(Problem(
+        x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index)), (x, weights, activation, gated),
+        _MAX_PLANS)
     if plan is None:
         return impl.fn(x, weights, activation, gated)
     return plan(x, weights)
@@ -147,10 +143,4 @@ def run(x: Tensor, weights, activation, gated: bool) -> Tensor:
 
 def describe(p: Problem) -> str:
     """Which implementation runs ``p``, and why each one above it does not."""
-    lines = []
-    for impl in IMPLS:
-        why = impl.why_not(p)
-        if why is None:
-            return "\n".join([*lines, f"{impl.name}: runs"])
-        lines.append(f"{impl.name}: {why}")
-    return "\n".join(lines)
+    return core.describe_first(FP8, p)

@@ -103,13 +103,8 @@ def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> Tensor:
            wts2.stride(), wts2.dtype, fgu.w.shape, fgu.w.stride(), fgu.scale.shape, fgu.scale.stride(),
            fgu.block_n, fgu.block_k, fgu.up_soff, fd.w.shape, fd.w.stride(), fd.scale.shape, fd.scale.stride(),
            fd.block_n, fd.block_k, gate, config.fp8_w8a8, config.triton_on_cpu, config.force_impl)
-    hit = _PLANS.get(key)
-    if hit is None:
-        impl = choose(problem(x2, ids2, fgu, fd))
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        hit = _PLANS[key] = (impl, impl.plan((x2, ids2, wts2, fgu, fd, gate)) if impl.plan is not None else None)
-    impl, plan = hit
+    impl, plan = core.kept_plan(_PLANS, key, lambda: choose(problem(x2, ids2, fgu, fd)),
+                                (x2, ids2, wts2, fgu, fd, gate), _MAX_PLANS)
     if plan is None:
         return impl.fn(x2, ids2, wts2, fgu, fd, gate)
     return plan(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
@@ -117,10 +112,4 @@ def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> Tensor:
 
 def describe(p: Problem) -> str:
     """Which row runs ``p``, and why each one above it does not."""
-    lines = []
-    for impl in IMPLS:
-        why = impl.why_not(p)
-        if why is None:
-            return "\n".join([*lines, f"{impl.name}: runs"])
-        lines.append(f"{impl.name}: {why}")
-    return "\n".join(lines)
+    return core.describe_first(FP8_EXPERTS, p)
