@@ -217,6 +217,18 @@ def quantize_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Ten
 
 
 @triton.jit
+def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile``, tiles taken GROUP_M rows of tiles at a time (L2 reuse of the weight
+    panels)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
+
+
+@triton.jit
 def _scaled_dot(w_ptrs, x_ptrs, s_ptrs, xs_ptrs, k, k_hi, offs_k, mask_m, acc,
                 K_SCALED: tl.constexpr, A8: tl.constexpr, SCALE_BK: tl.constexpr, PRECISION: tl.constexpr,
                 F16: tl.constexpr):
@@ -256,13 +268,7 @@ def _fp8_linear_kernel(
     # -- which output tile (grouped along M for L2 reuse of the weight panels) and which K range --------------
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % group_m
-    pid_n = (tile % in_group) // group_m
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and y
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of w = columns of y
@@ -347,13 +353,7 @@ def _fp8_gemm_tma_kernel(
     scale and, for block scales, the weight rows' scale of that K block."""
     # -- which output tile (grouped along M for L2 reuse of the weight panels) ---------------------------------
     tile = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % group_m
-    pid_n = (tile % in_group) // group_m
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
