@@ -98,6 +98,18 @@ def test_fp8_tma_kernel_says_why_it_cannot_run():
     assert "W8A16" in K8.tma_why_not(xq, w, None, False, cfg)
 
 
+
+@needs_kernels
+def test_fp8_linear_given_a_tma_config_for_w8a16_runs_the_split_k_kernel():
+    g = torch.Generator().manual_seed(3)
+    w = K8.fp8_weight(*quantized(64, 256, "block", device=KERNEL_DEVICE, g=g))
+    x = torch.randn(5, 256, generator=g).to(KERNEL_DEVICE, torch.float32)
+    cfg = K8.Config(16, 32, 32, 1, 4, 1, tma=True)
+    y = K8.fp8_linear(x, w, a8=False, config=cfg)
+    assert torch.equal(y, K8.fp8_linear(x, w, a8=False, config=cfg._replace(tma=False)))
+    assert rel_err(y, x.double() @ K8.dequantize(w, torch.float64).T) < 1e-5
+
+
 @needs_kernels
 def test_fp8_linear_reads_a_transposed_weight_and_splits_k():
     """The backward reads W transposed where it lies; split-K sums partials: both against float64."""

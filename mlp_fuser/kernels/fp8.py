@@ -464,7 +464,7 @@ def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tens
     quant = _quantize_plan(M, K) if a8 else None
     if cfg.tma:  # large M: the launch's own host time is small beside it; the x box is the call's
         def tma(x, w, up, bias):
-            xq, xs = quant(x)
+            xq, xs = quant(x) if a8 else (x, None)
             y = torch.empty((M, N), device=device, dtype=dtype)
             if tma_why_not(xq, w, up, a8, cfg) is None:
                 return _fp8_linear_tma(xq, xs, w, up, bias, act, cfg, y)
