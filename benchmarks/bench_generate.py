@@ -642,7 +642,7 @@ def run(args, results):
                             profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
                         if args.host_split and not path.startswith("static"):
                             host_split(f"{label} b={batch} {path}", m, gen, device)
-                        if args.time_modules and path in ("eager", "patch", "patch_noplan"):
+                        if args.time_modules and path in ("eager", "patch", "patch_noplan", "fp8_patch"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
                         step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens,
                                   profile=args.step_profile)
@@ -730,7 +730,7 @@ def run(args, results):
                             + (f", {fp8_errs[path]:.1e} against the FP8 reference's" if path in fp8_errs else ""))
                         if args.profile_cpu and device == "cuda":
                             profile_cpu(f"prefill {path}", lambda fwd=fwd: fwd(ids))
-                        if args.time_modules and path in ("eager", "patch"):
+                        if args.time_modules and path in ("eager", "patch", "fp8_patch"):
                             time_modules(f"{label} prefill {path}", models[path], lambda _n, fwd=fwd: fwd(ids), device,
                                          what=f"one forward over {ids.shape[1]} tokens")
                     write(results, args.out)
