@@ -1,0 +1,116 @@
+"""Host time per call of the FP8 paths on a machine without a GPU: the Triton launches stubbed.
+
+The kernels' launches keep their whole Python path (``Launcher`` / ``Prepared`` cache look-ups, argument building)
+but the compiled launch is a no-op; the device checks say "a Hopper GPU". What remains is the Python and the torch
+allocations a call does on the host. Qwen3-30B-A3B-sized shapes: attention's q_proj (2048 -> 4096) through
+``patch``'s ``FusedFp8Linear`` and the routed experts (128 experts, I 768, top 8) through ``eager_quant_moe_mlp``.
+
+    python benchmarks/host_fp8.py [--profile linear|experts] [--rows 1,32,2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from mlp_fuser import compat  # noqa: E402
+from mlp_fuser.dispatch import fp8 as dfp8  # noqa: E402
+from mlp_fuser.dispatch import fp8_experts as dfp8e  # noqa: E402
+from mlp_fuser.kernels import common, fp8, moe, moe_routing  # noqa: E402
+from mlp_fuser.ops import moe as ops_moe  # noqa: E402
+from mlp_fuser.ops import quant_moe  # noqa: E402
+from mlp_fuser.patch.fp8 import FusedFp8Linear  # noqa: E402
+
+
+def stub() -> None:
+    """No GPU: launches do nothing after their Python path; the device checks see an H100 (132 SMs, sm90)."""
+    def call(self, key, grid, *args, **constexprs):
+        hit = self.cache.get(key)
+        if hit is not None and not compat.launch_hooks():
+            hit[3](compat.current_stream(hit[2]), args)
+            return
+        common.Launcher.slow_calls += 1
+        self.cache[key] = (None, grid, 0, lambda s, a: None)
+
+    common.Launcher.__call__ = call
+    compat.current_stream = lambda index: 0
+    dfp8.why_not_kernels = dfp8e.why_not_kernels = lambda device, index: None
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    fp8.num_sms = moe.num_sms = lambda device: 132
+    why_not = fp8.tma_why_not  # its whole Python, but for the device's type (cpu here)
+    fp8.tma_why_not = lambda *a: None if (r := why_not(*a)) == "TMA needs a Hopper or newer GPU" else r
+    moe._capability = lambda index: (9, 0)
+    moe_routing._on_triton = lambda ids: ids.dtype in (torch.int32, torch.int64)
+    ops_moe._check_ids = lambda ids: None  # on CUDA it reads nothing (config.check_routing off)
+
+
+def linear_module(n: int, k: int) -> nn.Module:
+    m = nn.Linear(k, n, bias=False, device="meta")
+    m.weight = nn.Parameter(torch.empty((n, k), dtype=fp8.FP8), requires_grad=False)
+    m.weight_scale_inv = nn.Parameter(torch.rand(n // 128, k // 128) + 0.5, requires_grad=False)
+    m.block_size = (128, 128)
+    return m
+
+
+def timed(fn, n: int) -> float:
+    """Median µs a call over 7 runs of n calls."""
+    fn()
+    runs = []
+    for _ in range(7):
+        t = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter_ns() - t) / n / 1e3)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,32,2048")
+    ap.add_argument("--profile", choices=("linear", "experts"))
+    ap.add_argument("-n", type=int, default=300)
+    args = ap.parse_args()
+    stub()
+    torch.set_grad_enabled(False)
+    H, E, I, K_TOP = 2048, 128, 768, 8
+    lin = FusedFp8Linear(linear_module(4096, H), (128, 128))
+    wgu = torch.empty((E, 2 * I, H), dtype=fp8.FP8)
+    sgu = torch.rand(E, 2 * I // 128, H // 128) + 0.5
+    wd = torch.empty((E, H, I), dtype=fp8.FP8)
+    sd = torch.rand(E, H // 128, I // 128) + 0.5
+    for T in map(int, args.rows.split(",")):
+        x = torch.randn(1, T, H, dtype=torch.bfloat16)
+        x2 = x.view(T, H)
+        ids = torch.randint(0, E, (T, K_TOP), dtype=torch.int32)
+        wts = torch.rand(T, K_TOP)
+
+        def linear(x=x):
+            return lin(x)
+
+        def experts(x2=x2, ids=ids, wts=wts):
+            return quant_moe.eager_quant_moe_mlp(x2, ids, wts, wgu, sgu, wd, sd, "silu", "fp8_e4m3", [128, 128])
+
+        fns = {"linear": linear, "experts": experts}
+        if args.profile:
+            fns[args.profile]()
+            with cProfile.Profile() as p:
+                for _ in range(args.n):
+                    fns[args.profile]()
+            print(f"== {args.profile}, T = {T}, {args.n} calls")
+            pstats.Stats(p).sort_stats("tottime").print_stats(18)
+            continue
+        print(f"T = {T:5d}: FusedFp8Linear {timed(linear, args.n):6.1f} µs   "
+              f"quant_moe_mlp {timed(experts, args.n):6.1f} µs   (slow launches so far {common.Launcher.slow_calls})")
+
+
+if __name__ == "__main__":
+    main()
