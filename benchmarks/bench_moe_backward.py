@@ -44,10 +44,14 @@ def _cfg(bn, bk, warps, stages):
     return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
-SWEEP = {  # each fits shared memory in bf16 at BLOCK_M = 128
-    "act": [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(32, 64, 4, 4), _cfg(64, 32, 4, 4)],
+SWEEP = {  # each fits shared memory in bf16 at BLOCK_M = 128; wgrad's loop is 1-2 blocks deep at 64 pairs an expert,
+    # so its tiles and stages decide how many CTAs hide each other's latency
+    "act": [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(32, 64, 4, 4), _cfg(64, 32, 4, 4),
+            _cfg(64, 128, 4, 2), _cfg(64, 128, 8, 2), _cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(32, 128, 4, 3)],
     "wgrad": [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 128, 4, 3), _cfg(128, 128, 4, 2),
-              _cfg(64, 64, 4, 4)],
+              _cfg(64, 64, 4, 4), _cfg(128, 128, 8, 2), _cfg(128, 128, 8, 1), _cfg(128, 128, 4, 1),
+              _cfg(128, 256, 8, 1), _cfg(128, 256, 8, 2), _cfg(256, 128, 8, 1), _cfg(64, 128, 4, 1),
+              _cfg(64, 256, 4, 1), _cfg(128, 64, 4, 1), _cfg(64, 64, 4, 1)],
 }
 
 

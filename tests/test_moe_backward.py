@@ -369,3 +369,16 @@ def test_op_under_torch_func_grad():
         got = torch.func.grad(lambda x, wts, f=entry: (f(x, ids, wts, wgu, None, wd, None, "silu") * dy).sum(),
                               argnums=(0, 1))(x, wts)
         assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("pairs", [8192, 65536])
+def test_wgrad_config_fits_shared_memory(monkeypatch, block_m, pairs):
+    """The GPU's wgrad tiles (from the H100 sweep) fit 200 KB of shared memory at every routing block, and the large
+    tile is taken only from 32768 pairs."""
+    from mlp_fuser.kernels import moe_backward as kbwd
+
+    monkeypatch.setattr(kbwd, "INTERPRET", False)
+    cfg = kbwd.backward_config("wgrad", block_m, torch.bfloat16, pairs)
+    assert cfg["num_stages"] * block_m * (cfg["BLOCK_N"] + cfg["BLOCK_K"]) * 2 <= 200 * 1024
+    assert cfg["BLOCK_K"] == (256 if pairs >= 32768 else 128)

@@ -217,18 +217,21 @@ def _cfg(bn: int, bk: int, warps: int, stages: int) -> dict:
 _INTERPRET_CONFIG = {"act": _cfg(32, 32, 4, 1), "wgrad": _cfg(32, 32, 4, 1)}
 
 
-def backward_config(kind: str, block_m: int, dtype: torch.dtype) -> dict:
+def backward_config(kind: str, block_m: int, dtype: torch.dtype, pairs: int = 0) -> dict:
     """Tiles for "act" (BLOCK_N columns of h, BLOCK_K of H per step: two activation and three weight tiles) and
-    "wgrad" (a (BLOCK_N, BLOCK_K) tile of dW, BLOCK_M = the routing's block of pairs per step), stages fitted to
-    shared memory; under the interpreter small tiles, so that the edges are exercised."""
+    "wgrad" (a (BLOCK_N, BLOCK_K) tile of dW, BLOCK_M = the routing's block of pairs per step; ``pairs``: the call's
+    T·k), stages fitted to shared memory; under the interpreter small tiles, so that the edges are exercised."""
     if INTERPRET:
         return dict(_INTERPRET_CONFIG[kind])
     itemsize = torch.empty((), dtype=dtype).element_size()
     if kind == "act":
         cfg = _cfg(64, 64 if itemsize == 2 else 32, 8 if block_m >= 128 else 4, 3)
         tiles = lambda c: 2 * block_m * c["BLOCK_K"] + 3 * c["BLOCK_K"] * c["BLOCK_N"]  # noqa: E731
-    elif kind == "wgrad":
-        cfg = _cfg(128, 128 if itemsize == 2 else 64, 8, 3)
+    elif kind == "wgrad":  # a loop one or two blocks deep: stages buy nothing, CTAs in flight do (H100 sweep)
+        if itemsize == 2:
+            cfg = _cfg(128, 256, 8, 2) if pairs >= 32768 else _cfg(128, 128, 4, 2)
+        else:
+            cfg = _cfg(128, 64, 8, 3)
         tiles = lambda c: block_m * (c["BLOCK_N"] + c["BLOCK_K"])  # noqa: E731
     else:
         raise ValueError(f"backward_config: kind must be 'act' or 'wgrad', not {kind!r}")
@@ -290,7 +293,7 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         return (torch.zeros_like(x) if need_dx else None, torch.zeros_like(wts), *zero)
 
     # -- h, [dg du] per pair and dw's partials per column tile -------------------------------------------
-    cfgs = {kind: backward_config(kind, routing.block_m, x.dtype) for kind in ("act", "wgrad")} | (configs or {})
+    cfgs = {kind: backward_config(kind, routing.block_m, x.dtype, S) for kind in ("act", "wgrad")} | (configs or {})
     cfg = cfgs["act"]
     n_tiles = cdiv(I, cfg["BLOCK_N"])
     h = torch.empty((S, I), dtype=x.dtype, device=dev)
