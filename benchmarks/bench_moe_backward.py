@@ -38,6 +38,7 @@ SIZE = (64, 40, 8, 4) if TINY else (2048, 768, 128, 8)  # H, I, E, k
 DEV = "cpu" if TINY else "cuda"
 DTYPE = torch.float32 if TINY else torch.bfloat16
 NAMES = ("dx", "dwts", "dw_gu", "dw_d")
+ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
 
 
 def _cfg(bn, bk, warps, stages):
@@ -48,10 +49,8 @@ SWEEP = {  # each fits shared memory in bf16 at BLOCK_M = 128; wgrad's loop is 1
     # so its tiles and stages decide how many CTAs hide each other's latency
     "act": [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(32, 64, 4, 4), _cfg(64, 32, 4, 4),
             _cfg(64, 128, 4, 2), _cfg(64, 128, 8, 2), _cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(32, 128, 4, 3)],
-    "wgrad": [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 128, 4, 3), _cfg(128, 128, 4, 2),
-              _cfg(64, 64, 4, 4), _cfg(128, 128, 8, 2), _cfg(128, 128, 8, 1), _cfg(128, 128, 4, 1),
-              _cfg(128, 256, 8, 1), _cfg(128, 256, 8, 2), _cfg(256, 128, 8, 1), _cfg(64, 128, 4, 1),
-              _cfg(64, 256, 4, 1), _cfg(128, 64, 4, 1), _cfg(64, 64, 4, 1)],
+    "wgrad": [dict(_cfg(*c), EXPERT_MAJOR=major) for major in (True, False)
+              for c in ((128, 128, 8, 3), (128, 128, 4, 2), (128, 256, 8, 2), (64, 128, 4, 3), (128, 256, 8, 1))],
 }
 
 
@@ -106,6 +105,8 @@ def sweep(row, x, ids, wts, w_gu, w_d, dy, act) -> None:
     cands = dict(SWEEP, dx=[dict(c) for c in moe.CONFIGS["down"][moe.rows_bucket(x.shape[0], k, E)]])
     if TINY:
         cands = {kind: cs[:2] for kind, cs in cands.items()}
+    if ONLY:
+        cands = {kind: cs for kind, cs in cands.items() if kind in ONLY}
     row["sweep"] = {}
     for kind, cs in cands.items():
         times = []
@@ -172,6 +173,7 @@ def main():
     ap.add_argument("--backward", action="store_true", help="also time the backward alone")
     ap.add_argument("--sweep", action="store_true", help="time the backward over a few configs per kernel")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--only", default=None, help="with --sweep: only these kernel kinds (act, wgrad, dx)")
     ap.add_argument("--T", default="5,33" if TINY else "1024,4096")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -163,11 +163,17 @@ def _moe_wgrad_kernel(
     stride_dbe, stride_dbn,
     A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, SCALED: tl.constexpr, HAS_DB: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr,
 ):
     # -- dW[e][n-tile, k-tile] = Σ over expert e's pairs of (s_p a_p)ᵀ b_p; a's row is the pair's or its token's ---
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    if EXPERT_MAJOR:  # an expert's tiles launch together: its rows of a and b stay in L2 while they are read
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.program_id(2)
+    else:
+        e = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -254,7 +260,9 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
     S = b.shape[0] * routing.k if b_by_token else b.shape[0]
     s = wts if wts is not None else a
     d = db if db is not None else dw
-    grid = (E, cdiv(N, cfg["BLOCK_N"]), cdiv(K, cfg["BLOCK_K"]))
+    major = cfg.get("EXPERT_MAJOR", True)
+    grid = (cdiv(K, cfg["BLOCK_K"]), cdiv(N, cfg["BLOCK_N"]), E) if major else (E, cdiv(N, cfg["BLOCK_N"]),
+                                                                                  cdiv(K, cfg["BLOCK_K"]))
     launch(
         _moe_wgrad_kernel, grid,
         a, b, s, dw, d, routing.sorted_pairs, expert_start,
@@ -263,7 +271,7 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
         d.stride(0), d.stride(-1),
         A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, SCALED=wts is not None, HAS_DB=db is not None,
         PRECISION=dot_precision(a.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **_launch_opts(cfg),
+        EXPERT_MAJOR=major, **_launch_opts(cfg),
     )
 
 
