@@ -100,6 +100,56 @@ def test_fp8_tma_kernel_says_why_it_cannot_run():
 
 
 @needs_kernels
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_tma_plan_reads_each_calls_weights_and_falls_back_off_alignment(gated):
+    """The large-M kernel's plan, built on one layer's call, given another layer's weights of that signature, gives
+    what a plan of its own gives (each weight's descriptor its own) and the float64 value; a weight whose address
+    lost its 16-byte alignment runs the split-K kernel instead."""
+    from mlp_fuser.kernels import common
+
+    M, N, K = 40, 96, 256
+    dt = torch.bfloat16 if CUDA else torch.float16
+    cfg = K8.Config(16, 32, 32, 1, 4, 1, tma=True) if INTERPRET else K8.Config(64, 64, 64, 1, 4, 3, tma=True)
+    act = "silu" if gated else "gelu"
+
+    def layer(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(M, K, generator=g).to(KERNEL_DEVICE, dt)
+        w = K8.fp8_weight(*quantized(N, K, "block", device=KERNEL_DEVICE, g=g))
+        u = K8.fp8_weight(*quantized(N, K, "block", device=KERNEL_DEVICE, g=g)) if gated else None
+        return x, w, u, None if gated else torch.randn(N, generator=g).to(KERNEL_DEVICE, dt)
+
+    def kernels(fn, *args):
+        common.Launcher.recording.launches = []
+        try:
+            return fn(*args), [launcher.kernel for launcher, _, _ in common.Launcher.recording.launches]
+        finally:
+            del common.Launcher.recording.launches
+
+    a, b = layer(1), layer(2)
+    plan = K8.linear_plan(*a, act, True, cfg)
+    plan(*a)
+    y, ran = kernels(plan, *b)
+    assert K8._fp8_gemm_tma_kernel in ran and K8._fp8_linear_kernel not in ran
+    assert torch.equal(y, K8.linear_plan(*b, act, True, cfg)(*b))
+    x, w, u, bias = b
+    q, s = K8.quantize_rows_reference(x)
+    xx = q.double() * s.double().repeat_interleave(K8.A8_BLOCK, 1)[:, :K]
+    ref = xx @ K8.dequantize(w, torch.float64).T
+    ref = F.silu(ref) * (xx @ K8.dequantize(u, torch.float64).T) if gated else F.gelu(ref + bias.double())
+    assert rel_err(y, ref) < (8e-3 if dt == torch.bfloat16 else 1e-3)
+
+    def off(fw):  # the same weight one byte past an aligned address: contiguous, no TMA operand
+        buf = torch.empty(N * K + 1, dtype=K8.FP8, device=KERNEL_DEVICE)[1:].view(N, K)
+        return fw._replace(w=buf.copy_(fw.w))
+    moved = (x, off(w), off(u) if gated else None, bias)
+    y, ran = kernels(plan, *moved)
+    assert K8._fp8_linear_kernel in ran and K8._fp8_gemm_tma_kernel not in ran
+    assert torch.equal(y, K8.fp8_linear(*moved[:3], bias=bias, activation=act, a8=True,
+                                        config=cfg._replace(tma=False)))
+
+
+@needs_kernels
 def test_fp8_linear_given_a_tma_config_for_w8a16_runs_the_split_k_kernel():
     g = torch.Generator().manual_seed(3)
     w = K8.fp8_weight(*quantized(64, 256, "block", device=KERNEL_DEVICE, g=g))

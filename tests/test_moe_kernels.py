@@ -7,7 +7,7 @@ import torch
 from _moe_cases import expert_tensors, sentinels, stored_transposed
 from conftest import KERNEL_DEVICE, poisoned_empty, requires_cuda
 
-from mlp_fuser.kernels import moe
+from mlp_fuser.kernels import common, moe
 from mlp_fuser.kernels.moe import ExpertAct
 from mlp_fuser.kernels.moe_routing import moe_align_atomic, moe_align_torch, moe_align_triton
 from mlp_fuser.reference import rel_err
@@ -229,7 +229,7 @@ def test_tma_descriptors_kept_per_weight_and_dropped_with_it():
     gone, n = weakref.ref(w), id(w)
     del w, d, d2
     gc.collect()
-    assert gone() is None and n not in moe._DESCS
+    assert gone() is None and n not in common._DESCS
 
 
 FUSED = tuple(p for p in moe.PATHS if p.startswith(("sorted_fused", "unsorted")))  # down combines the k rows

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -199,6 +200,27 @@ def _key(grid: Sequence[int], args: tuple, constexprs: dict) -> tuple:
     # ints first: most arguments are, and an isinstance check against torch.Tensor costs more than the class test
     return (*grid, *[a if a.__class__ is int else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
                      else _desc_key(a) if a.__class__ is TensorDescriptor else a for a in args], *constexprs.items())
+
+
+_DESCS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, {(pointer, shape, strides, box): descriptor})
+
+
+def kept_desc(w: torch.Tensor, block_n: int, block_k: int):
+    """The (rows, last dim) view of a weight (2-D, or stacked experts) as a descriptor of (block_n, block_k) boxes,
+    built once per weight, memory and box (a weight's descriptors go with it)."""
+    entry = _DESCS.get(id(w))
+    if entry is None or entry[0]() is not w:
+        entry = _DESCS[id(w)] = (weakref.ref(w, partial(_forget, id(w))), {})
+    key = (w.data_ptr(), w.shape, w.stride(), block_n, block_k)
+    desc = entry[1].get(key)
+    if desc is None:  # a detached view: the descriptor must not hold the weight itself, or it would never go
+        desc = entry[1][key] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[-1]), [block_n, block_k])
+    return desc
+
+
+def _forget(i: int, ref) -> None:
+    if _DESCS.get(i, (None,))[0] is ref:
+        del _DESCS[i]
 
 
 class Prepared:

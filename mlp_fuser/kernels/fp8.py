@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, Prepared, cdiv, dot_precision, launch, num_sms
+from .common import INTERPRET, Prepared, cdiv, dot_precision, kept_desc, launch, num_sms
 
 try:  # host tensor descriptors (Triton >= 3.4): the large-M kernel's TMA boxes
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -462,14 +462,9 @@ def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tens
         cfg = cfg._replace(block_k=_divisor(A8_BLOCK, cfg.block_k))
     act = get_activation(activation) if activation is not None else None
     quant = _quantize_plan(M, K) if a8 else None
-    if cfg.tma:  # large M: the launch's own host time is small beside it; the x box is the call's
-        def tma(x, w, up, bias):
-            xq, xs = quant(x) if a8 else (x, None)
-            y = torch.empty((M, N), device=device, dtype=dtype)
-            if tma_why_not(xq, w, up, a8, cfg) is None:
-                return _fp8_linear_tma(xq, xs, w, up, bias, act, cfg, y)
-            return linear_plan(x, w, up, bias, activation, a8, cfg._replace(tma=False), out_dtype)(x, w, up, bias)
-        return tma
+    if cfg.tma and _tma_layout_why_not(w, up, a8, cfg, device) is None:
+        fallback = linear_plan(x, w, up, bias, activation, a8, cfg._replace(tma=False), out_dtype, f16)
+        return _tma_plan(M, N, K, w, gated, bias is not None, act, cfg, dtype, device, quant, fallback)
     unit = max(cfg.block_k, w.block_k if w.k_scaled else cfg.block_k, A8_BLOCK if a8 else cfg.block_k)
     k_per_split = cdiv(cdiv(K, cfg.split_k), unit) * unit  # a K range never cuts a scale block
     split = cdiv(K, k_per_split)
@@ -519,36 +514,60 @@ def tma_why_not(xq: Tensor, w: Fp8Weight, up: Fp8Weight | None, a8: bool, cfg: C
     """Why the large-M kernel cannot run this call (None: it can): TMA boxes need host descriptors, a Hopper GPU
     (or the interpreter), fp8 activations, and each operand contiguous, 16-byte aligned, rows of 16-byte multiples;
     a K step within one scale block."""
+    return _tma_layout_why_not(w, up, a8, cfg, xq.device, xq) or _tma_pointers_why_not(xq, w, up)
+
+
+def _tma_layout_why_not(w: Fp8Weight, up: Fp8Weight | None, a8: bool, cfg: Config, device: torch.device,
+                        xq: Tensor | None = None) -> str | None:
+    """``tma_why_not`` but for the operands' addresses: what a plan's signature decides (without ``xq``: x is the
+    quantizer's output, contiguous, its K columns the weights')."""
     if TensorDescriptor is None:
         return "this Triton has no host tensor descriptors"
     if not a8:
         return "W8A16: the activations are not fp8"
-    for name, t in (("x", xq), ("weight", w.w), ("up weight", up.w if up is not None else w.w)):
-        if not t.is_contiguous() or t.data_ptr() % 16 or t.shape[1] % 16:
+    u = up if up is not None else w
+    for name, t in (("x", xq if xq is not None else w.w), ("weight", w.w), ("up weight", u.w)):
+        if not t.is_contiguous() or t.shape[1] % 16:
             return f"the {name} is no TMA operand (contiguous, 16-byte aligned, rows of 16-byte multiples)"
     if w.k_scaled and w.block_k % cfg.block_k:
         return f"a K step of {cfg.block_k} straddles the weight's {w.block_k}-wide scale blocks"
-    if not INTERPRET and (xq.device.type != "cuda" or torch.cuda.get_device_capability(xq.device)[0] < 9):
+    if not INTERPRET and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
         return "TMA needs a Hopper or newer GPU"
     return None
 
 
-def _fp8_linear_tma(xq: Tensor, xs: Tensor, w: Fp8Weight, up: Fp8Weight | None, bias: Tensor | None, act,
-                    cfg: Config, y: Tensor) -> Tensor:
-    """``fp8_linear`` on the large-M kernel (``tma_why_not`` is None for these operands)."""
-    M, K = xq.shape
-    N = w.w.shape[0]
-    u = up if up is not None else w
+def _tma_pointers_why_not(xq: Tensor, w: Fp8Weight, up: Fp8Weight | None) -> str | None:
+    """``tma_why_not`` for the operands' addresses alone: the part a call of a planned signature can change."""
+    for name, t in (("x", xq), ("weight", w.w), ("up weight", up.w if up is not None else w.w)):
+        if t.data_ptr() % 16:
+            return f"the {name} is no TMA operand (contiguous, 16-byte aligned, rows of 16-byte multiples)"
+    return None
+
+
+def _tma_plan(M: int, N: int, K: int, w: Fp8Weight, gated: bool, has_bias: bool, act, cfg: Config,
+              dtype: torch.dtype, device: torch.device, quant, fallback):
+    """``linear_plan`` on the large-M kernel, for signatures ``_tma_layout_why_not`` allows: grid, integers and
+    constexprs once, each weight's descriptor kept with it (``kept_desc``), x's built per call (its memory is the
+    call's), one ``Prepared`` launch. A call whose weight lost its 16-byte alignment runs ``fallback`` (split-K)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    launch(_fp8_gemm_tma_kernel, (cdiv(M, bm) * cdiv(N, bn),),
-           TensorDescriptor.from_tensor(xq, [bm, bk]), xs, TensorDescriptor.from_tensor(w.w, [bn, bk]), w.scale,
-           TensorDescriptor.from_tensor(u.w, [bn, bk]), u.scale, bias if bias is not None else y, y,
-           M, N, K, w.scale.stride(0), w.scale.stride(1), y.stride(0), y.stride(1),
-           SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled,
-           GATED=up is not None, ACT=act.triton_fn if act else None, HAS_ACT=act is not None,
-           HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y
+    gemm = Prepared(
+        _fp8_gemm_tma_kernel, (cdiv(M, bm) * cdiv(N, bn),),
+        SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled, GATED=gated,
+        ACT=act.triton_fn if act else None, HAS_ACT=act is not None, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    ints = (M, N, K, *w.scale.stride(), N, 1)  # y is contiguous
+    x_box = [bm, bk]
+
+    def tma(x, w, up, bias):
+        u = up if up is not None else w
+        if w.w.data_ptr() % 16 or u.w.data_ptr() % 16:
+            return fallback(x, w, up, bias)
+        xq, xs = quant(x)
+        y = torch.empty((M, N), device=device, dtype=dtype)
+        gemm(TensorDescriptor(xq, [M, K], [K, 1], x_box), xs, kept_desc(w.w, bn, bk), w.scale, kept_desc(u.w, bn, bk),
+             u.scale, bias if bias is not None else y, y, *ints)
+        return y
+    return tma
 
 
 def _divisor(n: int, at_most: int) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
 
 from ..activations import get_activation
 from . import moe_tuning
-from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, launch, next_power_of_2, num_sms
+from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, kept_desc, launch, next_power_of_2, num_sms
 from .fp8 import A8_BLOCK, FP8, quantize_rows
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
@@ -818,26 +817,9 @@ def tma_why_not(x: Tensor, w_gu: Tensor, w_d: Tensor, interleaved: bool) -> str 
     return None
 
 
-_DESCS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, {(pointer, shape, strides, box): descriptor})
-
-
 def _desc(w: Tensor, cfg: dict):
-    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes, built once per weight
-    and box (a weight's descriptors go with it)."""
-    entry = _DESCS.get(id(w))
-    if entry is None or entry[0]() is not w:
-        entry = _DESCS[id(w)] = (weakref.ref(w, functools.partial(_forget, id(w))), {})
-    key = (w.data_ptr(), w.shape, w.stride(), cfg["BLOCK_N"], cfg["BLOCK_K"])
-    desc = entry[1].get(key)
-    if desc is None:  # a detached view: the descriptor must not hold the weight itself, or it would never go
-        desc = entry[1][key] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[-1]),
-                                                            [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-    return desc
-
-
-def _forget(i: int, ref) -> None:
-    if _DESCS.get(i, (None,))[0] is ref:
-        del _DESCS[i]
+    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes, kept with the weight."""
+    return kept_desc(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
 
 
 def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
