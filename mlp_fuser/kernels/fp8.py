@@ -9,17 +9,19 @@ Where a scale changes along K (blocks) it multiplies each K step's partial produ
 
 One kernel, two ways to multiply, both swap-AB (the weight rows take the dot's M side, so a handful of tokens
 still fills Hopper's 64-row wgmma) and split-K (each program owns an output tile and a K range; the last program
-of a tile, told by an atomic counter, sums the fp32 partials in split order and runs the epilogue):
-- W8A16 (A8 False): each weight tile is cast to x's dtype in registers and multiplied with x as it is — decode,
-  where the time is the weight bytes;
-- W8A8 (A8 True): x quantized per token and 128-wide K block beforehand (``quantize_rows``, transformers'
-  dynamic scheme), both operands fp8 on the fp8 tensor cores, both scales per K step — prefill.
+of a tile, told by an atomic counter, sums the fp32 partials in split order, sets the counter back to 0 and runs
+the epilogue; a plan zeroes its counters once):
+- W8A16 (A8 False): each weight tile is cast to x's dtype in registers and multiplied with x as it is;
+- W8A8 (A8 True): x quantized per token and 128-wide K block (transformers' dynamic scheme), both operands fp8 on
+  the fp8 tensor cores, both scales per K step. To 64 tokens with 128-wide K steps the GEMM quantizes each x tile
+  itself (QUANT_X: one launch at decode); elsewhere ``quantize_rows`` beforehand.
 With GATED, two weights (gate and up) share each x tile and the epilogue writes act(gate) · up; with ACT alone,
 act(y); the bias last before the activation.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from typing import NamedTuple
 
@@ -229,26 +231,35 @@ def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
-def _scaled_dot(w_ptrs, x_ptrs, s_ptrs, xs_ptrs, k, k_hi, offs_k, mask_m, acc,
-                K_SCALED: tl.constexpr, A8: tl.constexpr, SCALE_BK: tl.constexpr, PRECISION: tl.constexpr,
-                F16: tl.constexpr):
-    """acc += (w tile · its scales) @ x tileᵀ for the K step at k: accᵀ's (BLOCK_N, BLOCK_M) tile in fp32.
-    ``s_ptrs``: the weight rows' scales of this step's K block."""
-    kmask = (k + offs_k) < k_hi
-    w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+def _x_step(x_ptrs, kmask, mask_m, A8: tl.constexpr, QUANT_X: tl.constexpr, F16: tl.constexpr):
+    """This K step's x tile (BLOCK_M, BLOCK_K) as the dots take it and, with QUANT_X, each row's scale (BLOCK_M,):
+    the step is one 128-wide activation block, quantized as ``_quantize_rows_kernel`` does (same ops, same order:
+    the same bits)."""
     x = tl.load(x_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
+    xs = 0.0
+    if QUANT_X:
+        x = x.to(tl.float32)
+        xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        x = tl.minimum(tl.maximum(x / xs[:, None], -448.0), 448.0).to(tl.float8e4nv)
+    elif F16 and not A8:  # float8 -> float16 is one conversion per pair on sm89+, -> bfloat16 two
+        x = x.to(tl.float16)
+    return x, xs
+
+
+@triton.jit
+def _scaled_dot(w_ptrs, x, s_ptrs, xs, kmask, acc, K_SCALED: tl.constexpr, A8: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """acc += (w tile · its scales) @ x tileᵀ for one K step: accᵀ's (BLOCK_N, BLOCK_M) tile in fp32.
+    ``s_ptrs``: the weight rows' scales of this step's K block; ``xs``: with A8, x's rows' scales of it."""
+    w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
     if not A8:
-        if F16:  # float8 -> float16 is one conversion per pair on sm89+, -> bfloat16 two
-            w = w.to(tl.float16)
-            x = x.to(tl.float16)
-        else:
-            w = w.to(x.dtype)
+        w = w.to(x.dtype)
     if K_SCALED or A8:
         part = tl.dot(w, tl.trans(x), input_precision=PRECISION)
         if K_SCALED:
             part = part * tl.load(s_ptrs)[:, None]
         if A8:
-            part = part * tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[None, :]
+            part = part * xs[None, :]
         acc += part
     else:
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
@@ -262,7 +273,7 @@ def _fp8_linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, K_SCALED: tl.constexpr, A8: tl.constexpr, PRECISION: tl.constexpr,
     F16: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # -- which output tile (grouped along M for L2 reuse of the weight panels) and which K range --------------
@@ -288,11 +299,14 @@ def _fp8_linear_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        acc = _scaled_dot(w_ptrs, x_ptrs, s_ptrs + (k // SCALE_BK) * stride_sk, xs_ptrs, k, k_hi,
-                          offs_k, mask_m, acc, K_SCALED, A8, SCALE_BK, PRECISION, F16)
+        kmask = (k + offs_k) < k_hi
+        x, xs = _x_step(x_ptrs, kmask, mask_m, A8, QUANT_X, F16)
+        if A8 and not QUANT_X:  # x quantized by quantize_rows beforehand
+            xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)
+        acc = _scaled_dot(w_ptrs, x, s_ptrs + (k // SCALE_BK) * stride_sk, xs, kmask, acc, K_SCALED, A8, PRECISION)
         if GATED:
-            acc_u = _scaled_dot(wu_ptrs, x_ptrs, su_ptrs + (k // SCALE_BK) * stride_sk, xs_ptrs, k,
-                                k_hi, offs_k, mask_m, acc_u, K_SCALED, A8, SCALE_BK, PRECISION, F16)
+            acc_u = _scaled_dot(wu_ptrs, x, su_ptrs + (k // SCALE_BK) * stride_sk, xs, kmask, acc_u, K_SCALED, A8,
+                                PRECISION)
         w_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
@@ -309,6 +323,8 @@ def _fp8_linear_kernel(
         tl.debug_barrier()  # every thread's partial is issued before the counter moves
         done = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
+            # every program of the tile has counted: back to 0 for the next launch (a plan's counters are zeroed once)
+            tl.store(counters_ptr + tile, 0)
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT_K):
@@ -406,6 +422,7 @@ class Config(NamedTuple):
     num_stages: int
     group_m: int = 8
     tma: bool = False  # the large-M kernel (_fp8_gemm_tma_kernel): W8A8 only, no split
+    quant_x: bool = True  # W8A8 split-K to 64 tokens with BLOCK_K 128: x quantized in the GEMM, no quantize_rows
 
 
 @cache
@@ -437,15 +454,17 @@ def fp8_linear(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tenso
                out_dtype: torch.dtype | None = None, f16: bool = False) -> Tensor:
     """y (M, N) = act(x @ (w·s)ᵀ + bias) [· (x @ (up·s)ᵀ)] for 2-D x (M, K) in bf16/fp16/fp32, any strides.
     ``a8``: quantize x per token and 128-wide K block and multiply in fp8 (needs the fp8 tensor cores)."""
-    return linear_plan(x, w, up, bias, activation, a8, config, out_dtype, f16)(x, w, up, bias)
+    return linear_plan(x, w, up, bias, activation, a8, config, out_dtype, f16, keep_counters=False)(x, w, up, bias)
 
 
 def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tensor | None = None,
                 activation: str | None = None, a8: bool = False, config: Config | None = None,
-                out_dtype: torch.dtype | None = None, f16: bool = False):
+                out_dtype: torch.dtype | None = None, f16: bool = False, keep_counters: bool = True):
     """``fp8_linear`` as a function ``(x, w, up, bias) -> y`` of calls like this one (x's shape, strides, dtype and
     device; each weight's and scale's shape and strides; a bias or none): the config, grids, integers and
-    constexprs worked out here, once (a decode step's host time is the launches' argument building)."""
+    constexprs worked out here, once (a decode step's host time is the launches' argument building).
+    ``keep_counters``: split-K's arrival counters are the plan's, zeroed once (the kernel leaves them at 0), rather
+    than a memset each call; two calls of one plan must then not run at once on two streams."""
     M, K = x.shape
     N = w.w.shape[0]
     dtype, device = out_dtype or x.dtype, x.device
@@ -461,7 +480,8 @@ def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tens
     if a8 and A8_BLOCK % cfg.block_k:
         cfg = cfg._replace(block_k=_divisor(A8_BLOCK, cfg.block_k))
     act = get_activation(activation) if activation is not None else None
-    quant = _quantize_plan(M, K) if a8 else None
+    quant_x = a8 and not cfg.tma and cfg.quant_x and cfg.block_k == A8_BLOCK and M <= 64
+    quant = _quantize_plan(M, K) if a8 and not quant_x else None
     if cfg.tma and _tma_layout_why_not(w, up, a8, cfg, device) is None:
         fallback = linear_plan(x, w, up, bias, activation, a8, cfg._replace(tma=False), out_dtype, f16)
         return _tma_plan(M, N, K, w, gated, bias is not None, act, cfg, dtype, device, quant, fallback)
@@ -469,29 +489,51 @@ def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tens
     k_per_split = cdiv(cdiv(K, cfg.split_k), unit) * unit  # a K range never cuts a scale block
     split = cdiv(K, k_per_split)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    sxm, sxk = (K, 1) if a8 else x.stride()  # quantize_rows' output is contiguous
+    sxm, sxk = (K, 1) if quant is not None else x.stride()  # quantize_rows' output is contiguous
     ints = (M, N, K, k_per_split, sxm, sxk, *w.w.stride(), *w.scale.stride(), N, 1)
     gemm = Prepared(
         _fp8_linear_kernel, (tiles, split),
         SCALE_BN=w.block_n, SCALE_BK=w.block_k if w.k_scaled else A8_BLOCK, K_SCALED=w.k_scaled, A8=a8,
         PRECISION=dot_precision(x.dtype), F16=f16 and not a8, GATED=gated, ACT=act.triton_fn if act else None,
-        HAS_ACT=act is not None, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=cfg.block_m,
+        HAS_ACT=act is not None, HAS_BIAS=bias is not None, SPLIT_K=split, QUANT_X=quant_x, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     n_parts = split * (2 if gated else 1) * M * N
+    kept = _zeroed_once(tiles, device) if split > 1 and keep_counters else None
 
     def splitk(x, w, up, bias):
         y = torch.empty((M, N), device=device, dtype=dtype)
-        xq, xs = quant(x) if a8 else (x, y)
+        xq, xs = quant(x) if quant is not None else (x, y)
         if split > 1:
             parts = torch.empty(n_parts, device=device, dtype=torch.float32)
-            counters = torch.zeros(tiles, device=device, dtype=torch.int32)
+            counters = kept if kept is not None else torch.zeros(tiles, device=device, dtype=torch.int32)
         else:
             parts = counters = y
         u = up if up is not None else w
         gemm(xq, xs, w.w, w.scale, u.w, u.scale, bias if bias is not None else y, y, parts, counters, *ints)
         return y
     return splitk
+
+
+def _zeroed_once(n: int, device: torch.device) -> Tensor | None:
+    """n int32 zeros for a plan to keep (split-K's counters: the kernel sets each back to 0, so they are 0 after every
+    call, CUDA-graph replays included), or None while a CUDA graph captures (no eager memset: the caller zeroes per
+    call). Made on a thread of its own: Inductor's graph trees route the calling thread's warm-up allocations to the
+    graph's pool, which must hold no tensor that outlives the warm-up."""
+    if device.type != "cuda":
+        return torch.zeros(n, device=device, dtype=torch.int32)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    made = []
+
+    def make():
+        with torch.cuda.device(device):
+            made.append(torch.zeros(n, device=device, dtype=torch.int32))
+            torch.cuda.current_stream().synchronize()  # zero before any stream of the caller's reads them
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    return made[0] if made else None
 
 
 def _quantize_plan(M: int, K: int):
