@@ -15,6 +15,7 @@ from torch import Tensor
 from .. import config
 from ..activations import get_activation
 from ..kernels import fp8 as fp8_kernels
+from ..kernels import fp8_cublas
 from ..reference import reference_mlp
 from . import core
 from .core import Impl
@@ -25,6 +26,7 @@ class Problem(NamedTuple):
     dtype: torch.dtype
     M: int  # x's rows
     index: int | None = None  # x's CUDA device (its capability decides)
+    cublas_format: str | None = "the weights not given"  # why cuBLAS' blockwise recipe cannot read them, or None
 
     @property
     def rows(self) -> int:
@@ -106,12 +108,42 @@ def dequantized(x: Tensor, weights, activation, gated: bool) -> Tensor:
     return reference_mlp(x, w1, b1, None, None, wd, bd, activation)
 
 
+CUBLAS_FROM_M = 512  # rows from which cuBLAS' blockwise GEMMs beat the fused kernels (H100: benchmarks/NOTES.md)
+
+
+def _cublas_m(p: Problem) -> str | None:
+    return None if p.M >= CUBLAS_FROM_M else f"M = {p.M} < {CUBLAS_FROM_M}: the fused kernels are faster"
+
+
+def _cublas_device(p: Problem) -> str | None:
+    return fp8_cublas.why_not_device(p.index)
+
+
+def _cublas(x: Tensor, weights, activation, gated: bool) -> Tensor:
+    """The op on cuBLAS' blockwise GEMMs (``kernels/fp8_cublas.py``), x 2-D inside."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if len(weights) == 1:
+        (_, w, b), = weights
+        y = fp8_cublas.linear(x2, w, b)
+    else:
+        y = fp8_cublas.mlp(x2, weights, activation, gated)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def cublas_format(weights) -> str | None:
+    """Why cuBLAS' blockwise recipe cannot read these checked weights, or None."""
+    return next((f"{name}: {why}" for name, fw, _ in weights if (why := fp8_cublas.why_not_format(fw))), None)
+
+
 def _row(name: str, a8: bool, *why) -> Impl:
     fn, plan = _kernels(a8)
     return Impl(name, fn, None, None, why=why, plan=plan)
 
 
 IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
+    # prefill sizes, 128 x 128 blocks: cuBLAS' blockwise-scaled GEMMs, act · up in aten between them
+    Impl("fp8_cublas_blockwise", _cublas, None, frozenset({torch.float16, torch.bfloat16}),
+         why=(_kernels_run, _a8_on, _cublas_m, lambda p: p.cublas_format, _cublas_device)),
     # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
     _row("fp8_w8a8", True, _kernels_run, _a8_on),
     _row("fp8_w8a16", False, _kernels_run),  # weights cast on chip, x as it is
@@ -134,8 +166,8 @@ def run(x: Tensor, weights, activation, gated: bool) -> Tensor:
            *[(fw.w.shape, fw.w.stride(), fw.scale.shape, fw.scale.stride(), fw.block_n, fw.block_k,
               None if b is None else (b.shape, b.stride(), b.dtype)) for _, fw, b in weights])
     impl, plan = core.kept_plan(_PLANS, key, lambda: choose(Problem(
-        x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index)), (x, weights, activation, gated),
-        _MAX_PLANS)
+        x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index, cublas_format(weights))),
+        (x, weights, activation, gated), _MAX_PLANS)
     if plan is None:
         return impl.fn(x, weights, activation, gated)
     return plan(x, weights)

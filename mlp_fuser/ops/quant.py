@@ -81,19 +81,22 @@ def why_not_kernels(x: Tensor) -> str | None:
     return fp8.why_not_kernels(device.type, device.index)
 
 
-def _problem(x: Tensor, M: int) -> fp8.Problem:
+def _problem(x: Tensor, M: int, weights) -> fp8.Problem:
     device = x.device
-    return fp8.Problem(device.type, x.dtype, M, device.index)
+    if weights is None:
+        return fp8.Problem(device.type, x.dtype, M, device.index)
+    return fp8.Problem(device.type, x.dtype, M, device.index, fp8.cublas_format(weights))
 
 
-def choose(x: Tensor, M: int) -> str:
-    """The row of the FP8 table (``dispatch/fp8.py``) that runs a call with x and M rows."""
-    return fp8.choose(_problem(x, M)).name
+def choose(x: Tensor, M: int, weights=None) -> str:
+    """The row of the FP8 table (``dispatch/fp8.py``) that runs a call with x and M rows (``weights``: the call's
+    ``[(name, Fp8Weight, bias)]``, whose format some rows need; without them those rows are passed over)."""
+    return fp8.choose(_problem(x, M, weights)).name
 
 
-def describe(x: Tensor, M: int) -> str:
+def describe(x: Tensor, M: int, weights=None) -> str:
     """Which implementation runs a call with x and M rows, and why each one above it does not."""
-    return fp8.describe(_problem(x, M))
+    return fp8.describe(_problem(x, M, weights))
 
 
 # ---- forward -------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from .. import compat
 from ..dispatch import fp8_experts
 from ..kernels import fp8 as K8
+from ..kernels import fp8_cublas
 from ..ops import moe, quant, quant_moe
 from .bench_moe import reference64, routing, time_us
 
@@ -96,15 +97,7 @@ def peer_linear(recipe: str, fw: K8.Fp8Weight):
     stored blocks (rows and K blocks padded to multiples of 4, as cuBLAS wants them); ``rowwise``, x per token
     against the weight requantized per output row."""
     if recipe == "blockwise":
-        kb = fw.scale.shape[1]
-        sw = F.pad(fw.scale, (0, -kb % 4)).t()
-
-        def lin(x):
-            M = x.shape[0]
-            q, s = K8.quantize_rows(F.pad(x, (0, 0, 0, -M % 4)))
-            s = F.pad(s, (0, -s.shape[1] % 4)).t().contiguous().t()  # outer-dim-major
-            return compat.scaled_mm(q, fw.w.t(), s, sw, "blockwise", x.dtype)[:M]
-        return lin
+        return lambda x: fp8_cublas.linear(x, fw)
     wq, sw = _quant_row(K8.dequantize(fw))
 
     def lin(x):
@@ -208,7 +201,7 @@ class Dense:
         return out
 
     def impl(self, x):
-        return quant.choose(x, x.shape[0])
+        return quant.choose(x, x.shape[0], [(n, fw, None) for n, fw in zip(("gate", "up", "down"), self.fw)])
 
     def floor_bytes(self, args):
         return self.weight_bytes + 2 * args[0].numel() * args[0].element_size()

@@ -1,0 +1,104 @@
+"""W8A8 GEMMs on cuBLAS' blockwise-scaled matmul (torch's scaled_mm: x in 1 x 128 blocks, weights in 128 x 128 blocks,
+the scales applied inside its main loop). At prefill sizes it beats the Triton kernels, whose per-K-step scaling
+waits on each wgmma (benchmarks/NOTES.md, FP8 weights); the MLP's act · up then runs in aten, between the GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import compat
+from ..activations import get_activation
+from .fp8 import A8_BLOCK, Fp8Weight, quantize_rows
+
+_RUNS: dict = {}  # CUDA device index -> None (blockwise scaled_mm runs and is right there) or why not
+
+
+def why_not_format(fw: Fp8Weight) -> str | None:
+    """Why cuBLAS' blockwise recipe cannot read this weight as stored, or None."""
+    N, K = fw.w.shape
+    if (fw.block_n, fw.block_k) != (128, 128):
+        return f"scales in {fw.block_n} x {fw.block_k} blocks (cuBLAS reads 128 x 128)"
+    if N % 128 or K % 128:
+        return f"a weight {(N, K)} not in whole 128-blocks"
+    if fw.w.stride(1) != 1:
+        return "a weight not row-major"
+    return None
+
+
+def _linear(q: Tensor, s: Tensor, fw: Fp8Weight, out_dtype: torch.dtype) -> Tensor:
+    """q (M4, K) fp8 with s (M4, K/128) fp32, M4 a multiple of 4: q·s @ (w·s_w)ᵀ on cuBLAS."""
+    kb = fw.scale.shape[1]
+    sw = F.pad(fw.scale, (0, -kb % 4)).t()  # (K/128 padded to 4, N/128), as cuBLAS lays out the weight's blocks
+    sa = F.pad(s, (0, -s.shape[1] % 4)).t().contiguous().t()  # outer-dimension-major
+    return compat.scaled_mm(q, fw.w.t(), sa, sw, "blockwise", out_dtype)
+
+
+def _quantized(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x's rows padded to a multiple of 4 (cuBLAS' scale layout), quantized per token and 128 columns."""
+    return quantize_rows(F.pad(x, (0, 0, 0, -x.shape[0] % 4)))
+
+
+def linear(x: Tensor, fw: Fp8Weight, bias: Tensor | None = None) -> Tensor:
+    """x (M, K) @ Wᵀ + bias in x's dtype, x quantized as transformers' FP8Linear does."""
+    M = x.shape[0]
+    y = _linear(*_quantized(x), fw, x.dtype)[:M]
+    return y if bias is None else y + bias
+
+
+def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
+    """The (gated) MLP of checked weights ``[(name, Fp8Weight, bias)]`` on x (M, K): gate and up share x's
+    quantization; act · up and h's quantization between the GEMMs."""
+    M = x.shape[0]
+    act = get_activation(activation).fn
+    q, s = _quantized(x)
+    (_, w1, b1), *rest = weights
+    g = _linear(q, s, w1, x.dtype)
+    if b1 is not None:
+        g += b1
+    if gated:
+        _, wu, bu = rest[0]
+        u = _linear(q, s, wu, x.dtype)
+        if bu is not None:
+            u += bu
+        h = act(g)
+        del g  # each (M, I) intermediate freed as soon as it is used: the peak stays at three of them
+        h.mul_(u)
+        del u
+    else:
+        h = act(g)
+        del g
+    _, wd, bd = rest[-1]
+    y = _linear(*quantize_rows(h), wd, x.dtype)[:M]
+    return y if bd is None else y + bd
+
+
+def why_not_device(index: int | None) -> str | None:
+    """Why blockwise scaled_mm cannot run on this CUDA device (asked once per device: a 256 x 256 product against
+    its dequantized float reference), or None."""
+    if index not in _RUNS:
+        if torch.cuda.is_current_stream_capturing():
+            return "not yet probed (the first call is inside a CUDA-graph capture)"
+        _RUNS[index] = _probe(torch.device("cuda", index))
+    return _RUNS[index]
+
+
+def _probe(device: torch.device) -> str | None:
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "cuBLAS' blockwise FP8 recipe is measured on sm90 only"
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn((256, 256), generator=gen, device=device)
+    x = torch.randn((8, 256), generator=gen, device=device, dtype=torch.bfloat16)
+    from .fp8 import dequantize, quantize_blocks
+
+    fw = Fp8Weight(*quantize_blocks(w), 128, 128)
+    try:
+        got = linear(x, fw).float()
+    except Exception as e:  # noqa: BLE001  (this torch or cuBLAS lacks the recipe: the Triton kernels run)
+        return f"torch's blockwise scaled_mm does not run here ({type(e).__name__})"
+    q, s = quantize_rows(x)
+    want = (q.float().view(8, 2, A8_BLOCK) * s[:, :, None]).reshape(8, 256) @ dequantize(fw).T
+    err = ((got - want).norm() / want.norm()).item()
+    return None if err < 1e-2 else f"torch's blockwise scaled_mm reads the scales otherwise here (error {err:.1e})"
