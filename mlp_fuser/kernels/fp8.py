@@ -231,7 +231,7 @@ def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
-def _x_step(x_ptrs, kmask, mask_m, A8: tl.constexpr, QUANT_X: tl.constexpr, F16: tl.constexpr):
+def _x_step(x_ptrs, kmask, mask_m, QUANT_X: tl.constexpr):
     """This K step's x tile (BLOCK_M, BLOCK_K) as the dots take it and, with QUANT_X, each row's scale (BLOCK_M,):
     the step is one 128-wide activation block, quantized as ``_quantize_rows_kernel`` does (same ops, same order:
     the same bits)."""
@@ -241,25 +241,29 @@ def _x_step(x_ptrs, kmask, mask_m, A8: tl.constexpr, QUANT_X: tl.constexpr, F16:
         x = x.to(tl.float32)
         xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
         x = tl.minimum(tl.maximum(x / xs[:, None], -448.0), 448.0).to(tl.float8e4nv)
-    elif F16 and not A8:  # float8 -> float16 is one conversion per pair on sm89+, -> bfloat16 two
-        x = x.to(tl.float16)
     return x, xs
 
 
 @triton.jit
-def _scaled_dot(w_ptrs, x, s_ptrs, xs, kmask, acc, K_SCALED: tl.constexpr, A8: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _scaled_dot(w, x, s_ptrs, xs, k, mask_m, acc, K_SCALED: tl.constexpr, A8: tl.constexpr, QUANT_X: tl.constexpr,
+                PRECISION: tl.constexpr, F16: tl.constexpr):
     """acc += (w tile · its scales) @ x tileᵀ for one K step: accᵀ's (BLOCK_N, BLOCK_M) tile in fp32.
-    ``s_ptrs``: the weight rows' scales of this step's K block; ``xs``: with A8, x's rows' scales of it."""
-    w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+    ``s_ptrs``: the weight rows' scales of this step's K block; ``xs``: with A8, x's rows' scales of it (QUANT_X) or
+    where quantize_rows wrote x's rows' scales."""
     if not A8:
-        w = w.to(x.dtype)
+        if F16:  # float8 -> float16 is one conversion per pair on sm89+, -> bfloat16 two
+            w = w.to(tl.float16)
+            x = x.to(tl.float16)
+        else:
+            w = w.to(x.dtype)
     if K_SCALED or A8:
         part = tl.dot(w, tl.trans(x), input_precision=PRECISION)
         if K_SCALED:
             part = part * tl.load(s_ptrs)[:, None]
-        if A8:
+        if QUANT_X:
             part = part * xs[None, :]
+        elif A8:
+            part = part * tl.load(xs + k // 128, mask=mask_m, other=0.0)[None, :]
         acc += part
     else:
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
@@ -300,13 +304,16 @@ def _fp8_linear_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         kmask = (k + offs_k) < k_hi
-        x, xs = _x_step(x_ptrs, kmask, mask_m, A8, QUANT_X, F16)
-        if A8 and not QUANT_X:  # x quantized by quantize_rows beforehand
-            xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)
-        acc = _scaled_dot(w_ptrs, x, s_ptrs + (k // SCALE_BK) * stride_sk, xs, kmask, acc, K_SCALED, A8, PRECISION)
+        w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)  # before x: the loads' order of the kernel before QUANT_X
+        x, xs = _x_step(x_ptrs, kmask, mask_m, QUANT_X)
+        if not QUANT_X:  # x quantized by quantize_rows beforehand, or W8A16 (xs unread)
+            xs = xs_ptrs
+        acc = _scaled_dot(w, x, s_ptrs + (k // SCALE_BK) * stride_sk, xs, k, mask_m, acc, K_SCALED, A8, QUANT_X,
+                          PRECISION, F16)
         if GATED:
-            acc_u = _scaled_dot(wu_ptrs, x, su_ptrs + (k // SCALE_BK) * stride_sk, xs, kmask, acc_u, K_SCALED, A8,
-                                PRECISION)
+            wu = tl.load(wu_ptrs, mask=kmask[None, :], other=0.0)
+            acc_u = _scaled_dot(wu, x, su_ptrs + (k // SCALE_BK) * stride_sk, xs, k, mask_m, acc_u, K_SCALED, A8,
+                                QUANT_X, PRECISION, F16)
         w_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
