@@ -297,6 +297,82 @@ def test_quant_mlp_quant_linear_and_compile():
     assert rel_err(compiled(x.detach()), ref) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp", "gated"])
+def test_quant_ops_check_every_call_after_a_good_one(kind):
+    """A signature that passed the checks skips them on later calls (ops/quant._SEEN), yet a later call with x of
+    that signature and a bad scale, bias or weight still raises the error naming it."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 64, generator=g)
+    shapes = {"linear": [(96, 64)], "mlp": [(96, 64), (48, 96)], "gated": [(96, 64), (96, 64), (48, 96)]}[kind]
+    names = {"linear": ["w"], "mlp": ["w1", "w2"], "gated": ["w_gate", "w_up", "w_down"]}[kind]
+    good = []
+    for n, k in shapes:
+        w, sc, _ = quantized(n, k, "block", block=(32, 32), g=g)
+        good += [w, sc, torch.randn(n, generator=g)]
+    if kind == "gated":
+        good[2] = good[5] = None  # gate and up without biases: the kernels' fused path
+
+    def op(args):
+        if kind == "linear":
+            return quant.quant_linear(x, *args, "fp8_e4m3", [32, 32])
+        if kind == "mlp":
+            return quant.quant_mlp(x, *args, "gelu", "fp8_e4m3", [32, 32])
+        return quant.quant_gated_mlp(x, *args, "silu", "fp8_e4m3", [32, 32])
+
+    y = op(good)
+    assert torch.equal(op(good), y)  # the second call of the signature: the same value
+    last = 3 * (len(shapes) - 1)
+    n, k = shapes[-1]
+    sn, sk = K8.cdiv(n, 32), K8.cdiv(k, 32)
+    bad_scale = good[:last + 1] + [torch.ones(sn, sk + 1)] + good[last + 2:]
+    with pytest.raises(ValueError, match=rf"must be \({sn}, {sk}\), got \({sn}, {sk + 1}\) "
+                                         rf"\(argument '{names[-1]}'\)"):
+        op(bad_scale)
+    bad_bias = good[:last + 2] + [torch.randn(n + 1)]
+    with pytest.raises(ValueError, match=f"the bias of {names[-1]} must be \\({n},\\)"):
+        op(bad_bias)
+    bad_weight = good[:last] + [good[last].to(torch.float8_e5m2)] + good[last + 1:]
+    with pytest.raises(ValueError, match=rf"float8_e4m3fn.*\(argument '{names[-1]}'\)"):
+        op(bad_weight)
+    assert torch.equal(op(good), y)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dt", [torch.float16, torch.float32])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_quant_linear_later_calls_read_their_own_scales(fmt, dt, kernels, monkeypatch):
+    """Calls of a checked signature build their weights from what the first call found (scales as given, or viewed
+    per channel / per tensor): another layer's call equals the unplanned value on that layer's weights, from the
+    kernels (fp8_linear) and from the aten row (the weight dequantized, then F.linear)."""
+    if kernels and KERNEL_DEVICE is None:
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    device = KERNEL_DEVICE if kernels else "cpu"
+    if CUDA and kernels:
+        dt = torch.bfloat16 if dt == torch.float16 else dt
+    elif kernels:
+        monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
+    monkeypatch.setattr(fp8, "_PLANS", {})
+    M, N, K = 5, 96, 256
+
+    def layer(seed):
+        g = torch.Generator().manual_seed(seed)
+        w, sc, block = quantized(N, K, fmt, device=device, g=g)
+        return (torch.randn(M, K, generator=g).to(device, dt), w, sc, torch.randn(N, generator=g).to(device, dt)), block
+
+    (x1, *one), block = layer(1)
+    (x2, *two), _ = layer(2)
+    with mlp_fuser.config.patch(force_impl=None if kernels else "aten_dequantize"):
+        quant.quant_linear(x1, *one, "fp8_e4m3", block)
+        y = quant.quant_linear(x2, *two, "fp8_e4m3", block)
+    w, sc, b = two
+    fw = K8.fp8_weight(w, sc, block)
+    if kernels:
+        assert torch.equal(y, K8.fp8_linear(x2, fw, bias=b, a8=mlp_fuser.config.fp8_w8a8))
+    else:
+        assert torch.equal(y, F.linear(x2, K8.dequantize(fw, dt), b))
+    assert rel_err(y, F.linear(x2.double(), dequant64(w, sc, block), b.double())) < 0.1
+
+
 def test_quant_ops_pass_opcheck():
     g = torch.Generator().manual_seed(5)
     args, block = _gated_args(64, 96, 80, "block", g)

@@ -61,10 +61,11 @@ def _kernels(a8: bool):
         if len(weights) == 1:
             (_, w, b), = weights
             one = fp8_kernels.linear_plan(x2, w, bias=b, a8=a8)
+            rows, out = x2.shape, (*lead, w.w.shape[0])
 
             def linear(x, weights):
                 (_, w, b), = weights
-                return one(x.reshape(-1, width), w, None, b).reshape(*lead, w.w.shape[0])
+                return one(x.reshape(rows), w, None, b).reshape(out)
             return linear
         (_, w1, b1), *rest = weights
         if gated and (b1 is not None or rest[0][2] is not None):
@@ -75,11 +76,13 @@ def _kernels(a8: bool):
         h = torch.empty((x2.shape[0], w1.w.shape[0]), dtype=x.dtype, device=x.device)  # a stand-in: its layout
         second = fp8_kernels.linear_plan(h, wd, bias=bd, a8=a8)
 
+        rows, out = x2.shape, (*lead, wd.w.shape[0])
+
         def mlp(x, weights):
             (_, w1, b1), *rest = weights
-            h = first(x.reshape(-1, width), w1, rest[0][1] if gated else None, None if gated else b1)
+            h = first(x.reshape(rows), w1, rest[0][1] if gated else None, None if gated else b1)
             _, wd, bd = rest[-1]
-            return second(h, wd, None, bd).reshape(*lead, wd.w.shape[0])
+            return second(h, wd, None, bd).reshape(out)
         return mlp
 
     def fn(x: Tensor, weights, activation, gated: bool) -> Tensor:
@@ -156,18 +159,23 @@ def choose(p: Problem) -> Impl:
     return core.first(FP8, p)
 
 
-_PLANS: dict = {}  # a call's signature -> (the row chosen, its plan or None)
+_PLANS: dict = {}  # (the op's signature of a call, the settings) -> (the row chosen, its plan or None)
 _MAX_PLANS = 1024
 
 
-def run(x: Tensor, weights, activation, gated: bool) -> Tensor:
-    """One checked call: the row chosen for its signature, through the plan kept with that choice."""
-    key = (x.shape, x.stride(), x.dtype, x.device, activation, gated, config.fp8_w8a8, config.force_impl,
-           *[(fw.w.shape, fw.w.stride(), fw.scale.shape, fw.scale.stride(), fw.block_n, fw.block_k,
-              None if b is None else (b.shape, b.stride(), b.dtype)) for _, fw, b in weights])
-    impl, plan = core.kept_plan(_PLANS, key, lambda: choose(Problem(
-        x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index, cublas_format(weights))),
-        (x, weights, activation, gated), _MAX_PLANS)
+def run(x: Tensor, weights, activation, gated: bool, signature: tuple | None) -> Tensor:
+    """One checked call: the row chosen for its signature (the op's key of everything the call's checks and plans
+    read, ``ops/quant.py``), through the plan kept with that choice; None: chosen and planned for this call alone."""
+    args = (x, weights, activation, gated)
+
+    def choice():
+        return choose(Problem(x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index,
+                              cublas_format(weights)))
+    if signature is None:
+        impl = choice()
+        plan = impl.plan(args) if impl.plan is not None else None
+    else:
+        impl, plan = core.kept_plan(_PLANS, (signature, config.fp8_w8a8, config.force_impl), choice, args, _MAX_PLANS)
     if plan is None:
         return impl.fn(x, weights, activation, gated)
     return plan(x, weights)
