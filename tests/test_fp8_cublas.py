@@ -25,7 +25,10 @@ def fake_scaled_mm(a, b, scale_a, scale_b, recipe, out_dtype):
     """torch's blockwise recipe read in float64: a (M, K) · scale_a[m, k // 128], b (K, N) · scale_b[k // 128, n // 128]
     (scales possibly padded past K's blocks)."""
     assert recipe == "blockwise" and a.shape[0] % 4 == 0
-    K, N = a.shape[1], b.shape[1]
+    (M, K), N = a.shape, b.shape[1]
+    kb, kb4 = K8.cdiv(K, 128), K8.cdiv(K, 512) * 4  # torch's checks (ScaledBlas.cpp, block 1x128 / 128x128)
+    assert scale_a.shape == (M, kb) and (scale_a.stride() == (1, M) or kb == 1)
+    assert scale_b.shape == (kb4, K8.cdiv(N, 128)) and scale_b.stride()[0] == 1 and scale_b.stride()[1] == kb4
     sa = scale_a[:, :K // 128].double().repeat_interleave(128, 1)
     sb = scale_b[:K // 128, :N // 128].double().repeat_interleave(128, 0).repeat_interleave(128, 1)
     return ((a.double() * sa) @ (b.double() * sb)).to(out_dtype)

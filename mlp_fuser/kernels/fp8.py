@@ -13,7 +13,7 @@ of a tile, told by an atomic counter, sums the fp32 partials in split order, set
 the epilogue; a plan zeroes its counters once):
 - W8A16 (A8 False): each weight tile is cast to x's dtype in registers and multiplied with x as it is;
 - W8A8 (A8 True): x quantized per token and 128-wide K block (transformers' dynamic scheme), both operands fp8 on
-  the fp8 tensor cores, both scales per K step. To 64 tokens with 128-wide K steps the GEMM quantizes each x tile
+  the fp8 tensor cores, both scales per K step. To 16 tokens with 128-wide K steps the GEMM quantizes each x tile
   itself (QUANT_X: one launch at decode); elsewhere ``quantize_rows`` beforehand.
 With GATED, two weights (gate and up) share each x tile and the epilogue writes act(gate) · up; with ACT alone,
 act(y); the bias last before the activation.
@@ -429,7 +429,10 @@ class Config(NamedTuple):
     num_stages: int
     group_m: int = 8
     tma: bool = False  # the large-M kernel (_fp8_gemm_tma_kernel): W8A8 only, no split
-    quant_x: bool = True  # W8A8 split-K to 64 tokens with BLOCK_K 128: x quantized in the GEMM, no quantize_rows
+    quant_x: bool = True  # W8A8 split-K, BLOCK_K 128: x quantized in the GEMM, no quantize_rows (default to 16 rows)
+
+
+QUANT_X_MAX_M = 16  # above, quantizing x again in every N tile costs more than the launch it saves (H100: 64 rows)
 
 
 @cache
@@ -443,10 +446,12 @@ def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.
     sms = num_sms(device)
     if M <= 64:
         bm = max(16, triton.next_power_of_2(M))
+        qx = M <= QUANT_X_MAX_M
         if gated:
-            return Config(bm, 64, 128, 1 if a8 else max(1, min(cdiv(4 * sms, cdiv(N, 64)), cdiv(K, 256), 8)), 4, 3)
+            return Config(bm, 64, 128, 1 if a8 else max(1, min(cdiv(4 * sms, cdiv(N, 64)), cdiv(K, 256), 8)), 4, 3,
+                          quant_x=qx)
         tiles = cdiv(M, bm) * cdiv(N, 64)
-        return Config(bm, 64, 128, max(1, min(cdiv(2 * sms, tiles), cdiv(K, 2 * 128), 16)), 4, 3)
+        return Config(bm, 64, 128, max(1, min(cdiv(2 * sms, tiles), cdiv(K, 2 * 128), 16)), 4, 3, quant_x=qx)
     if a8:
         return Config(64, 64 if M <= 256 else 128, 128, 1, 4, 3 if gated and M > 256 else 4, 8, True)
     bn = 64 if gated else 128

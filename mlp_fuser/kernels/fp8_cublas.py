@@ -32,7 +32,7 @@ def _linear(q: Tensor, s: Tensor, fw: Fp8Weight, out_dtype: torch.dtype) -> Tens
     """q (M4, K) fp8 with s (M4, K/128) fp32, M4 a multiple of 4: q·s @ (w·s_w)ᵀ on cuBLAS."""
     kb = fw.scale.shape[1]
     sw = F.pad(fw.scale, (0, -kb % 4)).t()  # (K/128 padded to 4, N/128), as cuBLAS lays out the weight's blocks
-    sa = F.pad(s, (0, -s.shape[1] % 4)).t().contiguous().t()  # outer-dimension-major
+    sa = s.t().contiguous().t()  # (M, K/128), outer-dimension-major
     return compat.scaled_mm(q, fw.w.t(), sa, sw, "blockwise", out_dtype)
 
 
