@@ -51,6 +51,11 @@ def stub() -> None:
             setattr(fp8, name, lambda *a, f=why_not: None if (r := f(*a)) == "TMA needs a Hopper or newer GPU" else r)
     moe._capability = lambda index: (9, 0)
     moe_routing._on_triton = lambda ids: ids.dtype in (torch.int32, torch.int64)
+    try:  # cuBLAS' rows run aten on the GPU: not measurable here, so the Triton rows are
+        from mlp_fuser.kernels import fp8_cublas
+        fp8_cublas.why_not_device = lambda index: "stubbed: host_fp8 times the Triton rows"
+    except ImportError:
+        pass
     ops_moe._check_ids = lambda ids: None  # on CUDA it reads nothing (config.check_routing off)
 
 

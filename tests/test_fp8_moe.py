@@ -345,6 +345,30 @@ def test_a_seen_signature_still_checks_what_changes():
     assert torch.equal(eager, op(x, ids, wts, wgu, sgu, wd, sd, "silu", block=(32, 64)))
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("fmt,block", FORMATS)
+def test_a_seen_signature_reads_each_calls_own_scales(fmt, block, kernels, monkeypatch):
+    """A later call of a checked signature builds its weights' scale views from what the first call found: another
+    layer's call gives what a first call on that layer gives (the kernels' plan, or the dequantized reference)."""
+    if kernels and KERNEL_DEVICE is None:
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setattr(config, "triton_on_cpu", kernels)
+    dev, dt = (KERNEL_DEVICE, KERNEL_DTYPE) if kernels else ("cpu", torch.float32)
+
+    def layer(seed):
+        x, ids, wts, weights, _ = case(fmt, block, seed=seed)
+        return (x.to(dev, dt), ids.to(dev), wts.to(dev), *(t.to(dev) for t in weights))
+
+    one, two = layer(21), layer(22)
+    monkeypatch.setattr(quant_moe, "_SEEN", {})
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
+    quant_moe.quant_moe_mlp(*one, "silu", block=block)
+    y = quant_moe.quant_moe_mlp(*two, "silu", block=block)
+    monkeypatch.setattr(quant_moe, "_SEEN", {})
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
+    assert torch.equal(y, quant_moe.quant_moe_mlp(*two, "silu", block=block))
+
+
 def reference64_a8(x, ids, wts, wgu, wd, dtype):
     """What W8A8 computes, in float64: x quantized per row and 128 columns, h rounded to x's dtype and quantized
     likewise (transformers' dynamic scheme), the weights as their scales describe them."""

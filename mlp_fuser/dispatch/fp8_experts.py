@@ -93,18 +93,21 @@ def choose(p: Problem) -> Impl:
     return core.first(FP8_EXPERTS, p)
 
 
-_PLANS: dict[tuple, tuple] = {}  # a call's signature -> (the row chosen, its plan or None)
+_PLANS: dict[tuple, tuple] = {}  # (the op's signature of a call, the settings) -> (the row chosen, its plan or None)
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 
 
-def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> Tensor:
-    """One checked call (T > 0): the row chosen for its signature, through the plan kept with that choice."""
-    key = (x2.shape, x2.stride(), x2.dtype, x2.device, ids2.shape, ids2.stride(), ids2.dtype, wts2.shape,
-           wts2.stride(), wts2.dtype, fgu.w.shape, fgu.w.stride(), fgu.scale.shape, fgu.scale.stride(),
-           fgu.block_n, fgu.block_k, fgu.up_soff, fd.w.shape, fd.w.stride(), fd.scale.shape, fd.scale.stride(),
-           fd.block_n, fd.block_k, gate, config.fp8_w8a8, config.triton_on_cpu, config.force_impl)
-    impl, plan = core.kept_plan(_PLANS, key, lambda: choose(problem(x2, ids2, fgu, fd)),
-                                (x2, ids2, wts2, fgu, fd, gate), _MAX_PLANS)
+def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate, signature: tuple | None = None) -> Tensor:
+    """One checked call (T > 0): the row chosen for its signature (the op's key of everything the call's checks and
+    plans read, ``ops/quant_moe.py``), through the plan kept with that choice; None: chosen and planned for this
+    call alone."""
+    args = (x2, ids2, wts2, fgu, fd, gate)
+    if signature is None:
+        impl = choose(problem(x2, ids2, fgu, fd))
+        plan = impl.plan(args) if impl.plan is not None else None
+    else:
+        impl, plan = core.kept_plan(_PLANS, (signature, config.fp8_w8a8, config.triton_on_cpu, config.force_impl),
+                                    lambda: choose(problem(x2, ids2, fgu, fd)), args, _MAX_PLANS)
     if plan is None:
         return impl.fn(x2, ids2, wts2, fgu, fd, gate)
     return plan(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))

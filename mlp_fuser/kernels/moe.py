@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, kept_desc, launch, next_power_of_2, num_sms
-from .fp8 import A8_BLOCK, FP8, quantize_rows
+from .fp8 import A8_BLOCK, FP8, _quantize_plan, quantize_rows
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 from .moe_tuning import _cfg
@@ -1107,13 +1107,15 @@ def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Ten
     head_d, mid_d = ints_d[:at_d], ints_d[at_d + 1:-2]
     xs_stride, hs_stride = ints_gu[-1], ints_d[-1]
 
+    quant_x, quant_h = (_quantize_plan(T, H), _quantize_plan(S, I)) if a8 else (None, None)
+
     def sorted_fp8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
         routing = align(ids)[:3]
-        xq, xs = quantize_rows(x) if a8 else (x, None)
+        xq, xs = quant_x(x) if a8 else (x, None)
         h = torch.empty((S, I), dtype=dtype, device=device)
         gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride, None, *ids_gu, None,
            n_counts)
-        hq, hs = quantize_rows(h) if a8 else (h, None)
+        hq, hs = quant_h(h) if a8 else (h, None)
         out = torch.empty((S, H), dtype=torch.float32, device=device)
         dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
            *ids_d)

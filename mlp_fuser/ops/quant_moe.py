@@ -92,7 +92,7 @@ def _flat(x, ids, wts):
     return T, x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k)
 
 
-_SEEN: dict[tuple, moe.Gate] = {}  # _signature -> the Gate of a call that passed every check
+_SEEN: dict[tuple, tuple] = {}  # _signature -> (the Gate, each weight's _as_given) of a call that passed every check
 _MAX_SEEN = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 
 
@@ -103,30 +103,41 @@ def _signature(x, ids, wts, wgu, sgu, wd, sd, activation, fmt, block, interleave
             *[(t.shape, t.stride(), t.dtype, t.device) for t in (x, ids, wts, wgu, sgu, wd, sd)])
 
 
+def _as_given(fe: fp8_kernels.Fp8Experts, s: Tensor) -> tuple | None:
+    """(block_n, block_k, up_soff) where ``fe`` reads the scales ``s`` as they are (a view of the same shape,
+    strides and dtype), else None (``fp8_experts`` views them again)."""
+    sv = fe.scale
+    same = sv.dtype == s.dtype and sv.shape == s.shape and sv.stride() == s.stride()
+    return (fe.block_n, fe.block_k, fe.up_soff) if same else None
+
+
 def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False, limit=None,
              clamp_after=False, up_offset=0.0):
-    """The op on real tensors; a call whose signature passed the checks before skips them (the ids' check stays)."""
+    """The op on real tensors; a call whose signature passed the checks before skips them (the ids' check stays)
+    and builds its weights' views from what the first call found."""
     try:
         key = _signature(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
                          clamp_after, up_offset)
-        gate = _SEEN.get(key)
+        seen = _SEEN.get(key)
     except (TypeError, AttributeError):  # an argument of a wrong type: the checks name it
-        key = gate = None
-    if gate is None:
+        key = seen = None
+    if seen is None:
         fgu, fd, gate = _checked(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
                                  clamp_after, up_offset)
         if key is not None:
             if len(_SEEN) >= _MAX_SEEN:
                 _SEEN.clear()
-            _SEEN[key] = gate
+            _SEEN[key] = (gate, _as_given(fgu, sgu), _as_given(fd, sd))
     else:
-        fgu = fp8_kernels.fp8_experts(wgu, sgu, block, gate.gated, gate.interleaved)
-        fd = fp8_kernels.fp8_experts(wd, sd, block)
+        gate, gu, d = seen
+        fgu = fp8_kernels.Fp8Experts(wgu, sgu, *gu) if gu else fp8_kernels.fp8_experts(wgu, sgu, block, gate.gated,
+                                                                                       gate.interleaved)
+        fd = fp8_kernels.Fp8Experts(wd, sd, *d) if d else fp8_kernels.fp8_experts(wd, sd, block)
     moe._check_ids(ids)
     T, x2, ids2, wts2 = _flat(x, ids, wts)
     if T == 0:
         return x.new_zeros(x.shape)
-    return fp8_experts.run(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
+    return fp8_experts.run(x2, ids2, wts2, fgu, fd, gate, key).view(x.shape)
 
 
 _lib.impl("quant_moe_mlp", _forward, "CompositeExplicitAutograd")
