@@ -61,11 +61,11 @@ def _kernels(a8: bool):
         if len(weights) == 1:
             (_, w, b), = weights
             one = fp8_kernels.linear_plan(x2, w, bias=b, a8=a8)
-            rows, out = x2.shape, (*lead, w.w.shape[0])
+            rows, out = tuple(x2.shape), (*lead, w.w.shape[0])  # ints: reshape reads them faster than a Size
 
             def linear(x, weights):
                 (_, w, b), = weights
-                return one(x.reshape(rows), w, None, b).reshape(out)
+                return one(x.reshape(*rows), w, None, b).reshape(*out)
             return linear
         (_, w1, b1), *rest = weights
         if gated and (b1 is not None or rest[0][2] is not None):
@@ -76,13 +76,13 @@ def _kernels(a8: bool):
         h = torch.empty((x2.shape[0], w1.w.shape[0]), dtype=x.dtype, device=x.device)  # a stand-in: its layout
         second = fp8_kernels.linear_plan(h, wd, bias=bd, a8=a8)
 
-        rows, out = x2.shape, (*lead, wd.w.shape[0])
+        rows, out = tuple(x2.shape), (*lead, wd.w.shape[0])
 
         def mlp(x, weights):
             (_, w1, b1), *rest = weights
-            h = first(x.reshape(rows), w1, rest[0][1] if gated else None, None if gated else b1)
+            h = first(x.reshape(*rows), w1, rest[0][1] if gated else None, None if gated else b1)
             _, wd, bd = rest[-1]
-            return second(h, wd, None, bd).reshape(out)
+            return second(h, wd, None, bd).reshape(*out)
         return mlp
 
     def fn(x: Tensor, weights, activation, gated: bool) -> Tensor:

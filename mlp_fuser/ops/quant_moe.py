@@ -137,7 +137,7 @@ def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=Non
     T, x2, ids2, wts2 = _flat(x, ids, wts)
     if T == 0:
         return x.new_zeros(x.shape)
-    return fp8_experts.run(x2, ids2, wts2, fgu, fd, gate, key).view(x.shape)
+    return fp8_experts.run(x2, ids2, wts2, fgu, fd, gate, key).view(*x.shape)
 
 
 _lib.impl("quant_moe_mlp", _forward, "CompositeExplicitAutograd")
