@@ -122,6 +122,23 @@ def test_prepared_goes_direct_once_compiled_keyed_on_alignment(gpu_free, monkeyp
         del common.Launcher.recording.launches
 
 
+@pytest.mark.parametrize("tensors", [0, 1, 3])
+def test_prepared_picks_its_tensors_however_many(tensors, gpu_free, monkeypatch):
+    """``Prepared`` reads the alignment of the tensors among its arguments, none, one or all of them: a later call
+    with them aligned as before goes direct, one with its last tensor moved off alignment goes through Triton."""
+    k = FakeKernel()
+    monkeypatch.setitem(common._LAUNCHERS, k, common.Launcher(k))
+    prepared = common.Prepared(k, (5,), BLOCK=32, ACT="silu")
+    t = torch.empty(64)
+    args = [t] * tensors + [7] * (3 - tensors)
+    prepared(*args)
+    prepared(*[t[4:] if a is t else a for a in args])
+    assert len(k.slow) == 1 and len(k.compiled.runs) == 1
+    moved = args[:tensors - 1] + [t[1:]] + args[tensors:] if tensors else args  # the last tensor alone moved
+    prepared(*moved)
+    assert len(k.slow) == (2 if tensors else 1)
+
+
 def test_constexprs_must_come_last(gpu_free):
     k = FakeKernel()
     k.params = [SimpleNamespace(is_constexpr=c) for c in (False, True, False)]

@@ -7,6 +7,7 @@ Nothing here imports the rest of mlp_fuser but ``compat``: the kernels depend on
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import weakref
@@ -232,12 +233,13 @@ class Prepared:
     def __init__(self, kernel, grid: Sequence[int], **constexprs):
         self.kernel, self.grid, self.constexprs = kernel, tuple(grid), constexprs
         self.tensors: tuple[int, ...] | None = None  # the positions of the tensor arguments
+        self.pick: Callable[[tuple], tuple] | None = None  # the arguments -> their tensors (``_picker``)
         self.hits: dict[int, tuple] = {}  # their alignment bits -> the launcher's cache entry
 
     def __call__(self, *args) -> None:
-        at = self.tensors
-        if at is not None and getattr(Launcher.recording, "launches", None) is None and not compat.launch_hooks():
-            hit = self.hits.get(aligned(*map(args.__getitem__, at)))
+        pick = self.pick
+        if pick is not None and getattr(Launcher.recording, "launches", None) is None and not compat.launch_hooks():
+            hit = self.hits.get(aligned(*pick(args)))
             if hit is not None:
                 hit[3](compat.current_stream(hit[2]), args)
                 return
@@ -247,7 +249,15 @@ class Prepared:
         if hit is None:  # not compiled for direct launches (the interpreter, the public path)
             return
         where = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        if at is None:
-            self.tensors = at = where
-        if where == at:
-            self.hits[aligned(*map(args.__getitem__, at))] = hit
+        if self.tensors is None:
+            self.tensors, self.pick = where, _picker(where)
+        if where == self.tensors:
+            self.hits[aligned(*self.pick(args))] = hit
+
+
+def _picker(at: tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """A function of a launch's arguments giving those at positions ``at`` as a tuple (an itemgetter where it
+    gives one: half the Python of picking them one by one)."""
+    if len(at) > 1:
+        return operator.itemgetter(*at)
+    return lambda args: tuple(args[i] for i in at)
