@@ -49,8 +49,10 @@ SWEEP = {  # each fits shared memory in bf16 at BLOCK_M = 128; wgrad's loop is 1
     # so its tiles and stages decide how many CTAs hide each other's latency
     "act": [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(32, 64, 4, 4), _cfg(64, 32, 4, 4),
             _cfg(64, 128, 4, 2), _cfg(64, 128, 8, 2), _cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(32, 128, 4, 3)],
-    "wgrad": [dict(_cfg(*c), EXPERT_MAJOR=major) for major in (True, False)
-              for c in ((128, 128, 8, 3), (128, 128, 4, 2), (128, 256, 8, 2), (64, 128, 4, 3), (128, 256, 8, 1))],
+    "wgrad": [_cfg(128, 128, 4, 2), _cfg(128, 256, 8, 2), dict(_cfg(128, 128, 4, 2), EXPERT_MAJOR=False)]
+    + [dict(_cfg(*c), PERSISTENT=p, FLATTEN=f) for c, p, f in (
+        ((128, 256, 8, 2), 1, False), ((128, 256, 8, 2), 1, True), ((128, 128, 4, 2), 2, False),
+        ((128, 128, 4, 2), 2, True), ((128, 128, 4, 2), 3, False))],
 }
 
 

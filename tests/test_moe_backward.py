@@ -83,19 +83,20 @@ def test_backward_matches_float64_autograd(name, dtype):
 
 
 def test_wgrad_launch_orders_agree():
-    """The wgrad tiles launched expert by expert (the default) and expert-fastest (the first order) give the same
-    gradients bit for bit, each against float64."""
+    """The wgrad tiles launched expert by expert (the default), expert-fastest (the first order) and walked by a
+    few persistent programs give the same gradients bit for bit, each against float64."""
     from mlp_fuser.kernels.moe_backward import backward_config
 
     T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES["silu_concat"]
     x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed)
     outs = []
-    for major in (True, False):
-        cfg = backward_config("wgrad", 16, torch.float32) | {"EXPERT_MAJOR": major}
+    orders = ({"EXPERT_MAJOR": True}, {"EXPERT_MAJOR": False}, {"PERSISTENT": 1}, {"PERSISTENT": 2, "FLATTEN": True})
+    for extra in orders:
+        cfg = backward_config("wgrad", 16, torch.float32) | extra
         with poisoned_empty():
             outs.append(moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, dy, configs={"wgrad": cfg}))
         check(outs[-1], grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy), BAR[torch.float32])
-    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(*outs))
+    assert all(a is None and b is None or torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
 
 
 def test_every_pair_dropped():

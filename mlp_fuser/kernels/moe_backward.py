@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
-from .common import INTERPRET, cdiv, dot_precision, launch
+from .common import INTERPRET, cdiv, dot_precision, launch, num_sms
 from .moe import (
     ExpertAct,
     _gate_up_layout,
@@ -156,24 +156,15 @@ def _moe_bwd_act_kernel(
 
 
 @triton.jit
-def _moe_wgrad_kernel(
-    a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr, expert_start_ptr,
+def _wgrad_tile(
+    e, pid_n, pid_k, a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr, expert_start_ptr,
     S, K_TOP, N, K,
     stride_am, stride_an, stride_bm, stride_bk, stride_wt, stride_wj, stride_de, stride_dn, stride_dk,
     stride_dbe, stride_dbn,
     A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, SCALED: tl.constexpr, HAS_DB: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXPERT_MAJOR: tl.constexpr,
 ):
     # -- dW[e][n-tile, k-tile] = Σ over expert e's pairs of (s_p a_p)ᵀ b_p; a's row is the pair's or its token's ---
-    if EXPERT_MAJOR:  # an expert's tiles launch together: its rows of a and b stay in L2 while they are read
-        pid_k = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.program_id(2)
-    else:
-        e = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -211,6 +202,41 @@ def _moe_wgrad_kernel(
         if pid_k == 0:  # one program per row tile sums the bias gradient
             tl.store(db_ptr + e * stride_dbe + offs_n * stride_dbn, acc_b.to(db_ptr.dtype.element_ty),
                      mask=mask_n)
+
+
+@triton.jit
+def _moe_wgrad_kernel(
+    a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr, expert_start_ptr,
+    S, K_TOP, N, K, E,
+    stride_am, stride_an, stride_bm, stride_bk, stride_wt, stride_wj, stride_de, stride_dn, stride_dk,
+    stride_dbe, stride_dbn,
+    A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, SCALED: tl.constexpr, HAS_DB: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    if PERSISTENT:  # fewer programs, each walking tiles expert by expert: one tile's loads can overlap another's store
+        tiles_k = tl.cdiv(K, BLOCK_K)
+        per_expert = tl.cdiv(N, BLOCK_N) * tiles_k
+        for tile in tl.range(tl.program_id(0), E * per_expert, tl.num_programs(0), flatten=FLATTEN):
+            e = tile // per_expert
+            r = tile % per_expert
+            _wgrad_tile(e, r // tiles_k, r % tiles_k, a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr,
+                        expert_start_ptr, S, K_TOP, N, K, stride_am, stride_an, stride_bm, stride_bk, stride_wt,
+                        stride_wj, stride_de, stride_dn, stride_dk, stride_dbe, stride_dbn, A_BY_TOKEN, B_BY_TOKEN,
+                        SCALED, HAS_DB, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        if EXPERT_MAJOR:  # an expert's tiles launch together: its rows of a and b stay in L2 while they are read
+            pid_k = tl.program_id(0)
+            pid_n = tl.program_id(1)
+            e = tl.program_id(2)
+        else:
+            e = tl.program_id(0)
+            pid_n = tl.program_id(1)
+            pid_k = tl.program_id(2)
+        _wgrad_tile(e, pid_n, pid_k, a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr, expert_start_ptr, S, K_TOP,
+                    N, K, stride_am, stride_an, stride_bm, stride_bk, stride_wt, stride_wj, stride_de, stride_dn,
+                    stride_dk, stride_dbe, stride_dbn, A_BY_TOKEN, B_BY_TOKEN, SCALED, HAS_DB, PRECISION, BLOCK_M,
+                    BLOCK_N, BLOCK_K)
 
 
 # ---- host side --------------------------------------------------------------------------------------
@@ -260,18 +286,21 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
     S = b.shape[0] * routing.k if b_by_token else b.shape[0]
     s = wts if wts is not None else a
     d = db if db is not None else dw
-    major = cfg.get("EXPERT_MAJOR", True)
-    grid = (cdiv(K, cfg["BLOCK_K"]), cdiv(N, cfg["BLOCK_N"]), E) if major else (E, cdiv(N, cfg["BLOCK_N"]),
-                                                                                  cdiv(K, cfg["BLOCK_K"]))
+    major, persistent = cfg.get("EXPERT_MAJOR", True), cfg.get("PERSISTENT", 0)  # PERSISTENT: programs per SM
+    tiles = (cdiv(K, cfg["BLOCK_K"]), cdiv(N, cfg["BLOCK_N"]), E)
+    if persistent:
+        grid = (min(tiles[0] * tiles[1] * E, persistent * num_sms(dw.device)),)
+    else:
+        grid = tiles if major else tiles[::-1]
     launch(
         _moe_wgrad_kernel, grid,
         a, b, s, dw, d, routing.sorted_pairs, expert_start,
-        S, routing.k, N, K,
+        S, routing.k, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), s.stride(0), s.stride(-1), *dw.stride(),
         d.stride(0), d.stride(-1),
         A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, SCALED=wts is not None, HAS_DB=db is not None,
         PRECISION=dot_precision(a.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EXPERT_MAJOR=major, **_launch_opts(cfg),
+        EXPERT_MAJOR=major, PERSISTENT=bool(persistent), FLATTEN=cfg.get("FLATTEN", False), **_launch_opts(cfg),
     )
 
 
