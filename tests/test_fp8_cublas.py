@@ -73,12 +73,14 @@ def test_the_table_takes_cublas_from_512_rows_where_it_reads_the_weights(monkeyp
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("M", [8, 13])
-def test_cublas_mlp_glue_matches_the_recipe_in_float64(monkeypatch, gated, M):
-    """Padding rows to 4, the scales' layouts, act · up between the GEMMs: against transformers' W8A8 semantics."""
+@pytest.mark.parametrize("K", [384, 512])
+def test_cublas_mlp_glue_matches_the_recipe_in_float64(monkeypatch, gated, M, K):
+    """Padding rows to 4, the scales' layouts (K's blocks padded to 4 where they are not), act · up between the GEMMs:
+    against transformers' W8A8 semantics."""
     monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", fake_scaled_mm)
     monkeypatch.setattr(fp8_cublas, "quantize_rows", K8.quantize_rows_reference)  # the interpreter misrounds fp8
     g = torch.Generator().manual_seed(M)
-    K, I = 384, 256
+    I = 256
     fws = [weight(I, K, g), weight(I, K, g), weight(K, I, g)] if gated else [weight(I, K, g), weight(K, I, g)]
     x = torch.randn(M, K, generator=g, dtype=torch.float32)
     names = ("w_gate", "w_up", "w_down") if gated else ("w1", "w2")

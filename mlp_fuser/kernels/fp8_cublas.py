@@ -30,15 +30,18 @@ def why_not_format(fw: Fp8Weight) -> str | None:
 
 def _linear(q: Tensor, s: Tensor, fw: Fp8Weight, out_dtype: torch.dtype) -> Tensor:
     """q (M4, K) fp8 with s (M4, K/128) fp32, M4 a multiple of 4: q·s @ (w·s_w)ᵀ on cuBLAS."""
-    kb = fw.scale.shape[1]
-    sw = F.pad(fw.scale, (0, -kb % 4)).t()  # (K/128 padded to 4, N/128), as cuBLAS lays out the weight's blocks
+    kb, sw = fw.scale.shape[1], fw.scale
+    if kb % 4 or not sw.is_contiguous():  # F.pad copies even where it adds nothing: a launch a GEMM saved
+        sw = F.pad(sw, (0, -kb % 4))
+    sw = sw.t()  # (K/128 padded to 4, N/128), as cuBLAS lays out the weight's blocks
     sa = s.t().contiguous().t()  # (M, K/128), outer-dimension-major
     return compat.scaled_mm(q, fw.w.t(), sa, sw, "blockwise", out_dtype)
 
 
 def _quantized(x: Tensor) -> tuple[Tensor, Tensor]:
     """x's rows padded to a multiple of 4 (cuBLAS' scale layout), quantized per token and 128 columns."""
-    return quantize_rows(F.pad(x, (0, 0, 0, -x.shape[0] % 4)))
+    pad = -x.shape[0] % 4
+    return quantize_rows(F.pad(x, (0, 0, 0, pad)) if pad else x)  # F.pad would copy x even with nothing to add
 
 
 def linear(x: Tensor, fw: Fp8Weight, bias: Tensor | None = None) -> Tensor:
