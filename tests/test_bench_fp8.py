@@ -38,7 +38,8 @@ def _emulated_scaled_mm(a, b, scale_a, scale_b, recipe, out_dtype):
         assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
         return ((a64 * scale_a.double()) @ (b64 * scale_b.double())).to(out_dtype)
     K, N = b.shape
-    assert a.shape[0] % 4 == 0 and scale_a.shape[1] % 4 == 0 and scale_b.shape[0] % 4 == 0
+    kb = -(-K // 128)  # torch's layouts (ScaledBlas.cpp): x's scales (M, K/128) unpadded, the weight's K blocks to 4
+    assert a.shape[0] % 4 == 0 and scale_a.shape == (a.shape[0], kb) and scale_b.shape[0] == -(-kb // 4) * 4
     assert scale_a.stride(0) == 1  # outer-dim-major
     sa = scale_a.double().repeat_interleave(128, 1)[:, :K]
     sb = scale_b.double().repeat_interleave(128, 0)[:K].repeat_interleave(128, 1)[:, :N]
