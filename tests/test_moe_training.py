@@ -126,3 +126,58 @@ def test_compiled_training_matches_eager(backend, monkeypatch):
         assert err <= 1e-5, f"{backend}: {name}'s gradient differs by {err:.2e}"
     moe.reset()
     torch._dynamo.reset()
+
+
+class ExpertLoRA(torch.nn.Module):
+    """A low-rank update of a 3-D expert weight (E, out, in) as PEFT's ``target_parameters`` applies it: W + s·B_e A_e
+    through ``torch.nn.utils.parametrize``, so that ``experts.gate_up_proj`` reads the adapted weight."""
+
+    def __init__(self, w, rank=4, seed=0):
+        super().__init__()
+        E, out, inp = w.shape
+        g = torch.Generator().manual_seed(seed)
+        self.A = torch.nn.Parameter(torch.randn(E, rank, inp, generator=g) / inp ** 0.5)
+        self.B = torch.nn.Parameter(torch.randn(E, out, rank, generator=g) / rank ** 0.5)  # non-zero: B's grad tested
+
+    def forward(self, w):
+        return w + 0.5 * (self.B @ self.A)
+
+
+def lora_on_experts(model):
+    """Every parameter frozen but LoRA factors on each experts module's gate_up_proj and down_proj."""
+    from torch.nn.utils import parametrize
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in [m for m in model.modules() if experts.is_experts(m)]:
+        for i, name in enumerate(("gate_up_proj", "down_proj")):
+            parametrize.register_parametrization(m, name, ExpertLoRA(getattr(m, name), seed=i).to(KERNEL_DEVICE))
+    return model
+
+
+def test_lora_on_expert_parameters_trains_through_the_op(monkeypatch):
+    """LoRA on the 3-D expert weights (PEFT's target_parameters, emulated with parametrize): patched, the experts
+    still fuse (the op reads the adapted weight), the Triton backward runs with weight gradients, and every LoRA
+    factor's gradient and the loss equal transformers' grouped path in fp32."""
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    moe.reset()
+    base = tiny_qwen3_moe()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, base.config.vocab_size, (2, 12), generator=g).to(KERNEL_DEVICE)
+    ref = lora_on_experts(copy.deepcopy(base))
+    model = lora_on_experts(copy.deepcopy(base))
+    calls = []
+    real = moe_backward.moe_backward
+    monkeypatch.setattr(moe_backward, "moe_backward", lambda *a, **k: calls.append(k["need_weights"]) or real(*a, **k))
+    forward = mlp_fuser.patch(model)
+    want, got = ref(input_ids=ids, labels=ids).loss, forward(input_ids=ids, labels=ids).loss
+    want.backward()
+    got.backward()
+    assert calls == [True] * base.config.num_hidden_layers
+    trained = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert len(trained) == 4 * base.config.num_hidden_layers
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert rel_err(p.grad, trained[n]) < 1e-5, n
+    assert abs(got.item() - want.item()) < 1e-5
+    moe.reset()
