@@ -92,6 +92,74 @@ def test_cublas_mlp_glue_matches_the_recipe_in_float64(monkeypatch, gated, M, K)
     assert rel_err(fp8_cublas.linear(x, fws[0], b), lin64(x, fws[0]) + b.double()) < 1e-5
 
 
+def layer(kind, K, I, g):
+    """[(name, Fp8Weight, bias)] of a linear (I, K), a plain or a gated MLP, every weight with a bias."""
+    shapes = {"linear": [(I, K)], "plain": [(I, K), (K, I)], "gated": [(I, K), (I, K), (K, I)]}[kind]
+    return [(f"w{i}", weight(n, k, g), torch.randn(n, generator=g)) for i, (n, k) in enumerate(shapes)]
+
+
+def unplanned(x, weights, kind):
+    """The cuBLAS row's function without a plan (the path before plans: x padded by F.pad, scales copied)."""
+    return fp8._cublas(x, weights, "silu", kind == "gated")
+
+
+@pytest.mark.parametrize("triton_quant", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "plain", "gated"])
+@pytest.mark.parametrize("M", [6, 13])
+@pytest.mark.parametrize("K", [384, 512])
+def test_the_planned_cublas_row_equals_the_unplanned_bit_for_bit(monkeypatch, triton_quant, kind, M, K):
+    """The plan (rows padded and x's scales written column-major by the quantize kernel, the weights' scales laid out
+    per signature) gives the unplanned path's bits; quantized by aten's reference, or by the Triton kernel under the
+    interpreter on both paths (its fp8 rounding is the interpreter's, the same on both)."""
+    monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", fake_scaled_mm)
+    if triton_quant:
+        monkeypatch.setattr(K8, "INTERPRET", False)
+    else:
+        monkeypatch.setattr(fp8_cublas, "quantize_rows", K8.quantize_rows_reference)
+    g = torch.Generator().manual_seed(M * K)
+    weights = layer(kind, K, 256, g)
+    x = torch.randn(2, M, K, generator=g, dtype=torch.float16) * 3
+    args = (x, weights, "silu", kind == "gated")
+    y = fp8._cublas_plan(args)(x, weights)
+    want = unplanned(*args[:2], kind)
+    assert y.shape == want.shape == (2, M, weights[-1][1].w.shape[0])
+    assert torch.equal(y, want)
+    if kind == "gated" and not triton_quant:  # and both are transformers' W8A8 (in float32, without biases)
+        x32, nobias = x.float(), [(n, fw, None) for n, fw, _ in weights]
+        y32 = fp8._cublas_plan((x32, nobias, "silu", True))(x32, nobias).reshape(-1, K)
+        assert rel_err(y32, aten_w8a8(x32.reshape(-1, K), [fw for _, fw, _ in weights], True)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["linear", "gated"])
+@pytest.mark.parametrize("K", [384, 512])
+def test_a_later_call_of_the_signature_computes_with_its_own_weights(monkeypatch, kind, K):
+    """Through the op: the second layer's call reuses the first's plan (same signature) and gives its own result, the
+    unplanned path's on its weights, not the first layer's."""
+    monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(fp8_cublas, "quantize_rows", K8.quantize_rows_reference)
+    monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
+    monkeypatch.setattr(fp8_cublas, "why_not_device", lambda index: None)
+    monkeypatch.setattr(fp8, "CUBLAS_FROM_M", 1)
+    monkeypatch.setattr(fp8, "_PLANS", {})
+    planned = []
+    for name in ("linear_plan", "mlp_plan"):
+        real = getattr(fp8_cublas, name)
+        monkeypatch.setattr(fp8_cublas, name, lambda *a, real=real: planned.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, K, generator=g, dtype=torch.float16)
+    op = quant.quant_linear if kind == "linear" else quant.quant_gated_mlp
+    tail = ("fp8_e4m3", [128, 128]) if kind == "linear" else ("silu", "fp8_e4m3", [128, 128])
+    results = []
+    for _ in range(2):
+        weights = layer(kind, K, 256, g)  # K 384: each weight's scales padded per call; 512: gate's as they are
+        assert fp8.choose(fp8.Problem("cuda", x.dtype, 7, 0, None)).name == "fp8_cublas_blockwise"
+        y = op(x, *[t for _, fw, b in weights for t in (fw.w, fw.scale, b)], *tail)
+        assert torch.equal(y, unplanned(x, weights, kind))
+        results.append(y)
+    assert planned == [1]  # one plan, two layers
+    assert not torch.equal(results[0], results[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="cuBLAS")
 @pytest.mark.parametrize("M", [512, 1030])

@@ -93,10 +93,24 @@ def test_quantize_rows_kernel_gives_the_reference_bits():
     x = torch.randn(5, 200, generator=g).to(KERNEL_DEVICE, torch.float16) * 3
     q = torch.empty(5, 200, device=KERNEL_DEVICE, dtype=K8.FP8)
     s = torch.empty(5, 2, device=KERNEL_DEVICE, dtype=torch.float32)
-    K8.launch(K8._quantize_rows_kernel, (1, 2), x, q, s, 5, 200, x.stride(0), x.stride(1), BLOCK_M=8, BLOCK=128,
-              num_warps=4)
+    K8.launch(K8._quantize_rows_kernel, (1, 2), x, q, s, 5, 5, 200, x.stride(0), x.stride(1), 2, 1, BLOCK_M=8,
+              BLOCK=128, num_warps=4)
     rq, rs = K8.quantize_rows_reference(x)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@needs_kernels
+def test_quantize_rows_kernel_pads_rows_and_writes_the_scales_transposed():
+    """Rows 5 to 8 quantized as zero rows of x and the scales in a (K/128, 8) buffer (cuBLAS' layout seen
+    transposed): the bits of x padded with zeros, quantized by the reference, its scales copied column-major."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 200, generator=g).to(KERNEL_DEVICE, torch.float16) * 3
+    q = torch.full((8, 200), 1.0, device=KERNEL_DEVICE).to(K8.FP8)
+    s = torch.full((2, 8), -1.0, device=KERNEL_DEVICE)
+    K8.launch(K8._quantize_rows_kernel, (1, 2), x, q, s, 5, 8, 200, x.stride(0), x.stride(1), 1, 8, BLOCK_M=8,
+              BLOCK=128, num_warps=4)
+    rq, rs = K8.quantize_rows_reference(torch.nn.functional.pad(x, (0, 0, 0, 3)))
+    assert torch.equal(s.t(), rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 @needs_kernels

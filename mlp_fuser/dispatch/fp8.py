@@ -133,6 +133,27 @@ def _cublas(x: Tensor, weights, activation, gated: bool) -> Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _cublas_plan(args: tuple):
+    """``_cublas`` for calls like ``args`` = (x, weights, activation, gated): a function of (x, weights), its
+    launches, row padding and scale layouts worked out once (``fp8_cublas.linear_plan`` / ``mlp_plan``)."""
+    x, weights, activation, gated = args
+    lead, width = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, width)
+    rows, out = tuple(x2.shape), (*lead, weights[-1][1].w.shape[0])  # ints: reshape reads them faster than a Size
+    if len(weights) == 1:
+        one = fp8_cublas.linear_plan(x2, weights[0][1])
+
+        def linear(x, weights):
+            (_, w, b), = weights
+            return one(x.reshape(*rows), w, b).reshape(*out)
+        return linear
+    run = fp8_cublas.mlp_plan(x2, weights, activation, gated)
+
+    def mlp(x, weights):
+        return run(x.reshape(*rows), weights).reshape(*out)
+    return mlp
+
+
 def cublas_format(weights) -> str | None:
     """Why cuBLAS' blockwise recipe cannot read these checked weights, or None."""
     return next((f"{name}: {why}" for name, fw, _ in weights if (why := fp8_cublas.why_not_format(fw))), None)
@@ -146,7 +167,7 @@ def _row(name: str, a8: bool, *why) -> Impl:
 IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
     # prefill sizes, 128 x 128 blocks: cuBLAS' blockwise-scaled GEMMs, act · up in aten between them
     Impl("fp8_cublas_blockwise", _cublas, None, frozenset({torch.float16, torch.bfloat16}),
-         why=(_kernels_run, _a8_on, _cublas_m, lambda p: p.cublas_format, _cublas_device)),
+         why=(_kernels_run, _a8_on, _cublas_m, lambda p: p.cublas_format, _cublas_device), plan=_cublas_plan),
     # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
     _row("fp8_w8a8", True, _kernels_run, _a8_on),
     _row("fp8_w8a16", False, _kernels_run),  # weights cast on chip, x as it is

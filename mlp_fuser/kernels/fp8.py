@@ -165,8 +165,10 @@ def dequantize(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK_M rows by one 128-wide K block per program: each row's scale = amax / 448, q = x / scale in fp8."""
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk, stride_sm, stride_sk,
+                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK_M rows by one 128-wide K block per program: each row's scale = amax / 448, q = x / scale in fp8. Rows
+    M to M_OUT (padding, cuBLAS' multiple of 4) are quantized zeros; s at strides (stride_sm, stride_sk)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     offs = kb * BLOCK + tl.arange(0, BLOCK)
@@ -175,8 +177,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, BLOCK
     x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)  # amax / scale may round a hair past 448
-    tl.store(q_ptr + offs_m[:, None] * K + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + offs_m * tl.cdiv(K, BLOCK) + kb, scale, mask=offs_m < M)
+    out = (offs_m[:, None] < M_OUT) & (offs[None, :] < K)
+    tl.store(q_ptr + offs_m[:, None] * K + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
+    tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M_OUT)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -184,11 +187,12 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     if INTERPRET:  # the interpreter's fp32 -> float8 cast misrounds where rounding carries (7.9 -> 4): aten's
         return quantize_rows_reference(x)
     M, K = x.shape
+    kb = cdiv(K, A8_BLOCK)
     q = torch.empty((M, K), device=x.device, dtype=FP8)
-    s = torch.empty((M, cdiv(K, A8_BLOCK)), device=x.device, dtype=torch.float32)
+    s = torch.empty((M, kb), device=x.device, dtype=torch.float32)
     if M:
         bm = 16 if M >= 16 else triton.next_power_of_2(M)
-        launch(_quantize_rows_kernel, (cdiv(M, bm), cdiv(K, A8_BLOCK)), x, q, s, M, K, x.stride(0), x.stride(1),
+        launch(_quantize_rows_kernel, (cdiv(M, bm), kb), x, q, s, M, M, K, x.stride(0), x.stride(1), kb, 1,
                BLOCK_M=bm, BLOCK=A8_BLOCK, num_warps=4)
     return q, s
 
@@ -548,19 +552,28 @@ def _zeroed_once(n: int, device: torch.device) -> Tensor | None:
     return made[0] if made else None
 
 
-def _quantize_plan(M: int, K: int):
-    """``quantize_rows`` for x of M rows and K columns, its launch worked out once."""
+def _quantize_plan(M: int, K: int, rows: int | None = None, scales_t: bool = False):
+    """``quantize_rows`` for x of M rows and K columns, its launch worked out once. ``rows`` (at least M): q and s
+    that many rows, those past M quantized zeros (as x padded with zeros would give); ``scales_t``: s (rows, ⌈K/128⌉)
+    at strides (1, rows), a (⌈K/128⌉, rows) buffer seen transposed (cuBLAS' blockwise layout: no copy to it)."""
+    R, kb = M if rows is None else rows, cdiv(K, A8_BLOCK)
     if INTERPRET:
-        return quantize_rows
-    bm = 16 if M >= 16 else triton.next_power_of_2(M)
-    kernel = Prepared(_quantize_rows_kernel, (cdiv(M, bm), cdiv(K, A8_BLOCK)), BLOCK_M=bm, BLOCK=A8_BLOCK,
-                      num_warps=4)
+        if R == M and not scales_t:
+            return quantize_rows
+
+        def reference(x):  # the same bits and layout in aten (quantize_rows' reason)
+            q, s = quantize_rows_reference(torch.nn.functional.pad(x, (0, 0, 0, R - M)))
+            return q, (s.t().contiguous().t() if scales_t else s)
+        return reference
+    bm = 16 if R >= 16 else triton.next_power_of_2(R)
+    kernel = Prepared(_quantize_rows_kernel, (cdiv(R, bm), kb), BLOCK_M=bm, BLOCK=A8_BLOCK, num_warps=4)
+    shape, strides = ((kb, R), (1, R)) if scales_t else ((R, kb), (kb, 1))
 
     def quant(x):
-        q = torch.empty((M, K), device=x.device, dtype=FP8)
-        s = torch.empty((M, cdiv(K, A8_BLOCK)), device=x.device, dtype=torch.float32)
-        kernel(x, q, s, M, K, x.stride(0), x.stride(1))
-        return q, s
+        q = torch.empty((R, K), device=x.device, dtype=FP8)
+        s = torch.empty(shape, device=x.device, dtype=torch.float32)
+        kernel(x, q, s, M, R, K, x.stride(0), x.stride(1), *strides)
+        return q, (s.t() if scales_t else s)
     return quant
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import compat
 from ..activations import get_activation
-from .fp8 import A8_BLOCK, Fp8Weight, quantize_rows
+from .fp8 import A8_BLOCK, Fp8Weight, _quantize_plan, quantize_rows
 
 _RUNS: dict = {}  # CUDA device index -> None (blockwise scaled_mm runs and is right there) or why not
 
@@ -76,6 +76,81 @@ def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
     _, wd, bd = rest[-1]
     y = _linear(*quantize_rows(h), wd, x.dtype)[:M]
     return y if bd is None else y + bd
+
+
+# ---- plans: what a call's signature decides, worked out once -------------------------------------------------
+
+
+def _gemm_plan(fw: Fp8Weight, dtype: torch.dtype):
+    """``_linear`` for weights of ``fw``'s signature: whether their scales need a padded copy is decided once; the
+    scales themselves are each call's (a later call of the signature brings another layer's weights)."""
+    kb = fw.scale.shape[1]
+    if kb % 4 or not fw.scale.is_contiguous():
+        pad = (0, -kb % 4)
+
+        def padded(q, s, fw):
+            return compat.scaled_mm(q, fw.w.t(), s, F.pad(fw.scale, pad).t(), "blockwise", dtype)
+        return padded
+
+    def gemm(q, s, fw):
+        return compat.scaled_mm(q, fw.w.t(), s, fw.scale.t(), "blockwise", dtype)
+    return gemm
+
+
+def _quant_plan(M: int, K: int):
+    """x (M, K) quantized into M rounded up to 4 rows, x's scales written column-major as cuBLAS reads them."""
+    return _quantize_plan(M, K, M + -M % 4, scales_t=True)
+
+
+def linear_plan(x: Tensor, fw: Fp8Weight):
+    """``linear`` for calls like (x, fw): a function of (x, fw, bias)."""
+    M, K = x.shape
+    quant, gemm = _quant_plan(M, K), _gemm_plan(fw, x.dtype)
+    if M % 4 == 0:
+        def linear(x, fw, bias):
+            y = gemm(*quant(x), fw)
+            return y if bias is None else y + bias
+        return linear
+
+    def linear_rows(x, fw, bias):
+        y = gemm(*quant(x), fw)[:M]
+        return y if bias is None else y + bias
+    return linear_rows
+
+
+def mlp_plan(x: Tensor, weights, activation: str, gated: bool):
+    """``mlp`` for calls like (x, weights): a function of (x, weights) (each call's weights and biases)."""
+    M, K = x.shape
+    act = get_activation(activation).fn
+    (_, w1, _), *rest = weights
+    wd = rest[-1][1]
+    quant_x, quant_h = _quant_plan(M, K), _quant_plan(M + -M % 4, w1.w.shape[0])
+    first, up, down = _gemm_plan(w1, x.dtype), _gemm_plan(rest[0][1], x.dtype), _gemm_plan(wd, x.dtype)
+
+    def mlp(x, weights):
+        (_, w1, b1), *rest = weights
+        q, s = quant_x(x)
+        g = first(q, s, w1)
+        if b1 is not None:
+            g += b1
+        if gated:
+            _, wu, bu = rest[0]
+            u = up(q, s, wu)
+            if bu is not None:
+                u += bu
+            h = act(g)
+            del g  # as mlp's: the peak stays at three (M, I) intermediates
+            h.mul_(u)
+            del u
+        else:
+            h = act(g)
+            del g
+        _, wd, bd = rest[-1]
+        y = down(*quant_h(h), wd)
+        if y.shape[0] != M:
+            y = y[:M]
+        return y if bd is None else y + bd
+    return mlp
 
 
 def why_not_device(index: int | None) -> str | None:
