@@ -5,7 +5,12 @@ but the compiled launch is a no-op; the device checks say "a Hopper GPU". What r
 allocations a call does on the host. Qwen3-30B-A3B-sized shapes: attention's q_proj (2048 -> 4096) through
 ``patch``'s ``FusedFp8Linear`` and the routed experts (128 experts, I 768, top 8) through ``eager_quant_moe_mlp``.
 
-    python benchmarks/host_fp8.py [--profile linear|experts] [--rows 1,32,2048]
+    python benchmarks/host_fp8.py [--profile linear|experts] [--rows 1,32,2048] [--cublas]
+
+``--cublas``: the FP8 table's cuBLAS row runs every linear call, torch's scaled_mm stubbed instead (an output kept per
+shape, as the CUDA caching allocator would hand out): the row's own Python is timed. It takes calls from 512 rows on
+the GPU; at a few rows its aten copies (x's scales, a padded x) cost here about what their launch costs there, at
+2048 rows the CPU's copying adds tens of µs.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from mlp_fuser.ops import quant_moe  # noqa: E402
 from mlp_fuser.patch.fp8 import FusedFp8Linear  # noqa: E402
 
 
-def stub() -> None:
+def stub(cublas: bool = False) -> None:
     """No GPU: launches do nothing after their Python path; the device checks see an H100 (132 SMs, sm90)."""
     def call(self, key, grid, *args, **constexprs):
         hit = self.cache.get(key)
@@ -51,11 +56,24 @@ def stub() -> None:
             setattr(fp8, name, lambda *a, f=why_not: None if (r := f(*a)) == "TMA needs a Hopper or newer GPU" else r)
     moe._capability = lambda index: (9, 0)
     moe_routing._on_triton = lambda ids: ids.dtype in (torch.int32, torch.int64)
-    try:  # cuBLAS' rows run aten on the GPU: not measurable here, so the Triton rows are
+    try:  # cuBLAS' GEMMs run on the GPU: stubbed (--cublas), or the row stubbed off and the Triton rows timed
         from mlp_fuser.kernels import fp8_cublas
-        fp8_cublas.why_not_device = lambda index: "stubbed: host_fp8 times the Triton rows"
     except ImportError:
-        pass
+        fp8_cublas = None
+    if fp8_cublas is not None and cublas:
+        outs: dict = {}
+
+        def scaled_mm(a, b, scale_a, scale_b, recipe, out_dtype):
+            key = (a.shape[0], b.shape[1], out_dtype)
+            y = outs.get(key)
+            if y is None:
+                y = outs[key] = torch.empty(key[:2], dtype=out_dtype)
+            return y
+        fp8_cublas.why_not_device = lambda index: None
+        compat.scaled_mm = scaled_mm
+        dfp8.CUBLAS_FROM_M = 1
+    elif fp8_cublas is not None:
+        fp8_cublas.why_not_device = lambda index: "stubbed: host_fp8 times the Triton rows"
     ops_moe._check_ids = lambda ids: None  # on CUDA it reads nothing (config.check_routing off)
 
 
@@ -84,8 +102,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,32,2048")
     ap.add_argument("--profile", choices=("linear", "experts"))
     ap.add_argument("-n", type=int, default=300)
+    ap.add_argument("--cublas", action="store_true", help="the cuBLAS row runs its calls, scaled_mm stubbed")
     args = ap.parse_args()
-    stub()
+    stub(args.cublas)
     torch.set_grad_enabled(False)
     H, E, I, K_TOP = 2048, 128, 768, 8
     lin = FusedFp8Linear(linear_module(4096, H), (128, 128))

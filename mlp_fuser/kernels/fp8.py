@@ -567,13 +567,13 @@ def _quantize_plan(M: int, K: int, rows: int | None = None, scales_t: bool = Fal
         return reference
     bm = 16 if R >= 16 else triton.next_power_of_2(R)
     kernel = Prepared(_quantize_rows_kernel, (cdiv(R, bm), kb), BLOCK_M=bm, BLOCK=A8_BLOCK, num_warps=4)
-    shape, strides = ((kb, R), (1, R)) if scales_t else ((R, kb), (kb, 1))
+    strides = (1, R) if scales_t else (kb, 1)
 
     def quant(x):
         q = torch.empty((R, K), device=x.device, dtype=FP8)
-        s = torch.empty(shape, device=x.device, dtype=torch.float32)
+        s = torch.empty_strided((R, kb), strides, device=x.device, dtype=torch.float32)
         kernel(x, q, s, M, R, K, x.stride(0), x.stride(1), *strides)
-        return q, (s.t() if scales_t else s)
+        return q, s
     return quant
 
 
