@@ -5,12 +5,14 @@ but the compiled launch is a no-op; the device checks say "a Hopper GPU". What r
 allocations a call does on the host. Qwen3-30B-A3B-sized shapes: attention's q_proj (2048 -> 4096) through
 ``patch``'s ``FusedFp8Linear`` and the routed experts (128 experts, I 768, top 8) through ``eager_quant_moe_mlp``.
 
-    python benchmarks/host_fp8.py [--profile linear|experts] [--rows 1,32,2048] [--cublas]
+    python benchmarks/host_fp8.py [--profile linear|experts] [--rows 1,32,2048] [--cublas] [--quant-launches]
 
 ``--cublas``: the FP8 table's cuBLAS row runs every linear call, torch's scaled_mm stubbed instead (an output kept per
 shape, as the CUDA caching allocator would hand out): the row's own Python is timed. It takes calls from 512 rows on
 the GPU; at a few rows its aten copies (x's scales, a padded x) cost here about what their launch costs there, at
 2048 rows the CPU's copying adds tens of µs.
+``--quant-launches``: the experts' x and h quantized by launches of their own at every size (their path before
+the GEMMs quantized them at decode, ``moe.FUSED_QUANT_MAX_PAIRS``).
 """
 
 from __future__ import annotations
@@ -103,8 +105,11 @@ def main() -> None:
     ap.add_argument("--profile", choices=("linear", "experts"))
     ap.add_argument("-n", type=int, default=300)
     ap.add_argument("--cublas", action="store_true", help="the cuBLAS row runs its calls, scaled_mm stubbed")
+    ap.add_argument("--quant-launches", action="store_true", help="the experts' x and h quantized by launches")
     args = ap.parse_args()
     stub(args.cublas)
+    if args.quant_launches:
+        moe.FUSED_QUANT_MAX_PAIRS = 0
     torch.set_grad_enabled(False)
     H, E, I, K_TOP = 2048, 128, 768, 8
     lin = FusedFp8Linear(linear_module(4096, H), (128, 128))

@@ -55,6 +55,26 @@ def poisoned_empty():
         torch.use_deterministic_algorithms(old[0], warn_only=old[1])
 
 
+@pytest.fixture
+def exact_fp8_casts(monkeypatch):
+    """The interpreter rounds fp32/fp16 -> float8_e4m3fn without carrying into the exponent (7.9 -> 4): casts to it
+    go through torch's (round to nearest even, as the GPU's cvt), so in-kernel quantization is testable."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter as I
+
+    real = I.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            q = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return I.TensorHandle(q, dst_type.scalar)
+        return real(self, src, dst_type, rounding_mode)
+    monkeypatch.setattr(I.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_precision():
     torch.manual_seed(0)

@@ -3,7 +3,6 @@ quantize_rows then the GEMM) and split-K counters kept by the plan (zeroed once,
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,23 +19,7 @@ needs_kernels = pytest.mark.skipif(KERNEL_DEVICE is None, reason="Triton kernels
 DTYPES = [torch.bfloat16] if CUDA else [torch.float16, torch.float32]
 
 
-@pytest.fixture(autouse=True)
-def exact_fp8_casts(monkeypatch):
-    """The interpreter rounds fp32/fp16 -> float8_e4m3fn without carrying into the exponent (7.9 -> 4): casts to it
-    go through torch's (round to nearest even, as the GPU's cvt), so in-kernel quantization is testable."""
-    if not INTERPRET:
-        return
-    from triton import language as tl
-    from triton.runtime import interpreter as I
-
-    real = I.InterpreterBuilder.create_fp_to_fp
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
-            q = torch.from_numpy(np.ascontiguousarray(src.data)).to(K8.FP8).view(torch.uint8).numpy()
-            return I.TensorHandle(q, dst_type.scalar)
-        return real(self, src, dst_type, rounding_mode)
-    monkeypatch.setattr(I.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+pytestmark = pytest.mark.usefixtures("exact_fp8_casts")  # conftest: in-kernel float8 casts as the GPU's
 
 
 def weight(N, K, fmt, g):

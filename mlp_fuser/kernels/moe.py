@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, kept_desc, launch, next_power_of_2, num_sms
-from .fp8 import A8_BLOCK, FP8, _quantize_plan, quantize_rows
+from .fp8 import A8_BLOCK, FP8, _quantize_plan, _x_step, quantize_rows
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 from .moe_tuning import _cfg
@@ -128,12 +128,13 @@ def fp8_gate_up_acc(
     x_ptr, wg_ptr, wu_ptr, sg_ptrs, su_ptrs, xs_ptr, stride_xs, offs_m, offs_n, mask_m, mask_n, K,
     stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk, stride_sk,
     HAS_UP: tl.constexpr, K_SCALED: tl.constexpr, SBK: tl.constexpr, A8: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT_X: tl.constexpr,
 ):
     """``gemm.gate_up_acc`` on float8 weights. W8A16: each weight tile cast to x's dtype in registers; W8A8 (A8): x
     is float8 too (quantized per row and 128 columns, ``xs_ptrs``: each row's scales) and the fp8 tensor cores
     multiply, x's scale per K step (BLOCK_K divides 128; ``xs_ptr``: x's (rows, ⌈K/128⌉) scales, row stride
-    ``stride_xs``). The weight rows' scales (``sg_ptrs``/``su_ptrs``: column 0
+    ``stride_xs``); with QUANT_X (BLOCK_K 128) x comes in its own dtype and each step quantizes its tile
+    (``fp8._x_step``: quantize_rows' bits), no ``xs_ptr``. The weight rows' scales (``sg_ptrs``/``su_ptrs``: column 0
     of each row's scale row) multiply each K step's product where they change along K (K_SCALED; BLOCK_K divides
     SBK), else the whole sum once."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -143,13 +144,15 @@ def fp8_gate_up_acc(
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if A8:
+    if A8 and not QUANT_X:
         xs_ptrs = xs_ptr + offs_m * stride_xs
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        x, xs = _x_step(x_ptrs, offs_k < k_left, mask_m, QUANT_X)
         w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
-        if A8:  # this step's x scales, one per row
+        if QUANT_X:  # this step's x scales, one per row: the quantization's own
+            xs = xs[:, None]
+        elif A8:  # quantize_rows' scales
             xs = tl.load(xs_ptrs + k * BLOCK_K // 128, mask=mask_m, other=0.0)[:, None]
         wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
         if A8:
@@ -210,6 +213,7 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
     ZERO_COUNTS: tl.constexpr, BLOCK_C: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, A8: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
@@ -242,7 +246,7 @@ def _moe_gate_up_kernel(
         acc_g, acc_u = fp8_gate_up_acc(
             x_ptr, w_e, w_e + UP_ROW * stride_wn, sg_ptrs, su_ptrs, xs_ptr, stride_xs, tokens, offs_n,
             mask_m, mask_n, K, stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn,
-            stride_wk, stride_sk, GATED, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            stride_wk, stride_sk, GATED, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_X,
         )
     else:
         acc_g, acc_u = gate_up_acc(
@@ -276,7 +280,7 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PER_PAIR: tl.constexpr, COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
     USE_PDL: tl.constexpr, FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    A8: tl.constexpr,
+    A8: tl.constexpr, QUANT_X: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of the output ---------------
     pid_b = tl.program_id(0)
@@ -315,7 +319,7 @@ def _moe_down_kernel(
         acc, _ = fp8_gate_up_acc(
             h_ptr, w_e, w_e, s_rows, s_rows, xs_ptr, stride_xs, pairs.to(tl.int64), offs_n,
             mask_m, mask_n, K, K, 1, stride_wn, stride_wk, stride_wn, stride_wk, stride_sk,
-            False, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            False, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_X,
         )
     else:
         acc, _ = gate_up_acc(
@@ -582,10 +586,11 @@ def _a8_args(xs: Tensor | None) -> tuple:
     return (None, 0) if xs is None else (xs, xs.stride(0))
 
 
-def _scale_constexprs(fe, block_k: int, a8: bool | None = None) -> dict:
+def _scale_constexprs(fe, block_k: int, a8: bool | None = None, quant_x: bool = False) -> dict:
     """FP8, K_SCALED, SBN, SBK and BLOCK_K (a K step never straddles a scale block, the activations' 128 columns
-    with ``a8``) for ``_scale_args``' weights; A8 unless ``a8`` is None (the GEMV kernels have no such flag)."""
-    a8_flag = {} if a8 is None else {"A8": a8}
+    with ``a8``) for ``_scale_args``' weights; A8 and QUANT_X unless ``a8`` is None (the GEMV kernels have no such
+    flags); ``quant_x`` as ``quant_in_gemm`` decided it."""
+    a8_flag = {} if a8 is None else {"A8": a8, "QUANT_X": quant_x}
     if fe is None:
         return {"FP8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k, **a8_flag}
     if a8:
@@ -598,6 +603,17 @@ def _scale_constexprs(fe, block_k: int, a8: bool | None = None) -> dict:
             "BLOCK_K": block_k, **a8_flag}
 
 
+FUSED_QUANT_MAX_PAIRS = 64  # above, quantizing in every N tile may cost more than the launch saved (dense: 64 rows)
+
+
+def quant_in_gemm(fe, cfg: dict, S: int) -> bool:
+    """Whether a W8A8 grouped GEMM on float8 weights ``fe`` under ``cfg`` quantizes its activations itself (QUANT_X:
+    no quantize_rows launch): where its K step is one 128-column activation block, and as ``cfg["QUANT_X"]`` says,
+    by default to ``FUSED_QUANT_MAX_PAIRS`` pairs (decode)."""
+    return (fe is not None and cfg.get("QUANT_X", S <= FUSED_QUANT_MAX_PAIRS)
+            and _scale_constexprs(fe, cfg["BLOCK_K"], True)["BLOCK_K"] == A8_BLOCK)
+
+
 def _launch_opts(config: dict) -> dict:
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
@@ -605,7 +621,7 @@ def _launch_opts(config: dict) -> dict:
 def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                 interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None,
                 counts: Tensor | None = None, pdl: bool = False, scale=None, xs: Tensor | None = None,
-                out_dtype: torch.dtype | None = None) -> Tensor:
+                out_dtype: torch.dtype | None = None, quant_x: bool = False) -> Tensor:
     """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
     pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's).
     ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k).
@@ -613,7 +629,8 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     needs no memset launch; ``pdl``: the kernel lets a down kernel launched with ``pdl`` start early (Hopper).
     ``scale``: w_gu is float8 with these scales (``fp8.Fp8Experts``), dequantized tile by tile in registers; with
     ``xs`` x is float8 too (``fp8.quantize_rows``: its scales per row and 128 columns) and the fp8 tensor cores
-    multiply (W8A8); h then in ``out_dtype``."""
+    multiply (W8A8); h then in ``out_dtype``. ``quant_x`` (where ``quant_in_gemm``): W8A8 with x in its own dtype,
+    quantized by the kernel as quantize_rows would (no ``xs``)."""
     T, H = x.shape
     k = routing.k if routing is not None else ids.shape[1]
     S = T * k
@@ -632,7 +649,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, n_counts, constexprs = _gate_up_args(
         x, ids, k, (n_blocks, routing.block_m) if routing is not None else None, w_gu, b_gu, act, I, interleaved, cfg,
-        counts.numel() if counts is not None else None, pdl, scale, xs)
+        counts.numel() if counts is not None else None, pdl, scale, xs, quant_x)
     launch(_moe_gate_up_kernel, grid, x, w_gu, b, h, *blocks, *ints, ids if routing is None else None, *ints_ids,
            counts, n_counts, **constexprs)
     return h
@@ -640,7 +657,8 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
 
 def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int] | None, w_gu: Tensor,
                   b_gu: Tensor | None, act: ExpertAct, I: int, interleaved: bool, cfg: dict, n_counts: int | None,
-                  pdl: bool, scale=None, xs: Tensor | None = None) -> tuple[tuple, tuple, tuple, int | None, dict]:
+                  pdl: bool, scale=None, xs: Tensor | None = None,
+                  quant_x: bool = False) -> tuple[tuple, tuple, tuple, int | None, dict]:
     """The gate_up launch but its tensors (for h contiguous): grid, the integers before ids and after it, the
     counters' size, constexprs. ``blocks``: the routing's (blocks, BLOCK_M), None for every pair its own block."""
     T, H = x.shape
@@ -656,7 +674,7 @@ def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int]
     return grid, ints, ints_ids, n_counts, dict(
         GATED=gated, HAS_BIAS=b_gu is not None, GATE_STEP=step, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None), PER_PAIR=blocks is None,
+        **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None or quant_x, quant_x), PER_PAIR=blocks is None,
         ZERO_COUNTS=n_counts is not None,
         BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
         LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg))
@@ -684,7 +702,7 @@ PER_PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: one live row in it
 
 def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
           y: Tensor | None, config: dict | None, counts: Tensor | None = None, pdl: bool = False,
-          scale=None, xs: Tensor | None = None) -> Tensor:
+          scale=None, xs: Tensor | None = None, quant_x: bool = False) -> Tensor:
     """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well (its
     counters ``counts`` where the gate/up kernel zeroed them, else a memset's)."""
     S, I = h.shape
@@ -700,7 +718,7 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, constexprs = _down_args(
         S, k, (n_blocks, routing.block_m) if routing is not None else None, h.dtype, ids, wts, w_d, b_d, cfg,
-        y is not None, pdl and has_pdl(h.device), scale, xs)
+        y is not None, pdl and has_pdl(h.device), scale, xs, quant_x)
     if y is not None:  # a counter per (token, n-block): its k_valid-th arriver sums the token's rows
         if counts is None:
             counts = torch.zeros((S // k, grid[1]), dtype=torch.int32, device=h.device)
@@ -716,7 +734,8 @@ def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w
 
 def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dtype, ids: Tensor | None,
                wts: Tensor, w_d: Tensor, b_d: Tensor | None, cfg: dict, combine: bool,
-               pdl: bool, scale=None, xs: Tensor | None = None) -> tuple[tuple, tuple, tuple, dict]:
+               pdl: bool, scale=None, xs: Tensor | None = None,
+               quant_x: bool = False) -> tuple[tuple, tuple, tuple, dict]:
     """The down launch but its tensors (for h, out and y contiguous): grid, the integers before ids and after the
     counters, constexprs. ``blocks`` as in ``_gate_up_args``; ``combine``: the sum into y as well; ``pdl``: launched
     by PDL (``has_pdl`` checked)."""
@@ -734,7 +753,8 @@ def _down_args(S: int, k: int, blocks: tuple[int, int] | None, h_dtype: torch.dt
         ints_ids = (None,) * 4
     return grid, ints, ints_ids, dict(
         HAS_BIAS=b_d is not None, PRECISION=dot_precision(h_dtype), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None), PER_PAIR=blocks is None, COMBINE=combine,
+        **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None or quant_x, quant_x), PER_PAIR=blocks is None,
+        COMBINE=combine,
         BLOCK_T=next_power_of_2(cdiv(S // max(k, 1), n_blocks)) if combine else 1,
         BLOCK_J=next_power_of_2(k) if combine else 1, **_pdl_opts(pdl), **_launch_opts(cfg))
 
@@ -745,15 +765,15 @@ def _pdl_opts(pdl: bool) -> dict:
 
 
 def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-             config: dict | None = None, scale=None, xs: Tensor | None = None) -> Tensor:
+             config: dict | None = None, scale=None, xs: Tensor | None = None, quant_x: bool = False) -> Tensor:
     """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten);
-    ``scale`` and ``xs`` (h's) as in ``moe_gate_up``."""
-    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale, xs=xs)
+    ``scale``, ``xs`` (h's) and ``quant_x`` (h quantized by the kernel) as in ``moe_gate_up``."""
+    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale, xs=xs, quant_x=quant_x)
 
 
 def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
                      dtype: torch.dtype, config: dict | None = None, counts: Tensor | None = None,
-                     pdl: bool = False, scale=None, xs: Tensor | None = None) -> Tensor:
+                     pdl: bool = False, scale=None, xs: Tensor | None = None, quant_x: bool = False) -> Tensor:
     """y (T, H) in ``dtype``, as ``moe_combine(moe_down(...))`` computes it bit for bit, in one launch: each
     program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
     n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``.
@@ -764,7 +784,7 @@ def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tenso
     T, k = ids.shape
     y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
     if T > 0:
-        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale, xs)
+        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale, xs, quant_x)
     return y
 
 
@@ -979,7 +999,8 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
 def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, interleaved: bool,
                 path: str, configs: dict | None, s_gu, s_d) -> Tensor:
     """``moe_experts`` on float8 weights with float8 activations (W8A8): x quantized before gate/up, h before down
-    (``fp8.quantize_rows``: one scale per row and 128 columns, transformers' dynamic scheme)."""
+    (``fp8.quantize_rows``: one scale per row and 128 columns, transformers' dynamic scheme), or by the GEMM itself
+    where ``quant_in_gemm``."""
     T, k = ids.shape
     E, H, I = w_d.shape
 
@@ -987,16 +1008,16 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
         return _fp8_config(kind, configs, True, T, k, E, H, I, x)
 
     no_memset, pdl = _FUSED.get(path, (False, False))
-    down = cfg("down")
+    up, down = cfg("gate_up"), cfg("down")
+    qx, qh = quant_in_gemm(s_gu, up, T * k), quant_in_gemm(s_d, down, T * k)
     counts = combine_counts(T, H, down, x.device) if no_memset else None
-    routing = None if path.startswith("unsorted") else moe_align(ids, E, cfg("gate_up")["BLOCK_M"])
-    xq, xs = quantize_rows(x)
-    h = moe_gate_up(xq, routing, w_gu, None, act, I, interleaved, cfg("gate_up"), ids, counts, pdl, s_gu, xs,
-                    x.dtype)
-    hq, hs = quantize_rows(h)
+    routing = None if path.startswith("unsorted") else moe_align(ids, E, up["BLOCK_M"])
+    xq, xs = (x, None) if qx else quantize_rows(x)
+    h = moe_gate_up(xq, routing, w_gu, None, act, I, interleaved, up, ids, counts, pdl, s_gu, xs, x.dtype, qx)
+    hq, hs = (h, None) if qh else quantize_rows(h)
     if path in _FUSED:
-        return moe_down_combine(hq, routing, ids, wts, w_d, None, x.dtype, down, counts, pdl, s_d, hs)
-    return moe_combine(moe_down(hq, routing, wts, w_d, None, down, s_d, hs), ids, E, x.dtype)
+        return moe_down_combine(hq, routing, ids, wts, w_d, None, x.dtype, down, counts, pdl, s_d, hs, qh)
+    return moe_combine(moe_down(hq, routing, wts, w_d, None, down, s_d, hs, qh), ids, E, x.dtype)
 
 
 def _fp8_config(kind: str, configs: dict | None, a8: bool, T: int, k: int, E: int, H: int, I: int,
@@ -1080,23 +1101,24 @@ def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, ac
 def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
                      interleaved: bool, configs: dict | None, scales: tuple, a8: bool):
     """``experts_plan`` for the sorted path on float8 weights: the four launches' grids, integers and constexprs
-    worked out once; a call passes its routing, its activations' quantization (``a8``) and its own scales (views
-    like these ones') into the slots kept for them."""
+    worked out once; a call passes its routing, its activations' quantization (``a8``: launches of their own, or
+    in the GEMMs where ``quant_in_gemm``) and its own scales (views like these ones') into the slots kept for them."""
     T, k = ids.shape
     E, H, I = w_d.shape
     S, dtype, device = T * k, x.dtype, x.device
     up, down = (_fp8_config(kind, configs, a8, T, k, E, H, I, x) for kind in ("gate_up", "down"))
+    qx, qh = (a8 and quant_in_gemm(fe, cfg, S) for fe, cfg in ((scales[0], up), (scales[1], down)))
     blocks = (max_blocks(S, E, up["BLOCK_M"]), up["BLOCK_M"])
     align = align_plan(ids, E, up["BLOCK_M"])
     # stand-ins with the strides and dtypes of the call's operands (quantize_rows' are contiguous)
-    xq = torch.empty((T, H), dtype=FP8, device=device) if a8 else x
-    hq = torch.empty((S, I), dtype=FP8 if a8 else dtype, device=device)
-    xs, hs = ((torch.empty((n, cdiv(w, A8_BLOCK)), dtype=torch.float32, device=device) for n, w in ((T, H), (S, I)))
-              if a8 else (None, None))
+    xq = torch.empty((T, H), dtype=FP8, device=device) if a8 and not qx else x
+    hq = torch.empty((S, I), dtype=FP8 if a8 and not qh else dtype, device=device)
+    xs, hs = (torch.empty((n, cdiv(w, A8_BLOCK)), dtype=torch.float32, device=device) if a8 and not q else None
+              for n, w, q in ((T, H, qx), (S, I, qh)))
     grid_gu, ints_gu, ids_gu, n_counts, const_gu = _gate_up_args(xq, ids, k, blocks, w_gu, None, act, I, interleaved,
-                                                                 up, None, False, scales[0], xs)
+                                                                 up, None, False, scales[0], xs, qx)
     grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, hq.dtype, ids, wts, w_d, None, down, False, False,
-                                                scales[1], hs)
+                                                scales[1], hs, qh)
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
     gu, dn, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
                     Prepared(_moe_combine_kernel, grid_c, **const_c))
@@ -1107,15 +1129,16 @@ def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Ten
     head_d, mid_d = ints_d[:at_d], ints_d[at_d + 1:-2]
     xs_stride, hs_stride = ints_gu[-1], ints_d[-1]
 
-    quant_x, quant_h = (_quantize_plan(T, H), _quantize_plan(S, I)) if a8 else (None, None)
+    quant_x = _quantize_plan(T, H) if a8 and not qx else None
+    quant_h = _quantize_plan(S, I) if a8 and not qh else None
 
     def sorted_fp8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
         routing = align(ids)[:3]
-        xq, xs = quant_x(x) if a8 else (x, None)
+        xq, xs = quant_x(x) if quant_x is not None else (x, None)
         h = torch.empty((S, I), dtype=dtype, device=device)
         gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride, None, *ids_gu, None,
            n_counts)
-        hq, hs = quant_h(h) if a8 else (h, None)
+        hq, hs = quant_h(h) if quant_h is not None else (h, None)
         out = torch.empty((S, H), dtype=torch.float32, device=device)
         dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
            *ids_d)
