@@ -10,7 +10,8 @@ allocations a call does on the host. Qwen3-30B-A3B-sized shapes: attention's q_p
 ``--cublas``: the FP8 table's cuBLAS row runs every linear call, torch's scaled_mm stubbed instead (an output kept per
 shape, as the CUDA caching allocator would hand out): the row's own Python is timed. It takes calls from 512 rows on
 the GPU; at a few rows its aten copies (x's scales, a padded x) cost here about what their launch costs there, at
-2048 rows the CPU's copying adds tens of µs.
+2048 rows the CPU's copying adds tens of µs. It adds a dense gated MLP of the experts' I (its silu · up run on the
+CPU: tens of µs).
 ``--quant-launches``: the experts' x and h quantized by launches of their own at every size (their path before
 the GEMMs quantized them at decode, ``moe.FUSED_QUANT_MAX_PAIRS``).
 """
@@ -33,7 +34,7 @@ from mlp_fuser.dispatch import fp8 as dfp8  # noqa: E402
 from mlp_fuser.dispatch import fp8_experts as dfp8e  # noqa: E402
 from mlp_fuser.kernels import common, fp8, moe, moe_routing  # noqa: E402
 from mlp_fuser.ops import moe as ops_moe  # noqa: E402
-from mlp_fuser.ops import quant_moe  # noqa: E402
+from mlp_fuser.ops import quant, quant_moe  # noqa: E402
 from mlp_fuser.patch.fp8 import FusedFp8Linear  # noqa: E402
 
 
@@ -102,7 +103,7 @@ def timed(fn, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32,2048")
-    ap.add_argument("--profile", choices=("linear", "experts"))
+    ap.add_argument("--profile", choices=("linear", "experts", "mlp"))
     ap.add_argument("-n", type=int, default=300)
     ap.add_argument("--cublas", action="store_true", help="the cuBLAS row runs its calls, scaled_mm stubbed")
     ap.add_argument("--quant-launches", action="store_true", help="the experts' x and h quantized by launches")
@@ -117,6 +118,8 @@ def main() -> None:
     sgu = torch.rand(E, 2 * I // 128, H // 128) + 0.5
     wd = torch.empty((E, H, I), dtype=fp8.FP8)
     sd = torch.rand(E, H // 128, I // 128) + 0.5
+    dense = [t for n, k in ((I, H), (I, H), (H, I))
+             for t in (torch.empty((n, k), dtype=fp8.FP8), torch.rand(n // 128, k // 128) + 0.5, None)]
     for T in map(int, args.rows.split(",")):
         x = torch.randn(1, T, H, dtype=torch.bfloat16)
         x2 = x.view(T, H)
@@ -129,7 +132,10 @@ def main() -> None:
         def experts(x2=x2, ids=ids, wts=wts):
             return quant_moe.eager_quant_moe_mlp(x2, ids, wts, wgu, sgu, wd, sd, "silu", "fp8_e4m3", [128, 128])
 
-        fns = {"linear": linear, "experts": experts}
+        def mlp(x2=x2):  # a dense gated MLP of the experts' I (down's K/128 = 6: its scales padded per call)
+            return quant.quant_gated_mlp(x2, *dense, "silu", "fp8_e4m3", [128, 128])
+
+        fns = {"linear": linear, "experts": experts, "mlp": mlp}
         if args.profile:
             fns[args.profile]()
             with cProfile.Profile() as p:
@@ -138,9 +144,10 @@ def main() -> None:
             print(f"== {args.profile}, T = {T}, {args.n} calls")
             pstats.Stats(p).sort_stats("tottime").print_stats(18)
             continue
+        dense_mlp = f"   gated MLP {timed(mlp, args.n):6.1f} µs" if args.cublas else ""
         print(f"T = {T:5d}: FusedFp8Linear {timed(linear, args.n):6.1f} µs   "
-              f"quant_moe_mlp {timed(experts, args.n):6.1f} µs   (slow launches so far {common.Launcher.slow_calls})")
-
+              f"quant_moe_mlp {timed(experts, args.n):6.1f} µs{dense_mlp}   "
+              f"(slow launches so far {common.Launcher.slow_calls})")
 
 if __name__ == "__main__":
     main()
