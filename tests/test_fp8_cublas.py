@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mlp_fuser
 from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels import fp8_cublas
+from mlp_fuser.kernels.common import INTERPRET
 from mlp_fuser.ops import quant
 from mlp_fuser.reference import rel_err
 
@@ -186,3 +188,31 @@ def test_the_op_on_cublas_is_as_accurate_as_the_fused_kernels(M):
     xx = x.double()
     ref = (torch.nn.functional.silu(xx @ d[0].T) * (xx @ d[1].T)) @ d[2].T
     assert rel_err(y, ref) <= 1.25 * rel_err(y_fused, ref)
+
+
+@pytest.mark.skipif(not CUDA and not INTERPRET, reason="the fused row's Triton kernels need CUDA or the interpreter")
+def test_a_call_torch_refuses_runs_on_the_next_row_and_drops_the_row(monkeypatch):
+    """Where torch's scaled_mm raises (a layout its version does not take), the call's result is the fused row's
+    and the row says why it is no longer chosen on that device."""
+    def refuse(*args, **kwargs):
+        raise ValueError("scale_a must have strides (1, 8)")
+
+    device = "cuda" if CUDA else "cpu"
+    if not CUDA:
+        monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
+    monkeypatch.setattr(fp8, "CUBLAS_FROM_M", 8)
+    monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", refuse)
+    monkeypatch.setitem(fp8_cublas._RUNS, torch.device(device).index, None)
+    monkeypatch.setattr(fp8, "_PLANS", {})
+    g = torch.Generator().manual_seed(9)
+    K, I = 384, 256
+    fws = [weight(I, K, g, device=device), weight(I, K, g, device=device), weight(K, I, g, device=device)]
+    x = torch.randn(8, K, generator=g).to(device, torch.float16)
+    args = [t for fw in fws for t in (fw.w, fw.scale, None)]
+    weights = [(n, fw, None) for n, fw in zip(("w_gate", "w_up", "w_down"), fws)]
+    assert quant.choose(x, 8, weights) == "fp8_cublas_blockwise"
+    y = quant.quant_gated_mlp(x, *args, "silu", "fp8_e4m3", [128, 128])
+    assert "refused a call here (ValueError: scale_a must have strides" in quant.describe(x, 8, weights)
+    assert quant.choose(x, 8, weights) == "fp8_w8a8"
+    with mlp_fuser.config.patch(force_impl="fp8_w8a8"):
+        assert torch.equal(y, quant.quant_gated_mlp(x, *args, "silu", "fp8_e4m3", [128, 128]))

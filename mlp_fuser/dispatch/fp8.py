@@ -135,7 +135,25 @@ def _cublas(x: Tensor, weights, activation, gated: bool) -> Tensor:
 
 def _cublas_plan(args: tuple):
     """``_cublas`` for calls like ``args`` = (x, weights, activation, gated): a function of (x, weights), its
-    launches, row padding and scale layouts worked out once (``fp8_cublas.linear_plan`` / ``mlp_plan``)."""
+    launches, row padding and scale layouts worked out once (``fp8_cublas.linear_plan`` / ``mlp_plan``). Where torch
+    refuses a call (a layout or shape its version does not take), the row is dropped for the device and the call
+    runs on the next row."""
+    x, weights, activation, gated = args
+    planned = _cublas_planned(args)
+
+    def guarded(x, weights):
+        try:
+            return planned(x, weights)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            fp8_cublas.refused(x.device.index, e)
+            _PLANS.clear()
+            return run(x, weights, activation, gated, None)
+    return guarded
+
+
+def _cublas_planned(args: tuple):
     x, weights, activation, gated = args
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)

@@ -163,6 +163,11 @@ def why_not_device(index: int | None) -> str | None:
     return _RUNS[index]
 
 
+def refused(index: int | None, error: Exception) -> None:
+    """Record that torch's blockwise scaled_mm refused a call on this device: the row is not chosen there again."""
+    _RUNS[index] = f"torch's blockwise scaled_mm refused a call here ({type(error).__name__}: {str(error)[:120]})"
+
+
 def _probe(device: torch.device) -> str | None:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "cuBLAS' blockwise FP8 recipe is measured on sm90 only"
