@@ -4,6 +4,7 @@
     python3 benchmarks/bench_train.py --tiny --device cpu         # checks the script itself
     python3 benchmarks/bench_train.py --model qwen3moe-small --out DIR [--shapes 1x1024,4x1024] [--adamw] [--budget-s S]
     python3 benchmarks/bench_train.py --model qwen3moe-small --tiny --device cpu
+    python3 benchmarks/bench_train.py --model gptoss-small --shapes 4x2048 --out DIR
 
 Model: LLaMA (hidden 2048, intermediate 5632, 8 layers, 32 query / 4 KV heads, vocabulary 32000),
 ``LlamaForCausalLM`` from its config with random weights, bf16, SDPA attention, train mode. One step = forward
@@ -22,6 +23,10 @@ backward and autograd through grouped_mm, logged with both steps' times), ``patc
 ``compile-experts`` (torch.compile with the mlp_fuser experts) and ``backend-recompute``; on request ``experts-aten``
 (the experts switch with its grouped_mm rows forced, ``MLP_FUSER_IMPL=grouped_mm``: the op's path before its Triton
 backward).
+
+``--model gptoss-small``: GPT-OSS with GPT-OSS-20B's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of
+intermediate 2880, top 4, interleaved clamped SwiGLU with biases, sliding and full attention alternating, eager
+attention for its sinks), 8 layers; the same variants as qwen3moe-small.
 
 Step time: the median of ``--steps`` steps after ``--warmup`` warm-up steps (compilation and the op's kernel choice
 happen there), each step timed between torch.cuda.synchronize() calls. Peak: torch.cuda.max_memory_allocated()
@@ -52,6 +57,14 @@ MOE_MODEL = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, 
                  vocab_size=151936)
 MOE_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256)
+GPTOSS_MODEL = dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=8, num_attention_heads=64,
+                    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088)
+GPTOSS_TINY = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, vocab_size=256)
+MOE_FAMILIES = {  # --model: (config class, model class, attention, dims, tiny dims)
+    "qwen3moe-small": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "sdpa", MOE_MODEL, MOE_TINY),
+    "gptoss-small": ("GptOssConfig", "GptOssForCausalLM", "eager", GPTOSS_MODEL, GPTOSS_TINY),  # sinks: no sdpa
+}
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
 MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
 EXTRA = ["patch-whole"]  # on request only: patch(per_module=False), the whole forward through Dynamo (recompute)
@@ -76,15 +89,17 @@ class FusedCount(logging.Handler):
             self.fused += int(msg.split(": fused ", 1)[1].split()[0])
 
 
-def build_moe(device, dtype, tiny, layers=None):
-    """Qwen3-MoE with random weights: built on the meta device, then filled in place (normal 0.02; norms 1)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def build_moe(device, dtype, tiny, layers=None, family="qwen3moe-small"):
+    """The MoE family's model with random weights: built on the meta device, then filled in place (normal 0.02;
+    1-D parameters: norms, sinks, router biases, 1)."""
+    import transformers
 
-    dims = dict(MOE_TINY if tiny else MOE_MODEL, **({"num_hidden_layers": layers} if layers else {}))
-    cfg = Qwen3MoeConfig(max_position_embeddings=4096, **dims)
-    cfg._attn_implementation = "sdpa"
+    config_cls, model_cls, attention, full, small = MOE_FAMILIES[family]
+    dims = dict(small if tiny else full, **({"num_hidden_layers": layers} if layers else {}))
+    cfg = getattr(transformers, config_cls)(max_position_embeddings=4096, **dims)
+    cfg._attn_implementation = attention
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg).to(dtype)
+        model = getattr(transformers, model_cls)(cfg).to(dtype)
     model = model.to_empty(device=device).train()
     with torch.device(device):  # its buffers were left empty
         model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
@@ -226,8 +241,8 @@ def table(rows) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--model", choices=["llama", "qwen3moe-small"], default="llama")
-    ap.add_argument("--layers", type=int, default=None, help="qwen3moe-small: this many layers (default 8)")
+    ap.add_argument("--model", choices=["llama", *MOE_FAMILIES], default="llama")
+    ap.add_argument("--layers", type=int, default=None, help="the MoE models: this many layers (default 8)")
     ap.add_argument("--shapes", default=None, help="B×T pairs, comma-separated (default 4x1024,1x4096; "
                     "qwen3moe-small 1x1024,4x1024)")
     ap.add_argument("--variants", default=None, help=f"default {','.join(VARIANTS)}; qwen3moe-small "
@@ -243,7 +258,7 @@ def main(argv=None):
     ap.add_argument("--triton-backward", action="store_true",
                     help="let the dispatcher also time the Triton dh GEMM (mlp_fuser.config.triton_backward, opt-in)")
     args = ap.parse_args(argv)
-    moe = args.model == "qwen3moe-small"
+    moe = args.model in MOE_FAMILIES
     args.shapes = args.shapes or ("1x1024,4x1024" if moe else "4x1024,1x4096")
     variants = (args.variants or ",".join(MOE_VARIANTS if moe else VARIANTS)).split(",")
     known = VARIANTS + EXTRA + (["experts", "experts-aten", "compile-experts"] if moe else [])
@@ -263,8 +278,9 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model, cfg = build_moe(args.device, dtype, args.tiny, args.layers) if moe else build(args.device, dtype, args.tiny)
-    dims = (MOE_TINY if args.tiny else MOE_MODEL) if moe else (TINY if args.tiny else MODEL)
+    model, cfg = (build_moe(args.device, dtype, args.tiny, args.layers, args.model) if moe
+                  else build(args.device, dtype, args.tiny))
+    dims = MOE_FAMILIES[args.model][4 if args.tiny else 3] if moe else (TINY if args.tiny else MODEL)
     env = dict(torch=torch.__version__, transformers=transformers.__version__,
                gpu=torch.cuda.get_device_name() if args.device == "cuda" else args.device,
                model=dict(dims, num_hidden_layers=cfg.num_hidden_layers), dtype=str(dtype), steps=args.steps,

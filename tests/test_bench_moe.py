@@ -147,11 +147,12 @@ def test_generate_moe_paths_compare_with_transformers_best():
     assert "| 2.000x static_kept" in "\n".join(bench_generate.write(rows[1:], "/tmp/_bench_moe_unused"))
 
 
-def test_train_qwen3moe_small_tiny(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3moe-small", "gptoss-small"])
+def test_train_moe_tiny(tmp_path, family):
     bench_train = _benchmark("bench_train")
     from mlp_fuser import config
 
-    assert bench_train.main(["--model", "qwen3moe-small", "--tiny", "--device", "cpu", "--variants",
+    assert bench_train.main(["--model", family, "--tiny", "--device", "cpu", "--variants",
                              "eager,experts,experts-aten", "--shapes", "1x16", "--steps", "1", "--warmup", "1",
                              "--adamw", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "train.json").read_text())
