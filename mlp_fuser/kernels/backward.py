@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..activations import get_activation
 from .common import INTERPRET, Launcher, aligned, cdiv, dot_precision, k_loop_fits, m_bucket
+from .gemm import grouped_tile
 
 
 def _configs() -> list[triton.Config]:
@@ -72,13 +73,7 @@ def _mlp_backward_kernel(
 ):
     # -- grouped ordering of the program ids (L2 reuse) ----------------------------------------------
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of dy, g, u, dgu
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of w_down = columns of dh

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..activations import get_activation
 from .common import INTERPRET, Prepared, cdiv, dot_precision, kept_desc, launch, num_sms
+from .gemm import grouped_tile
 
 try:  # host tensor descriptors (Triton >= 3.4): the large-M kernel's TMA boxes
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -223,18 +224,6 @@ def quantize_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Ten
 
 
 @triton.jit
-def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of output tile ``tile``, tiles taken GROUP_M rows of tiles at a time (L2 reuse of the weight
-    panels)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
-
-
-@triton.jit
 def _x_step(x_ptrs, kmask, mask_m, QUANT_X: tl.constexpr):
     """This K step's x tile (BLOCK_M, BLOCK_K) as the dots take it and, with QUANT_X, each row's scale (BLOCK_M,):
     the step is one 128-wide activation block, quantized as ``_quantize_rows_kernel`` does (same ops, same order:
@@ -287,7 +276,7 @@ def _fp8_linear_kernel(
     # -- which output tile (grouped along M for L2 reuse of the weight panels) and which K range --------------
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x and y
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of w = columns of y
@@ -380,7 +369,7 @@ def _fp8_gemm_tma_kernel(
     scale and, for block scales, the weight rows' scale of that K block."""
     # -- which output tile (grouped along M for L2 reuse of the weight panels) ---------------------------------
     tile = tl.program_id(0)
-    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)

@@ -124,6 +124,18 @@ def gate_up_finish(
 
 
 @triton.jit
+def grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile``, tiles taken GROUP_M rows of tiles at a time (L2 reuse of the weight
+    panels)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
+
+
+@triton.jit
 def zero_workspace(zero_ptr, n_zero):
     """Set ``n_zero`` int32 elements at ``zero_ptr`` to 0 (a workspace of the next kernel on the stream, such as
     linear_splitk's arrival counters), 256 at a time: one program's job, which saves that kernel a memset launch."""
@@ -166,13 +178,7 @@ def _gate_up_act_kernel(
 ):
     # -- grouped ordering of the program ids (L2 reuse) ----------------------------------------------
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # -- a workspace of the next kernel zeroed here, which saves that kernel a memset launch ------------
     if n_zero > 0:
