@@ -54,16 +54,23 @@ def linear(x: Tensor, fw: Fp8Weight, bias: Tensor | None = None) -> Tensor:
 def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
     """The (gated) MLP of checked weights ``[(name, Fp8Weight, bias)]`` on x (M, K): gate and up share x's
     quantization; act · up and h's quantization between the GEMMs."""
+    def gemm(q, s, fw):
+        return _linear(q, s, fw, x.dtype)
+    return _mlp(x, weights, get_activation(activation).fn, gated, _quantized, quantize_rows, (gemm, gemm, gemm))
+
+
+def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms) -> Tensor:
+    """``mlp`` on the given quantizers and (gate, up, down) GEMMs ``(q, s, fw) -> y`` (rows padded to 4 by them)."""
     M = x.shape[0]
-    act = get_activation(activation).fn
-    q, s = _quantized(x)
+    first, up, down = gemms
+    q, s = quant_x(x)
     (_, w1, b1), *rest = weights
-    g = _linear(q, s, w1, x.dtype)
+    g = first(q, s, w1)
     if b1 is not None:
         g += b1
     if gated:
         _, wu, bu = rest[0]
-        u = _linear(q, s, wu, x.dtype)
+        u = up(q, s, wu)
         if bu is not None:
             u += bu
         h = act(g)
@@ -74,7 +81,9 @@ def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
         h = act(g)
         del g
     _, wd, bd = rest[-1]
-    y = _linear(*quantize_rows(h), wd, x.dtype)[:M]
+    y = down(*quant_h(h), wd)
+    if y.shape[0] != M:
+        y = y[:M]
     return y if bd is None else y + bd
 
 
@@ -125,31 +134,10 @@ def mlp_plan(x: Tensor, weights, activation: str, gated: bool):
     (_, w1, _), *rest = weights
     wd = rest[-1][1]
     quant_x, quant_h = _quant_plan(M, K), _quant_plan(M + -M % 4, w1.w.shape[0])
-    first, up, down = _gemm_plan(w1, x.dtype), _gemm_plan(rest[0][1], x.dtype), _gemm_plan(wd, x.dtype)
+    gemms = (_gemm_plan(w1, x.dtype), _gemm_plan(rest[0][1], x.dtype), _gemm_plan(wd, x.dtype))
 
     def mlp(x, weights):
-        (_, w1, b1), *rest = weights
-        q, s = quant_x(x)
-        g = first(q, s, w1)
-        if b1 is not None:
-            g += b1
-        if gated:
-            _, wu, bu = rest[0]
-            u = up(q, s, wu)
-            if bu is not None:
-                u += bu
-            h = act(g)
-            del g  # as mlp's: the peak stays at three (M, I) intermediates
-            h.mul_(u)
-            del u
-        else:
-            h = act(g)
-            del g
-        _, wd, bd = rest[-1]
-        y = down(*quant_h(h), wd)
-        if y.shape[0] != M:
-            y = y[:M]
-        return y if bd is None else y + bd
+        return _mlp(x, weights, act, gated, quant_x, quant_h, gemms)
     return mlp
 
 
