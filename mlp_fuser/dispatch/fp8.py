@@ -56,17 +56,15 @@ def _kernels(a8: bool):
     every launch worked out once; None where gate or up has a bias (their product runs in aten)."""
     def plan(args: tuple):
         x, weights, activation, gated = args
-        lead, width = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, width)
+        x2 = x.reshape(-1, x.shape[-1])
         if len(weights) == 1:
             (_, w, b), = weights
             one = fp8_kernels.linear_plan(x2, w, bias=b, a8=a8)
-            rows, out = tuple(x2.shape), (*lead, w.w.shape[0])  # ints: reshape reads them faster than a Size
 
-            def linear(x, weights):
+            def linear(x2, weights):
                 (_, w, b), = weights
-                return one(x.reshape(*rows), w, None, b).reshape(*out)
-            return linear
+                return one(x2, w, None, b)
+            return _on_rows(x, weights, linear)
         (_, w1, b1), *rest = weights
         if gated and (b1 is not None or rest[0][2] is not None):
             return None
@@ -76,14 +74,12 @@ def _kernels(a8: bool):
         h = torch.empty((x2.shape[0], w1.w.shape[0]), dtype=x.dtype, device=x.device)  # a stand-in: its layout
         second = fp8_kernels.linear_plan(h, wd, bias=bd, a8=a8)
 
-        rows, out = tuple(x2.shape), (*lead, wd.w.shape[0])
-
-        def mlp(x, weights):
+        def mlp(x2, weights):
             (_, w1, b1), *rest = weights
-            h = first(x.reshape(*rows), w1, rest[0][1] if gated else None, None if gated else b1)
+            h = first(x2, w1, rest[0][1] if gated else None, None if gated else b1)
             _, wd, bd = rest[-1]
-            return second(h, wd, None, bd).reshape(*out)
-        return mlp
+            return second(h, wd, None, bd)
+        return _on_rows(x, weights, mlp)
 
     def fn(x: Tensor, weights, activation, gated: bool) -> Tensor:
         p = plan((x, weights, activation, gated))
@@ -155,21 +151,25 @@ def _cublas_plan(args: tuple):
 
 def _cublas_planned(args: tuple):
     x, weights, activation, gated = args
-    lead, width = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, width)
-    rows, out = tuple(x2.shape), (*lead, weights[-1][1].w.shape[0])  # ints: reshape reads them faster than a Size
+    x2 = x.reshape(-1, x.shape[-1])
     if len(weights) == 1:
         one = fp8_cublas.linear_plan(x2, weights[0][1])
 
-        def linear(x, weights):
+        def linear(x2, weights):
             (_, w, b), = weights
-            return one(x.reshape(*rows), w, b).reshape(*out)
-        return linear
-    run = fp8_cublas.mlp_plan(x2, weights, activation, gated)
+            return one(x2, w, b)
+        return _on_rows(x, weights, linear)
+    return _on_rows(x, weights, fp8_cublas.mlp_plan(x2, weights, activation, gated))
 
-    def mlp(x, weights):
-        return run(x.reshape(*rows), weights).reshape(*out)
-    return mlp
+
+def _on_rows(x: Tensor, weights, plan2d):
+    """A plan of 2-D x, ``plan2d(x2, weights)``, as one of x's shape: x's rows in, the output's leading dims back."""
+    rows = tuple(x.reshape(-1, x.shape[-1]).shape)  # ints: reshape reads them faster than a Size
+    out = (*x.shape[:-1], weights[-1][1].w.shape[0])
+
+    def planned(x, weights):
+        return plan2d(x.reshape(*rows), weights).reshape(*out)
+    return planned
 
 
 def cublas_format(weights) -> str | None:
