@@ -108,6 +108,13 @@ class Fp8Experts(NamedTuple):
         return r
 
 
+def format_as_given(f: Fp8Weight | Fp8Experts, s: Tensor) -> tuple | None:
+    """``f``'s format fields (those after w and scale) where ``f`` reads the scales ``s`` as they are (the same
+    dtype, shape and strides: a later call may rebuild ``f`` from them without a new view), else None."""
+    v = f.scale
+    return tuple(f[2:]) if v.dtype == s.dtype and v.shape == s.shape and v.stride() == s.stride() else None
+
+
 def fp8_experts(w: Tensor, scale: Tensor, block: tuple[int, int] | list[int] | None = None, gated: bool = False,
                 interleaved: bool = False) -> Fp8Experts:
     """``w`` (E, N, K) float8_e4m3fn with ``scale`` as transformers' ``FP8Experts`` stores it: per block (``block``

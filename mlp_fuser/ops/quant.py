@@ -133,20 +133,12 @@ def _call(names, x: Tensor, args: tuple, fmt, block, activation, gated: bool) ->
         if key is not None:
             if len(_SEEN) >= _MAX_SEEN:
                 _SEEN.clear()
-            _SEEN[key] = [_as_given(fw, args[3 * i + 1]) for i, (_, fw, _) in enumerate(weights)]
+            _SEEN[key] = [fp8_kernels.format_as_given(fw, args[3 * i + 1]) for i, (_, fw, _) in enumerate(weights)]
     else:
         weights = [(n, fp8_kernels.Fp8Weight(args[3 * i], args[3 * i + 1], *blocks) if blocks is not None
                     else _weight(n, args[3 * i], args[3 * i + 1], fmt, block), args[3 * i + 2])
                    for i, (n, blocks) in enumerate(zip(names, seen))]
     return fp8.run(x, weights, activation, gated, key)
-
-
-def _as_given(fw: fp8_kernels.Fp8Weight, s: Tensor) -> tuple[int, int] | None:
-    """(block_n, block_k) where ``fw`` reads the scales ``s`` as they are (a view of the same shape, strides and
-    dtype), else None."""
-    sv = fw.scale
-    same = sv.dtype == s.dtype and sv.shape == s.shape and sv.stride() == s.stride()
-    return (fw.block_n, fw.block_k) if same else None
 
 
 def _quant_linear(x, w, s, b, weight_format, block=None):

@@ -95,7 +95,7 @@ def _flat(x, ids, wts):
     return T, x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k)
 
 
-_SEEN: dict[tuple, tuple] = {}  # _signature -> (the Gate, each weight's _as_given) of a call that passed every check
+_SEEN: dict[tuple, tuple] = {}  # _signature -> (the Gate, each weight's format_as_given) of a checked call
 _MAX_SEEN = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
 
 
@@ -104,14 +104,6 @@ def _signature(x, ids, wts, wgu, sgu, wd, sd, activation, fmt, block, interleave
     """Everything ``_checked`` reads: each tensor's shape, strides, dtype and device, and the other arguments."""
     return (activation, fmt, None if block is None else tuple(block), interleaved, limit, clamp_after, up_offset,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in (x, ids, wts, wgu, sgu, wd, sd)])
-
-
-def _as_given(fe: fp8_kernels.Fp8Experts, s: Tensor) -> tuple | None:
-    """(block_n, block_k, up_soff) where ``fe`` reads the scales ``s`` as they are (a view of the same shape,
-    strides and dtype), else None (``fp8_experts`` views them again)."""
-    sv = fe.scale
-    same = sv.dtype == s.dtype and sv.shape == s.shape and sv.stride() == s.stride()
-    return (fe.block_n, fe.block_k, fe.up_soff) if same else None
 
 
 def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False, limit=None,
@@ -130,7 +122,7 @@ def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=Non
         if key is not None:
             if len(_SEEN) >= _MAX_SEEN:
                 _SEEN.clear()
-            _SEEN[key] = (gate, _as_given(fgu, sgu), _as_given(fd, sd))
+            _SEEN[key] = (gate, fp8_kernels.format_as_given(fgu, sgu), fp8_kernels.format_as_given(fd, sd))
     else:
         gate, gu, d = seen
         fgu = fp8_kernels.Fp8Experts(wgu, sgu, *gu) if gu else fp8_kernels.fp8_experts(wgu, sgu, block, gate.gated,
