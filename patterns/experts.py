@@ -48,6 +48,7 @@ class ExpertsCandidate:
     H: int = 0
     I: int = 0
     reason: str | None = None  # why it cannot be fused: a near miss
+    needs_grad: bool = False  # its output needs gradients (a training step's graph)
     op: Node | None = None  # the region already is a moe_mlp call (experts_implementation="mlp_fuser", patch)
 
 
@@ -115,6 +116,7 @@ def analyze(c: ExpertsCandidate) -> ExpertsCandidate:
         c.reason = f"the experts' nodes hand {len(outputs)} values to the rest of the graph, not one"
         return c
     c.out = outputs[0]
+    c.needs_grad = bool(getattr(val(c.out), "requires_grad", False))
     params: dict[Node, str] = {}
     acts = []
     for m in outside_inputs:

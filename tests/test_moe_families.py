@@ -285,6 +285,47 @@ def test_pass_report(impl):
     assert [s.path for s in routed] == [n for n, _ in experts_modules(model)]
 
 
+def test_training_graph_experts_left_to_inductor(monkeypatch):
+    """In a training graph (the experts' output needs gradients) the pass leaves routed experts to the compiler when
+    asked (the backend asks when Inductor compiles), naming the check "training"; the same graph without gradients,
+    or the pass not asked, fuses them; the backend without Inductor (patch's way) still fuses them in training."""
+    model, inputs = toy("qwen3_moe")
+    paths = [n for n, _ in experts_modules(model)]
+
+    def graphs_of(grad):
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            torch.compile(model, backend=record)(*inputs)
+        return graphs
+
+    def routed(reports):
+        fused = [s.path for r in reports for s in r.fused if s.pattern == "routed_experts"]
+        missed = [(m.path, m.check) for r in reports for m in r.near_misses if m.pattern == "routed_experts"]
+        return fused, missed
+
+    train = graphs_of(True)
+    assert routed([fx_pass.fuse_mlps(gm, dry_run=True, leave_trained_experts=True) for gm in train]) == \
+        ([], [(p, "training") for p in paths])
+    assert routed([fx_pass.fuse_mlps(gm, dry_run=True) for gm in train]) == (paths, [])
+    assert routed([fx_pass.fuse_mlps(gm, dry_run=True, leave_trained_experts=True) for gm in graphs_of(False)]) == \
+        (paths, [])
+    asked = []
+    real = fx_pass.fuse_mlps
+    monkeypatch.setattr(fx_pass, "fuse_mlps", lambda gm, **kw: asked.append(kw["leave_trained_experts"]) or
+                        real(gm, **kw))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=mlp_fuser.make_backend(inductor=False))
+    assert moe_calls(lambda: compiled(*inputs).logits.sum().backward()) == len(paths)
+    assert asked and not any(asked)
+    torch._dynamo.reset()
+
+
 def test_backend_inductor():
     model, inputs = toy("qwen3_moe")
     ref = logits(model, inputs)

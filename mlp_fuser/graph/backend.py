@@ -137,7 +137,8 @@ def make_backend(
         compiler = inductor_compiler(mode, options) if inductor else None  # a bad mode or option raises here
         gid = next(_graph_ids)
         if enabled:
-            report = fx_pass.fuse_mlps(gm, filter_fn=filter_fn, root=root, **allowed)
+            report = fx_pass.fuse_mlps(gm, filter_fn=filter_fn, root=root, leave_trained_experts=compiler is not None,
+                                       **allowed)
             log.info("mlp_fuser: graph %d: %s", gid, report.summary())
             for m in report.near_misses:
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)

@@ -47,7 +47,11 @@ from mlp_fuser.patterns.common import (
 log = logging.getLogger("mlp_fuser")
 
 CHECKS = ("activation", "allowed", "filter", "single_use", "same_input", "plain_tensors", "dtype_device",
-          "dropout_inactive", "shapes", "experts")
+          "dropout_inactive", "shapes", "experts", "training")
+# Routed experts in a training graph that Inductor compiles: its grouped_mm graph steps faster than the op there
+# (benchmarks/NOTES.md, "Training"), so the region is left to it; eager training (patch, the switch) fuses them.
+TRAINED_EXPERTS = ("its output needs gradients and Inductor compiles the graph: Inductor's own grouped_mm experts "
+                   "train faster than the op there (experts_implementation='mlp_fuser' forces the op)")
 
 
 @dataclass
@@ -304,9 +308,10 @@ def _fill_get_attr_values(gm: GraphModule) -> None:
                     pass
 
 
-def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_run: bool) -> PassReport:
+def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_run: bool,
+                  leave_trained: bool = False) -> PassReport:
     """Routed experts (``patterns/experts.py``): each experts module's region checked, then rewritten to one
-    ``moe_mlp`` call."""
+    ``moe_mlp`` call; ``leave_trained``: a region whose output needs gradients is left as it is."""
     report = PassReport()
     for c in routed.find(gm.graph):
         path = clean_path(c.path)
@@ -319,6 +324,8 @@ def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_r
             failed = ("allowed", f"activation {c.gate.activation!r} is not enabled")
         elif filter_fn is not None and not filter_fn(_module_at(root, path), path):
             failed = ("filter", "rejected by filter_fn")
+        elif leave_trained and c.needs_grad and c.op is None:
+            failed = ("training", TRAINED_EXPERTS)
         if failed:
             report.near_misses.append(NearMiss(path, routed.PATTERN, *failed))
             continue
@@ -353,15 +360,18 @@ def fuse_mlps(
     dry_run: bool = False,
     save_preact: bool = False,
     root=None,
+    leave_trained_experts: bool = False,
 ) -> PassReport:
     """Find, check and (unless ``dry_run``) rewrite every MLP site of ``gm``; return what was fused and missed.
     ``save_preact``: the ops keep their pre-activations for the backward instead of recomputing them.
-    ``filter_fn(module, fqn)``: as for ``make_backend``, ``module`` the module at ``fqn`` in ``root`` or None."""
+    ``filter_fn(module, fqn)``: as for ``make_backend``, ``module`` the module at ``fqn`` in ``root`` or None.
+    ``leave_trained_experts``: routed experts whose output needs gradients are left to the compiler (check
+    "training"); the backend asks this when Inductor compiles."""
     _fill_get_attr_values(gm)
     report = PassReport()
     gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
     report.near_misses += [NearMiss(*m) for m in lowered]
-    experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run)
+    experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run, leave_trained_experts)
     report.routers, report.routers_with_grad = _fuse_routers(gm, patterns, filter_fn, root, dry_run)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[Node] = set()
@@ -398,7 +408,7 @@ def fuse_mlps(
     for sub in gm.children():
         if isinstance(sub, GraphModule):
             inner = fuse_mlps(sub, activations=activations, patterns=patterns, filter_fn=filter_fn, dry_run=dry_run,
-                              save_preact=save_preact, root=root)
+                              save_preact=save_preact, root=root, leave_trained_experts=leave_trained_experts)
             report.fused += inner.fused
             report.near_misses += inner.near_misses
             report.projections += inner.projections
