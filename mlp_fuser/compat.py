@@ -19,6 +19,7 @@ fails when a module outside this one reaches a private torch or Triton name.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 
@@ -430,3 +431,21 @@ def uncompiled(model):
     if type(model).__name__ == "OptimizedModule":
         return getattr(model, "_orig_mod", model)
     return model
+
+
+# transformers' FP8 layers call the kernel its finegrained_fp8 module loaded into a private global (from the Hub)
+def hf_fp8_kernel(module):
+    """The FP8 kernel transformers' FP8 layers run (``module``: transformers.integrations.finegrained_fp8), once
+    loaded, else None."""
+    return getattr(module, "_FINEGRAINED_FP8", None)
+
+
+@contextlib.contextmanager
+def hf_fp8_kernel_as(module, kernel):
+    """transformers' FP8 layers run ``kernel`` (a ``module.FineGrainedFP8``) inside the block."""
+    kept = module._FINEGRAINED_FP8
+    module._FINEGRAINED_FP8 = kernel
+    try:
+        yield
+    finally:
+        module._FINEGRAINED_FP8 = kept

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import mlp_fuser
+from mlp_fuser import compat, config
 from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
@@ -432,6 +433,61 @@ def test_patch_runs_an_fp8_llama_as_its_dequantized_twin(monkeypatch):
     assert len(calls) == 2 and rel_err(out, ref) < 1e-5 and out.requires_grad
     mlp_fuser.unpatch(model)
     assert "forward" not in mlp.__dict__
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_transformers_fp8linear_runs_its_own_forward_on_the_aten_stand_in(static):
+    """transformers' FP8Linear (128 x 128 blocks cut by N and K, a bias; dynamic or static activation scale) inside
+    ``transformers_fp8_in_aten`` computes its semantics (float64 here): x quantized per token and 128 columns, or by
+    its static scale, times the dequantized weight; the kernel transformers held before is back after the block."""
+    pytest.importorskip("transformers")
+    from transformers.integrations import finegrained_fp8 as hf
+
+    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+
+    g = torch.Generator().manual_seed(3)
+    N, K = 200, 320
+    q, s = K8.quantize_blocks(torch.randn(N, K, generator=g), (128, 128))
+    f = hf.FP8Linear(K, N, block_size=(128, 128), activation_scheme="static" if static else "dynamic", has_bias=True)
+    f.weight.data, f.weight_scale_inv.data = q, s
+    f.bias.data = torch.randn(N, generator=g)
+    if static:
+        f.activation_scale.data = torch.tensor(0.009)
+    x = torch.randn(2, 5, K, generator=g)
+    before = compat.hf_fp8_kernel(hf)
+    with transformers_fp8_in_aten():
+        y = f(x)
+    assert compat.hf_fp8_kernel(hf) is before
+    x2 = x.reshape(-1, K)
+    if static:
+        xx = (x2 / 0.009).clamp(-448, 448).to(K8.FP8).double() * 0.009
+    else:
+        xq, xs = K8.quantize_rows_reference(x2)
+        xx = xq.double() * xs.double().repeat_interleave(128, 1)[:, :K]
+    ref = xx @ dequant64(q, s, (128, 128)).T + f.bias.double()
+    assert y.shape == (2, 5, N) and rel_err(y.reshape(-1, N), ref) < 1e-6
+
+
+@needs_kernels
+def test_fused_fp8_llama_is_as_accurate_as_transformers_own_fp8_forward(monkeypatch):
+    """The FP8 issue's accuracy bar: patched (every FP8Linear through our kernels: the interpreter on the CPU), the
+    model's logits err against float64 (the dequantized weights) by at most 1.25x what transformers' own FP8 forward
+    errs (its code on the aten stand-in for its Hub kernel)."""
+    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    model, twin = _fp8_llama()
+    model, twin = model.to(KERNEL_DEVICE), twin.to(KERNEL_DEVICE, torch.float64)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(5)).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        ref = twin(ids).logits
+        with transformers_fp8_in_aten():
+            theirs = model(ids).logits
+        mlp_fuser.patch(model)
+        ours = model(ids).logits
+    mlp_fuser.unpatch(model)
+    e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
+    assert 0 < e_ours <= 1.25 * e_theirs, f"fused {e_ours:.2e} against transformers' {e_theirs:.2e}"
 
 
 def test_patch_leaves_an_unsupported_fp8_format_exactly_as_it_was(caplog):

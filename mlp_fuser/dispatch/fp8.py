@@ -43,7 +43,7 @@ def why_not_kernels(device: str, index: int | None) -> str | None:
 
 
 def _kernels_run(p: Problem) -> str | None:
-    return why_not_kernels(p.device, p.index)
+    return None if p.device == "cpu" and config.triton_on_cpu else why_not_kernels(p.device, p.index)
 
 
 def _a8_on(p: Problem) -> str | None:

@@ -215,7 +215,7 @@ def transformers_fp8_kernel_loads() -> bool:
         from transformers.integrations import finegrained_fp8 as hf
     except ImportError:
         return False
-    if getattr(hf, "_FINEGRAINED_FP8", None) is not None:
+    if compat.hf_fp8_kernel(hf) is not None:
         return True
     if hf not in _TRIED:
         try:
