@@ -45,8 +45,10 @@ with the bf16 model's mlp_fuser path it is compared with: ``fp8_patch`` (``mlp_f
 ``patch``; ``fp8_static`` (the twin patched, then ``generate(cache_implementation="static",
 compile_config=CompileConfig(fullgraph=True))``: Dynamo traces the patched modules' quant ops) with
 ``static_backend``; the prefill's ``fp8_patch`` with ``patch``; ``fp8_eager``, the twin as transformers runs it (the
-FP8 reference), only where transformers' FP8 kernel loads (it is fetched from the Hub: never offline; its row says
-so). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8 reference's. Memory (CUDA): each
+FP8 reference): on transformers' FP8 kernel where it loads (it is fetched from the Hub: never offline), else on
+``mlp_fuser.tools.hf_fp8``'s aten stand-in for it (its row says so: then its tokens and logits are the reference,
+its time is not transformers'). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8
+reference's. Memory (CUDA): each
 path's weights and its peak as if alone (``Memory``).
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
@@ -503,14 +505,28 @@ def path_model(model, path, first: bool):
     return model if first else twin(model)
 
 
-def fp8_reference_why_not(device) -> str | None:
-    """Why the FP8 reference (the twin as transformers runs it) cannot run here, or None."""
+def fp8_reference_kernel(device) -> str:
+    """The kernel the FP8 reference (the twin as transformers runs it) runs on: "hub", transformers' own (fetched
+    from the Hub, CUDA only), else "aten", ``mlp_fuser.tools.hf_fp8``'s stand-in for it (transformers' FP8 code on
+    aten: its tokens and logits are the reference, its time is not transformers')."""
     from mlp_fuser.patch import fp8 as patch_fp8
 
-    if device == "cuda" and patch_fp8.transformers_fp8_kernel_loads():
-        return None
-    where = "on CUDA only" if device != "cuda" else "not here (it is fetched from the Hub)"
-    return f"not run: transformers' FP8 kernel loads {where}, so FP8 patched is not compared with an FP8 reference"
+    return "hub" if device == "cuda" and patch_fp8.transformers_fp8_kernel_loads() else "aten"
+
+
+def on_reference_kernel(fn, model, device):
+    """``fn`` run on the FP8 reference's kernel; the model's table label says which kernel that is."""
+    if fp8_reference_kernel(device) == "hub":
+        return fn
+    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+
+    if "stand-in" not in model._bench_fp8:
+        model._bench_fp8 += ", transformers' FP8 forward on an aten stand-in for its Hub kernel: time not its own"
+
+    def call(*args):
+        with transformers_fp8_in_aten():
+            return fn(*args)
+    return call
 
 
 def time_prefill(fwds, ids, device, iters=20, mem=None):
@@ -616,12 +632,10 @@ def run(args, results):
                 live = {}  # path -> (gen, cleanup, its model, tokens of a warm-up, warm-up seconds)
                 try:
                     for i, path in enumerate(members):  # the group's first path runs on the model, the others on copies
-                        if path == "fp8_eager" and (why := fp8_reference_why_not(device)):
-                            results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
-                                                error=why))
-                            continue
                         m = path_model(model, path, i == 0)
                         gen, done = generate_fn(m, path, ids)
+                        if path == "fp8_eager":
+                            gen = on_reference_kernel(gen, m, device)
                         try:
                             t0 = time.perf_counter()
                             with host_phase("warm"), mem.warm(path):
@@ -683,11 +697,10 @@ def run(args, results):
                 models, fp8_logits = {}, {}
                 try:
                     for i, path in enumerate(members):
-                        if path == "fp8_eager" and (why := fp8_reference_why_not(device)):
-                            results.append(dict(model=label, phase="prefill", path=path, unit=unit, error=why))
-                            continue
                         m = models[path] = path_model(model, path, i == 0)
                         fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
+                        if path == "fp8_eager":
+                            fwd = on_reference_kernel(fwd, m, device)
                         if path == "experts":
                             m.set_experts_implementation(experts.NAME)
                         elif path in ("patch", "patch_merged", "patch_nosite", "fp8_patch"):
