@@ -490,6 +490,34 @@ def test_fused_fp8_llama_is_as_accurate_as_transformers_own_fp8_forward(monkeypa
     assert 0 < e_ours <= 1.25 * e_theirs, f"fused {e_ours:.2e} against transformers' {e_theirs:.2e}"
 
 
+def test_patched_fp8_llama_under_static_cache_compile_config():
+    """generate with a static cache and CompileConfig(backend=mlp_fuser.backend) on a patched FP8 model: the compiled
+    decode steps call the FP8 ops (MLPs and the lone FP8 linears) and give the tokens Inductor alone gives."""
+    from _hf_models import count_ops
+    from transformers import CompileConfig
+
+    def static_generate(model, ids, backend):
+        cc = CompileConfig(backend=backend)
+        cc._compile_all_devices = True  # transformers compiles on CUDA only unless told
+        return model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static", compile_config=cc)
+
+    model, _ = _fp8_llama()
+    model.generation_config.pad_token_id = 0
+    mlp_fuser.patch(model)
+    ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    expected = static_generate(model, ids, "inductor")
+    torch._dynamo.reset()
+    ops = frozenset({"mlp_fuser::quant_gated_mlp", "mlp_fuser::quant_linear"})
+    calls = []
+    got = static_generate(model, ids, mlp_fuser.backend)
+    calls.append(count_ops(lambda: static_generate(model, ids, mlp_fuser.backend), ops))
+    torch._dynamo.reset()
+    mlp_fuser.unpatch(model)
+    assert torch.equal(got, expected)
+    assert calls[0] >= 6 * 2 * 5  # each of 6 forwards: per layer the MLP and 4 attention projections
+
+
 def test_patch_leaves_an_unsupported_fp8_format_exactly_as_it_was(caplog):
     model, _ = _fp8_llama(weight_dtype=torch.float8_e5m2)
     before = {n: (type(m), dict(m.__dict__).get("forward")) for n, m in model.named_modules()}
