@@ -3,8 +3,9 @@
 The Triton paths (``kernels/moe.py``) on CUDA, timed once per bucket of T on the call's own routing, with the host's
 time (``wall``: between syncs) for plain calls and on the GPU alone for CUDA-graph captures; ``grouped_mm`` and the
 aten path (``reference_experts``) elsewhere or where nothing else runs. The op's backward (``moe_mlp_backward``)
-chooses from a table of its own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``) or autograd through
-the aten path recomputed from the inputs, each row timed as the backward alone (the forward is the same for both).
+chooses from a table of its own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``), that backward with
+its weight gradients by torch's grouped GEMM (``kernels/moe_grouped_wgrad.py``), or autograd through the aten path
+recomputed from the inputs, each row timed as the backward alone (the forward is the same for all).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .. import compat, config
 from ..activations import get_activation
 from ..kernels import moe as kmoe
 from ..kernels import moe_backward as kbwd
+from ..kernels import moe_grouped_wgrad as kgw
 from ..kernels.common import next_power_of_2
 from ..reference import Gate, reference_experts
 from . import core
@@ -185,18 +187,22 @@ def problem(x2: Tensor, ids2: Tensor, wgu: Tensor, wd: Tensor, bgu, bd, gate: Ga
                                               x2.shape[1], wd.shape[2], gate, bgu is not None or bd is not None, *need)
 
 
-def triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate: Gate, dy, need_dx: bool, need_weights: bool) -> tuple:
-    """(dx, dwts, dwgu, dbgu, dwd, dbd) from dy (T, H) by ``kernels.moe_backward`` (None where not asked)."""
+def triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate: Gate, dy, need_dx: bool, need_weights: bool,
+                    wgrad: str = "triton") -> tuple:
+    """(dx, dwts, dwgu, dbgu, dwd, dbd) from dy (T, H) by ``kernels.moe_backward`` (None where not asked), the
+    weight gradients by its Triton kernel or by grouped_mm (``wgrad``)."""
     return kbwd.moe_backward(x, ids, wts, wgu, bgu, wd, bd, expert_act(gate), gate.interleaved, dy, need_dx=need_dx,
-                             need_weights=need_weights)
+                             need_weights=need_weights, wgrad=wgrad)
 
 
 # The rows' functions are the backward op's work, (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy) ->
-# (dx, dwts, dwgu, dbgu, dwd, dbd), None where not asked: what is timed, the op's forward being the same for both.
-def _triton_step(need_dx: bool, need_weights: bool):
-    def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
-        return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights)
-    return step
+# (dx, dwts, dwgu, dbgu, dwd, dbd), None where not asked: what is timed, the op's forward being the same for all.
+def _triton_step(wgrad: str):
+    def make(need_dx: bool, need_weights: bool):
+        def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
+            return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights, wgrad)
+        return step
+    return make
 
 
 def _aten_step(need_dx: bool, need_weights: bool):
@@ -218,15 +224,29 @@ def _triton_grad(p: Problem) -> str | None:
     return None
 
 
+def _grouped_wgrad_ok(p: Problem) -> str | None:
+    return kgw.why_not(torch.device(p.device), p.dtype, p.E, p.H, p.I)
+
+
+def _weights_asked(p: StepProblem) -> str | None:
+    if p.need_weights:
+        return None
+    return "frozen experts: no weight gradients, so triton_moe_backward's work"
+
+
 def _step(make) -> ImplFn:
     """A row's function: (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy, (need_dx, need_weights)) -> the gradients."""
     return lambda *a: make(*a[-1])(*a[:-1])
 
 
 BACKWARD_IMPLS: list[Impl] = [
-    Impl("triton_moe_backward", _step(_triton_step), frozenset({"cuda"}), triton=True, why=(_triton_grad,),
+    Impl("triton_moe_backward", _step(_triton_step("triton")), frozenset({"cuda"}), triton=True, why=(_triton_grad,),
          notes="gate/up recomputed, dh and A' in one kernel, dx by the down kernel, dW per "
                "expert tile; nothing saved but the inputs"),
+    Impl("triton_moe_backward_grouped_wgrad", _step(_triton_step("grouped")), frozenset({"cuda"}), triton=True,
+         why=(_triton_grad, _grouped_wgrad_ok), worth=(_weights_asked,),
+         notes="the Triton act and dx kernels; dW by torch._grouped_mm (CUTLASS) on expert-sorted copies of "
+               "x, w·dy, h and [dg du]"),
     Impl("grouped_mm", _step(_aten_step), frozenset({"cuda"}), frozenset({torch.bfloat16}), why=(_grouped_mm_ok,),
          notes="the aten path (torch._grouped_mm) recomputed from the inputs, then autograd through it"),
     Impl("reference", _step(_aten_step), None, FLOAT, notes="the aten path recomputed, then autograd through it"),

@@ -11,6 +11,8 @@ y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising wit
   ``moe_combine`` in j order.
 - ``_moe_wgrad_kernel``, per (expert, BLOCK_N rows, BLOCK_K columns of dW[e]): loops over that expert's blocks,
   dWd[e] = Σ (w_p dy[t])ᵀ h_p and dWgu[e] = Σ [dg du]_pᵀ x[t], the bias gradient summed by the column-0 programs.
+  Or (``wgrad="grouped"``) torch's grouped GEMM on expert-sorted copies of the operands, which the act kernel
+  writes (``SORTED``) or ``moe_grouped_wgrad`` gathers.
 
 No atomics on any gradient: dx and dwts are computed per pair and summed in j order, so they are bitwise
 reproducible; a weight gradient sums its expert's pairs in the routing's order, which ``moe_align``'s atomic version
@@ -27,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..activations import get_activation
+from . import moe_grouped_wgrad as gw
 from .common import INTERPRET, cdiv, dot_precision, launch, num_sms
 from .moe import (
     ExpertAct,
@@ -38,6 +41,7 @@ from .moe import (
     moe_down,
     moe_gate_up,
 )
+from .moe_grouped_wgrad import compact_rows
 from .moe_routing import Routing, moe_align
 
 __all__ = ["moe_backward", "MoEExpertsFunction", "moe_experts_autograd", "backward_config"]
@@ -78,14 +82,14 @@ def gated_act_bwd(g, u, dh, ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl
 @triton.jit
 def _moe_bwd_act_kernel(
     x_ptr, dy_ptr, wgu_ptr, bgu_ptr, wd_ptr, bd_ptr, wts_ptr, h_ptr, dgu_ptr, dw_ptr,
-    sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    sorted_ptr, block_expert_ptr, num_blocks_ptr, dgus_ptr, shift_ptr, dbgu_ptr,
     S, K_TOP, I, H, N_GU, UP_ROW, N_TILES,
     stride_xm, stride_xk, stride_dym, stride_dyk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_de, stride_dn, stride_dk, stride_bde, stride_bdn, stride_wt, stride_wj,
     GATED: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SORTED: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h -------------------------
     pid_b = tl.program_id(0)
@@ -141,6 +145,7 @@ def _moe_bwd_act_kernel(
     else:
         h = ACT(acc_g)
         dg = dh * ACT_GRAD(acc_g)
+        du = dg  # no up half: never stored
     h = h.to(h_ptr.dtype.element_ty)  # o was computed from the rounded h
     dw = tl.sum(tl.where(mask_n[None, :], acc_d * h.to(tl.float32), 0.0), axis=1)
     if pid_n == 0:
@@ -148,11 +153,29 @@ def _moe_bwd_act_kernel(
     rows = pairs.to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
     tl.store(dw_ptr + rows * N_TILES + pid_n, dw, mask=mask_m)
-    tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=mask)
-    dgu_rows = dgu_ptr + rows[:, None] * N_GU
-    tl.store(dgu_rows + (offs_n * GATE_STEP)[None, :], dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+    dg = dg.to(dgu_ptr.dtype.element_ty)
+    du = du.to(dgu_ptr.dtype.element_ty)
+    _store_gu(dgu_ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP)  # per pair: dx reads it so
+    if SORTED:  # grouped_mm's operands in compact sorted order: h, a copy of [dg du], its bias sums per block
+        srows = compact_rows(pid_b, e, shift_ptr, BLOCK_M)
+        tl.store(h_ptr + srows[:, None] * I + offs_n[None, :], h, mask=mask)
+        _store_gu(dgus_ptr, srows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP)
+        if HAS_BGU:
+            sums = dbgu_ptr + pid_b.to(tl.int64) * N_GU + offs_n * GATE_STEP
+            tl.store(sums, tl.sum(tl.where(mask, dg.to(tl.float32), 0.0), axis=0), mask=mask_n)
+            if GATED:
+                tl.store(sums + UP_ROW, tl.sum(tl.where(mask, du.to(tl.float32), 0.0), axis=0), mask=mask_n)
+    else:
+        tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=mask)
+
+
+@triton.jit
+def _store_gu(ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr):
+    """[dg du] stored in Wgu's row layout at ``rows``."""
+    base = ptr + rows[:, None] * N_GU
+    tl.store(base + (offs_n * GATE_STEP)[None, :], dg, mask=mask)
     if GATED:
-        tl.store(dgu_rows + (UP_ROW + offs_n * GATE_STEP)[None, :], du.to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], du, mask=mask)
 
 
 @triton.jit
@@ -304,21 +327,35 @@ def _wgrad(a: Tensor, b: Tensor, wts: Tensor | None, routing: Routing, expert_st
     )
 
 
+def _expert_start(routing: Routing, E: int) -> Tensor:
+    """int32 (E + 1,): each expert's first block in the routing, and the used blocks' end."""
+    be = routing.block_expert
+    return torch.searchsorted(be, torch.arange(E + 1, dtype=be.dtype, device=be.device)).to(torch.int32)
+
+
 def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
-                 configs: dict | None = None, need_dx: bool = True, need_weights: bool = True
+                 configs: dict | None = None, need_dx: bool = True, need_weights: bool = True,
+                 wgrad: str = "triton",
                  ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
     given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
     (any BLOCK_M), else built here. ``configs``: "act", "wgrad" (``backward_config``'s keys) and "dx" (a
-    ``moe_down`` config), else the defaults. Raises NotImplementedError for what it does not run (the caller falls
-    back to the aten reference). Without ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight
-    and bias gradients are not computed and come back None."""
+    ``moe_down`` config), else the defaults. ``wgrad``: the weight gradients by the Triton kernel ("triton") or by
+    torch's grouped GEMM on expert-sorted copies of the operands ("grouped", ``moe_grouped_wgrad``). Raises
+    NotImplementedError for what it does not run (the caller falls back to the aten reference). Without
+    ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight and bias gradients are not computed
+    and come back None."""
     _check(x, act)
     T, H = x.shape
     k = ids.shape[1]
     E, _, I = w_d.shape
     S = T * k
+    if wgrad not in ("triton", "grouped"):
+        raise ValueError(f"moe_backward: wgrad must be 'triton' or 'grouped', not {wgrad!r}")
+    grouped = wgrad == "grouped" and need_weights
+    if grouped and (reason := gw.why_not(x.device, x.dtype, E, H, I)) is not None:
+        raise NotImplementedError(f"moe_backward: no grouped_mm weight gradients: {reason}")
     gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
     if routing is None:
         routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype, x.device)["BLOCK_M"])
@@ -329,27 +366,37 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
                 for t in (w_gu, b_gu, w_d, b_d)]
         return (torch.zeros_like(x) if need_dx else None, torch.zeros_like(wts), *zero)
 
-    # -- h, [dg du] per pair and dw's partials per column tile -------------------------------------------
+    # -- h, [dg du] per pair and dw's partials per column tile (grouped: h and a copy of [dg du] sorted) ---------
     cfgs = {kind: backward_config(kind, routing.block_m, x.dtype, S) for kind in ("act", "wgrad")} | (configs or {})
     cfg = cfgs["act"]
     n_tiles = cdiv(I, cfg["BLOCK_N"])
+    n_gu = w_gu.shape[1]
+    n_blocks = routing.block_expert.shape[0]
     h = torch.empty((S, I), dtype=x.dtype, device=dev)
-    dgu = torch.empty((S, w_gu.shape[1]), dtype=x.dtype, device=dev)
+    dgu = torch.empty((S, n_gu), dtype=x.dtype, device=dev)
     dw_part = torch.zeros((S, n_tiles), dtype=torch.float32, device=dev)  # dropped pairs: no gradient
     bgu = b_gu if b_gu is not None else w_gu
     bd = b_d if b_d is not None else w_d
-    n_blocks = routing.block_expert.shape[0]
+    dgu_s = dbgu_part = shift = None
+    if grouped:
+        expert_start = _expert_start(routing, E)
+        offs, shift = gw.compact_offsets(ids, routing, expert_start, E)
+        dgu_s = torch.empty((S, n_gu), dtype=x.dtype, device=dev)
+        if b_gu is not None:
+            dbgu_part = torch.empty((n_blocks, n_gu), dtype=torch.float32, device=dev)
     launch(
         _moe_bwd_act_kernel, (n_blocks, n_tiles),
         x, dy, w_gu, bgu, w_d, bd, wts, h, dgu, dw_part,
         routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        S, k, I, H, w_gu.shape[1], up_row, n_tiles,
+        dgu_s if grouped else dgu, shift if grouped else routing.num_blocks,
+        dbgu_part if dbgu_part is not None else dw_part,
+        S, k, I, H, n_gu, up_row, n_tiles,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
         *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1),
         GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
         ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **_launch_opts(cfg),
+        SORTED=grouped, **_launch_opts(cfg),
     )
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
@@ -360,15 +407,23 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None, cfgs.get("dx")), ids, E, x.dtype)
     if not need_weights:
         return dx, dwts, None, None, None, None
+    if grouped:  # each sorted operand made just before its GEMM and freed after it
+        del dgu
+        dys, dbd_part = gw.sorted_rows(dy, wts, routing, shift, sums=b_d is not None)
+        dw_d = gw.grouped_wgrad(dys, h, offs, w_d.dtype)
+        del dys, h
+        xs, _ = gw.sorted_rows(x, None, routing, shift)
+        dw_gu = gw.grouped_wgrad(dgu_s, xs, offs, w_gu.dtype)
+        db_gu = gw.per_expert(dbgu_part, routing, E, b_gu) if b_gu is not None else None
+        db_d = gw.per_expert(dbd_part, routing, E, b_d) if b_d is not None else None
+        return dx, dwts, dw_gu, db_gu, dw_d, db_d
     dw_gu = torch.empty(w_gu.shape, dtype=w_gu.dtype, device=dev)
     dw_d = torch.empty(w_d.shape, dtype=w_d.dtype, device=dev)
     db_gu = torch.empty(b_gu.shape, dtype=b_gu.dtype, device=dev) if b_gu is not None else None
     db_d = torch.empty(b_d.shape, dtype=b_d.dtype, device=dev) if b_d is not None else None
 
     # -- weight gradients: a program per (expert, tile), looping over the expert's blocks -----------------------
-    expert_start = torch.searchsorted(routing.block_expert,
-                                      torch.arange(E + 1, dtype=routing.block_expert.dtype, device=dev))
-    expert_start = expert_start.to(torch.int32)
+    expert_start = _expert_start(routing, E)
     _wgrad(dy, h, wts, routing, expert_start, E, H, I, True, False, dw_d, db_d, cfgs["wgrad"])
     _wgrad(dgu, x, None, routing, expert_start, E, w_gu.shape[1], H, False, True, dw_gu, db_gu, cfgs["wgrad"])
     return dx, dwts, dw_gu, db_gu, dw_d, db_d

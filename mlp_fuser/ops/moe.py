@@ -18,11 +18,12 @@ and A = act(gu) for plain experts.
 Kernels, top of the dispatcher down: autocast (like nn.Linear: floating inputs cast to the autocast dtype);
 autograd (``torch.library.register_autograd``: the inputs saved, nothing else; the backward is the op
 ``mlp_fuser::moe_mlp_backward``, in eager mode and in compiled graphs alike, whose kernel runs what the dispatcher's
-table of backwards, ``experts.BACKWARD``, chooses: the Triton backward or autograd through the aten path recomputed
-from the inputs; with create_graph=True the aten path, differentiable again); every device: ``_forward`` runs what
-the dispatcher chose among the experts' rows (``dispatch/experts.py``: the Triton paths on CUDA, timed once per
-shape bucket, for plain calls and for CUDA-graph captures apart; the aten path elsewhere; a call whose signature,
-``_signature``, was seen runs what the first one derived, skipping validation and the choice); fake: shapes only.
+table of backwards, ``experts.BACKWARD``, chooses: the Triton backward (weight gradients by its kernel or by
+grouped_mm) or autograd through the aten path recomputed from the inputs; with create_graph=True the aten path,
+differentiable again); every device: ``_forward`` runs what the dispatcher chose among the experts' rows
+(``dispatch/experts.py``: the Triton paths on CUDA, timed once per shape bucket, for plain calls and for CUDA-graph
+captures apart; the aten path elsewhere; a call whose signature, ``_signature``, was seen runs what the first one
+derived, skipping validation and the choice); fake: shapes only.
 ``eager_moe_mlp`` is the entry for eager callers: plain calls skip those layers.
 """
 
