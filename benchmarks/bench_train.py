@@ -20,7 +20,8 @@ and ``patch-save`` (``mlp_fuser.patch(model, backward=...)``, undone after); on 
 filled in place. Its default variants (``MOE_VARIANTS``): ``eager`` (transformers' default experts, grouped_mm),
 ``experts`` (``set_experts_implementation("mlp_fuser")``; with gradients the dispatcher's choice between the Triton
 backward and autograd through grouped_mm, logged with both steps' times), ``patch-recompute``, ``compile``,
-``compile-experts`` (torch.compile with the mlp_fuser experts) and ``backend-recompute``; on request ``experts-aten``
+``compile-experts`` (torch.compile with the mlp_fuser experts: the op under Inductor) and ``backend-recompute``
+(which leaves training graphs' experts to Inductor: near miss "training"); on request ``experts-aten``
 (the experts switch with its grouped_mm rows forced, ``MLP_FUSER_IMPL=grouped_mm``: the op's path before its Triton
 backward).
 
