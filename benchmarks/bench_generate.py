@@ -49,7 +49,8 @@ FP8 reference): on transformers' FP8 kernel where it loads (it is fetched from t
 ``mlp_fuser.tools.hf_fp8``'s aten stand-in for it (its row says so: then its tokens and logits are the reference,
 its time is not transformers'). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8
 reference's. Memory (CUDA): each
-path's weights and its peak as if alone (``Memory``).
+path's weights and its peak as if alone (``Memory``); a model cut to ``--layers`` also at its released depth
+(``full_depth``: the embeddings weigh less there).
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -176,6 +177,7 @@ def build_moe(name, device, dtype, tiny, layers=None):
     from transformers import Qwen3MoeConfig
 
     dims = dict(TINY_MOE if tiny else MOE_MODELS[name])
+    full = dims["num_hidden_layers"]
     if layers:
         dims["num_hidden_layers"] = layers
     cfg = Qwen3MoeConfig(max_position_embeddings=4096, **dims)
@@ -191,6 +193,7 @@ def build_moe(name, device, dtype, tiny, layers=None):
     model.generation_config.eos_token_id = None  # random weights: never stop early
     model.generation_config.pad_token_id = 0
     model._bench_shared = True  # its paths share these weights (twin)
+    model._bench_full_layers = full  # the released model's depth: memory is also given as if it had them all
     sync(device)
     log(f"built {name} ({dims['num_hidden_layers']} layers, "
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters) in {time.perf_counter() - t0:.1f} s")
@@ -228,6 +231,7 @@ def shared_copy(model):
         m.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     m.generation_config = copy.deepcopy(model.generation_config)
     m._bench_shared = getattr(model, "_bench_shared", False)
+    m._bench_full_layers = getattr(model, "_bench_full_layers", None)
     return m.eval()
 
 
@@ -337,6 +341,9 @@ class Memory:
     def row(self, path, model) -> dict:
         """The row's memory fields: weights GiB always, peak GiB on CUDA."""
         out = dict(weights_gib=weight_bytes(model) / 2**30)
+        layers, full = len(model.model.layers), getattr(model, "_bench_full_layers", None)
+        if full and full > layers:  # a truncated model: one layer's bytes, to give memory at the full depth too
+            out.update(layers=layers, full_layers=full, layer_gib=weight_bytes(model.model.layers[0]) / 2**30)
         if path in self.peak:
             out["peak_gib"] = out["weights_gib"] + self.peak[path] / 2**30
         if getattr(model, "_bench_fp8", None):
@@ -1141,7 +1148,31 @@ def memory(r, base) -> str:
         out += f", peak {r['peak_gib']:.3g}"
         if base and base.get("peak_gib"):
             out += f" ({r['peak_gib'] / base['peak_gib']:.2f}x)"
+    if "full_layers" in r:
+        out += f"; at {r['full_layers']} layers: " + full_depth(r, base)
     return out
+
+
+def full_depth(r, base) -> str:
+    """Memory as if the truncated model had the released depth: weights exactly (the other layers are the first's
+    size), the peak between two bounds: the missing layers' weights added (the rest as measured), or the rest
+    (static cache, graphs, activations) also scaled by the depth."""
+    def est(row):
+        extra = (row["full_layers"] - row["layers"]) * row["layer_gib"]
+        w = row["weights_gib"] + extra
+        if "peak_gib" not in row:
+            return w, None
+        rest = row["peak_gib"] - row["weights_gib"]
+        return w, (w + rest, w + rest * row["full_layers"] / row["layers"])
+
+    w, peak = est(r)
+    bw, bpeak = est(base) if base and "full_layers" in base else (None, None)
+    text = f"weights {w:.3g}" + (f" ({w / bw:.2f}x)" if bw else "")
+    if peak:
+        text += f", peak {peak[0]:.3g}–{peak[1]:.3g}"
+        if bpeak:
+            text += f" ({peak[0] / bpeak[0]:.2f}–{peak[1] / bpeak[1]:.2f}x)"
+    return text
 
 
 def run_parallel(args, argv: list[str], n: int) -> list[dict]:

@@ -147,6 +147,26 @@ def test_generate_moe_paths_compare_with_transformers_best():
     assert "| 2.000x static_kept" in "\n".join(bench_generate.write(rows[1:], "/tmp/_bench_moe_unused"))
 
 
+def test_generate_memory_of_a_truncated_model_at_its_full_depth():
+    # A 4-of-48-layer model's memory is dominated by its embeddings: the table also gives it at 48 layers, the
+    # weights exact (the first layer's bytes for each missing one), the peak between adding those weights and also
+    # scaling the measured rest (static cache, graphs) by the depth; each against the baseline's alike.
+    import torch
+
+    bench_generate = _benchmark("bench_generate")
+    model = bench_generate.build("qwen3moe", "cpu", torch.float32, tiny=True, layers=1)
+    row = bench_generate.Memory("cpu").row("patch", model)
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    assert (row["layers"], row["full_layers"]) == (1, 2) and row["layer_gib"] * 2**30 == pytest.approx(layer)
+    assert "full_layers" not in bench_generate.Memory("cpu").row("patch", bench_generate.build("1b", "cpu",
+                                                                                                torch.float32, True))
+    bf16 = dict(weights_gib=10.0, peak_gib=12.0, layers=4, full_layers=48, layer_gib=1.0)
+    fp8 = dict(weights_gib=6.0, peak_gib=8.0, layers=4, full_layers=48, layer_gib=0.5)
+    cell = bench_generate.memory(fp8, bf16)
+    assert cell.startswith("weights 6 (0.60x), peak 8 (0.67x); at 48 layers: ")
+    assert cell.endswith("weights 28 (0.52x), peak 30–52 (0.54–0.67x)")  # 28 of 54; 30 of 56; 28+2*12 of 54+2*12
+
+
 @pytest.mark.parametrize("family", ["qwen3moe-small", "gptoss-small"])
 def test_train_moe_tiny(tmp_path, family):
     bench_train = _benchmark("bench_train")
