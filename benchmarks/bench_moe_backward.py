@@ -1,13 +1,15 @@
 """The routed experts' Triton backward on the GPU against autograd through the aten path (torch._grouped_mm).
 
-    python benchmarks/bench_moe_backward.py [--backward] [--sweep] [--T 1024,4096] [--tiny]
+    python benchmarks/bench_moe_backward.py [--backward] [--profile] [--sweep] [--T 1024,4096] [--tiny]
 
 Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8, silu, gate|up concatenated), bf16, random top-k routing.
 For each T: ours = ``moe_experts_autograd`` (the sorted Triton forward, ``moe_backward``); theirs = autograd through
 ``mlp_fuser.ops.moe.reference`` (torch._grouped_mm both ways). Timed as CUDA-graph medians: the training step of the
-experts (forward + backward) and, with ``--backward``, the backward alone as well; peak memory of one step above
-what the inputs hold; with ``--sweep``, the backward alone over a few tile configs of each of its kernels (the
-others at their defaults), the fastest printed. Every gradient checked against float64 autograd
+experts (forward + backward) and, with ``--backward``, the backward alone as well, and ours with its weight
+gradients by grouped_mm (``moe_backward(wgrad="grouped")``, the row ``triton_moe_backward_grouped_wgrad``; its
+gradients checked too); ``--profile``: each backward once under torch.profiler, GPU time per kernel; peak memory of
+one step above what the inputs hold; with ``--sweep``, the backward alone over a few tile configs of each of its
+kernels (the others at their defaults), the fastest printed. Every gradient checked against float64 autograd
 (‖out − ref‖ / ‖ref‖, both sides' errors).
 Results go to $OUT/moe_backward.json when OUT is set; a short table is printed last.
 ``--tiny``: small shapes on the CPU under the Triton interpreter (fp32, wall clock): a smoke test of the script.
@@ -101,6 +103,24 @@ def grads64(x, ids, wts, w_gu, w_d, dy):
     return torch.autograd.grad(y, leaves, dy.double())
 
 
+def profile_kernels(fn, label: str) -> dict:
+    """{kernel: µs} of one call of ``fn`` under torch.profiler (after a warm-up call); the largest printed."""
+    if TINY:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"}
+    print(f"  profile {label}: {sum(kernels.values()):.0f} µs of kernels", flush=True)
+    for key, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {us:8.0f}  {key[:100]}", flush=True)
+    return kernels
+
+
 def sweep(row, x, ids, wts, w_gu, w_d, dy, act) -> None:
     """The backward alone per candidate config of one kernel kind, the others at their defaults."""
     H, I, E, k = SIZE
@@ -125,7 +145,7 @@ def sweep(row, x, ids, wts, w_gu, w_d, dy, act) -> None:
         print(f"  T={x.shape[0]} {kind}: best {us:.0f} µs with {best}", flush=True)
 
 
-def run(T: int, backward_alone: bool, do_sweep: bool = False) -> dict:
+def run(T: int, backward_alone: bool, do_sweep: bool = False, profile: bool = False) -> dict:
     H, I, E, k = SIZE
     g = torch.Generator(device=DEV).manual_seed(T)
     w_gu = (torch.randn((E, 2 * I, H), generator=g, device=DEV) / H ** 0.5).to(DTYPE)
@@ -156,13 +176,21 @@ def run(T: int, backward_alone: bool, do_sweep: bool = False) -> dict:
         if not row["ours_err"][n] <= 3 * row["grouped_mm_err"][n] + 1e-2:
             print(f"  WRONG T={T} {n}: ours {row['ours_err'][n]:.3g}, grouped_mm {row['grouped_mm_err'][n]:.3g}",
                   flush=True)
-    if backward_alone:  # the backward given the forward's saved state: ours from its inputs, theirs retained
+    if backward_alone or profile:  # the backward given the forward's saved state: ours from its inputs, theirs kept
         xd, wd_, wgud, wdd = (t.detach() for t in leaves)
-        row["ours_bwd_us"], row["ours_bwd_how"] = timed(
-            lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy))
         y = reference(leaves[0], ids, leaves[1], leaves[2], None, leaves[3], None, gate)
-        row["grouped_mm_bwd_us"], row["grouped_mm_bwd_how"] = timed(
-            lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True))
+        bwds = {"ours": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy),
+                "ours_gw": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, wgrad="grouped"),
+                "grouped_mm": lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)}
+        gw = bwds["ours_gw"]()
+        row["ours_gw_err"] = {n: rel_err(o, r) for n, o, r in zip(NAMES, (gw[0], gw[1], gw[2], gw[4]), ref)}
+        if not all(row["ours_gw_err"][n] <= 3 * row["grouped_mm_err"][n] + 1e-2 for n in NAMES):
+            print(f"  WRONG T={T} grouped wgrad: {row['ours_gw_err']}", flush=True)
+        for name, fn in bwds.items():
+            if backward_alone:
+                row[f"{name}_bwd_us"], row[f"{name}_bwd_how"] = timed(fn)
+            if profile:
+                row[f"{name}_bwd_kernels"] = profile_kernels(fn, f"T={T} backward {name}")
     if do_sweep:
         sweep(row, *(t.detach() for t in (x, ids, wts, w_gu, w_d, dy)), act)
     print(f"T={T}: step ours {row['ours_step_us']:.0f} µs, grouped_mm {row['grouped_mm_step_us']:.0f} µs "
@@ -172,7 +200,8 @@ def run(T: int, backward_alone: bool, do_sweep: bool = False) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backward", action="store_true", help="also time the backward alone")
+    ap.add_argument("--backward", action="store_true", help="also time the backward alone (ours both ways)")
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel of each backward, once")
     ap.add_argument("--sweep", action="store_true", help="time the backward over a few configs per kernel")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--only", default=None, help="with --sweep: only these kernel kinds (act, wgrad, dx)")
@@ -180,22 +209,23 @@ def main():
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
-    rows = [run(int(t), args.backward, args.sweep) for t in args.T.split(",")]
+    rows = [run(int(t), args.backward, args.sweep, args.profile) for t in args.T.split(",")]
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_backward.json"), "w") as f:
             json.dump(rows, f, indent=1)
     H, I, E, k = SIZE
     print(f"\nexperts H {H}, I {I}, E {E}, k {k}, {DTYPE}, µs ({rows[0]['ours_how']}); peak MiB above the inputs; "
           "errors: max over (dx, dwts, dw_gu, dw_d) of ‖out − ref‖/‖ref‖ against float64")
-    print("| T | step ours | step grouped_mm | speedup | bwd ours | bwd grouped_mm | peak ours | peak grouped_mm "
-          "| err ours | err grouped_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| T | step ours | step grouped_mm | speedup | bwd ours | bwd ours, dW by grouped_mm | bwd grouped_mm "
+          "| peak ours | peak grouped_mm | err ours | err ours, dW by grouped_mm | err grouped_mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        bwd = (f"{r['ours_bwd_us']:.0f} ({r['ours_bwd_how']}) | "
-               f"{r['grouped_mm_bwd_us']:.0f} ({r['grouped_mm_bwd_how']})" if "ours_bwd_us" in r else "– | –")
+        bwd = (" | ".join(f"{r[n + '_bwd_us']:.0f} ({r[n + '_bwd_how']})" for n in ("ours", "ours_gw", "grouped_mm"))
+               if "ours_bwd_us" in r else "– | – | –")
         print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['grouped_mm_step_us']:.0f} | "
               f"{r['grouped_mm_step_us'] / r['ours_step_us']:.2f}x | {bwd} | {r['ours_peak_mib']:.0f} | "
               f"{r['grouped_mm_peak_mib']:.0f} | {max(r['ours_err'].values()):.2e} | "
+              f"{max(r['ours_gw_err'].values()) if 'ours_gw_err' in r else math.nan:.2e} | "
               f"{max(r['grouped_mm_err'].values()):.2e} |")
     print(f"({time.time() - t0:.0f} s)")
 

@@ -23,7 +23,8 @@ backward and autograd through grouped_mm, logged with both steps' times), ``patc
 ``compile-experts`` (torch.compile with the mlp_fuser experts: the op under Inductor) and ``backend-recompute``
 (which leaves training graphs' experts to Inductor: near miss "training"); on request ``experts-aten``
 (the experts switch with its grouped_mm rows forced, ``MLP_FUSER_IMPL=grouped_mm``: the op's path before its Triton
-backward).
+backward) and ``experts-gw`` (the experts switch with the backward row ``triton_moe_backward_grouped_wgrad`` forced:
+the Triton backward with its weight gradients by grouped_mm; on the CPU the aten rows, as ``experts-aten``).
 
 ``--model gptoss-small``: GPT-OSS with GPT-OSS-20B's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of
 intermediate 2880, top 4, interleaved clamped SwiGLU with biases, sliding and full attention alternating, eager
@@ -68,6 +69,7 @@ MOE_FAMILIES = {  # --model: (config class, model class, attention, dims, tiny d
 }
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
 MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
+EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "compile-experts")  # set_experts_implementation
 EXTRA = ["patch-whole"]  # on request only: patch(per_module=False), the whole forward through Dynamo (recompute)
 
 
@@ -181,12 +183,14 @@ def run_variant(name, model, ids, args, counter):
 
     torch._dynamo.reset()
     counter.fused = 0
-    if name in ("experts", "experts-aten", "compile-experts"):
+    if name in EXPERTS_SWITCH:
         model.set_experts_implementation(experts.NAME)
     forced = config.force_impl
     if name == "experts-aten":
         config.force_impl = "grouped_mm" if args.device == "cuda" else "reference"  # the aten rows: CUDA's, CPU's
-    if name in ("eager", "experts", "experts-aten"):
+    if name == "experts-gw":
+        config.force_impl = "triton_moe_backward_grouped_wgrad" if args.device == "cuda" else "reference"
+    if name in ("eager", "experts", "experts-aten", "experts-gw"):
         forward = model
     elif name in ("compile", "compile-experts"):
         forward = torch.compile(model)
@@ -210,7 +214,7 @@ def run_variant(name, model, ids, args, counter):
     finally:
         if name.startswith("patch-"):
             mlp_fuser.unpatch(model)
-        if name in ("experts", "experts-aten", "compile-experts"):
+        if name in EXPERTS_SWITCH:
             model.set_experts_implementation("grouped_mm")
         config.force_impl = forced
         if saved is not None:
@@ -262,7 +266,7 @@ def main(argv=None):
     moe = args.model in MOE_FAMILIES
     args.shapes = args.shapes or ("1x1024,4x1024" if moe else "4x1024,1x4096")
     variants = (args.variants or ",".join(MOE_VARIANTS if moe else VARIANTS)).split(",")
-    known = VARIANTS + EXTRA + (["experts", "experts-aten", "compile-experts"] if moe else [])
+    known = VARIANTS + EXTRA + (list(EXPERTS_SWITCH) if moe else [])
     if set(variants) - set(known):
         ap.error(f"unknown variant(s) {sorted(set(variants) - set(known))}; known: {', '.join(known)}")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]

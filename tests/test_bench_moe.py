@@ -173,15 +173,15 @@ def test_train_moe_tiny(tmp_path, family):
     from mlp_fuser import config
 
     assert bench_train.main(["--model", family, "--tiny", "--device", "cpu", "--variants",
-                             "eager,experts,experts-aten", "--shapes", "1x16", "--steps", "1", "--warmup", "1",
-                             "--adamw", "--out", str(tmp_path)]) == 0
+                             "eager,experts,experts-aten,experts-gw", "--shapes", "1x16", "--steps", "1", "--warmup",
+                             "1", "--adamw", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "train.json").read_text())
-    eager, experts, aten = data["rows"]
-    assert (eager["variant"], experts["variant"], aten["variant"]) == ("eager", "experts", "experts-aten")
-    assert data["env"]["adamw"] and config.force_impl is None  # experts-aten's forced rows undone
-    for r in (experts, aten):
+    eager, experts, aten, gw = data["rows"]
+    assert [r["variant"] for r in data["rows"]] == ["eager", "experts", "experts-aten", "experts-gw"]
+    assert data["env"]["adamw"] and config.force_impl is None  # the forced rows undone
+    for r in (experts, aten, gw):
         assert abs(eager["loss"] - r["loss"]) < 1e-5  # the same weights at each variant's start
-    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 3
+    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 4
 
 
 def test_moe_row_where_ours_failed_says_so():
