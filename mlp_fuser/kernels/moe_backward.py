@@ -14,6 +14,10 @@ y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising wit
   Or (``wgrad="grouped"``) torch's grouped GEMM on expert-sorted copies of the operands, which the act kernel
   writes (``SORTED``) or ``moe_grouped_wgrad`` gathers.
 
+Float8 experts (``scales``: frozen, no biases; LoRA on an FP8 base): dx and dwts only. The act kernel (FP8) and
+``_moe_bwd_dx_fp8_kernel`` (dx over Wgu's rows) read each weight tile as stored and multiply it by its rows' scales
+in registers, rounded to x's dtype (the values ``fp8.dequantize_experts`` gives); no copy of a weight exists.
+
 No atomics on any gradient: dx and dwts are computed per pair and summed in j order, so they are bitwise
 reproducible; a weight gradient sums its expert's pairs in the routing's order, which ``moe_align``'s atomic version
 (many pairs) may change from call to call. fp32 accumulation; h and [dg du] are rounded to x's dtype once.
@@ -40,6 +44,7 @@ from .moe import (
     moe_combine,
     moe_down,
     moe_gate_up,
+    scale_rows,
 )
 from .moe_grouped_wgrad import compact_rows
 from .moe_routing import Routing, moe_align
@@ -80,16 +85,66 @@ def gated_act_bwd(g, u, dh, ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl
 
 
 @triton.jit
+def dequantized(w, s, dtype: tl.constexpr):
+    """A float8 weight tile times its scales (broadcast to it), rounded to ``dtype``: the values of
+    ``fp8.dequantize_experts``, in registers."""
+    return (w.to(tl.float32) * s).to(dtype)
+
+
+@triton.jit
+def _fp8_act_loop(
+    x_ptrs, dy_ptrs, wg_ptrs, wu_ptrs, wd_ptrs, acc_g, acc_u, acc_d, e, offs_n, offs_k, mask_m, mask_n, H, I,
+    stride_xk, stride_dyk, stride_wk, stride_dn, sgu_ptr, stride_sge, stride_sgn, stride_sgk, UP_SOFF, UP_SROW,
+    sd_ptr, stride_sde, stride_sdn, stride_sdk, col0, GATED: tl.constexpr, GATE_STEP: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, GU_K_SCALED: tl.constexpr, GU_SBN: tl.constexpr,
+    GU_SBK: tl.constexpr, D_K_SCALED: tl.constexpr, D_SBN: tl.constexpr, D_SBK: tl.constexpr,
+):
+    """The act kernel's loop over H on float8 weights: each Wgu tile times its rows' scales at this step's K block
+    (BLOCK_K divides GU_SBK), each Wd tile (H rows, the program's I columns from ``col0``) times its rows' scales at
+    the columns' block (BLOCK_N divides D_SBK); tiles in x's dtype, the dots as the bf16 kernel's."""
+    sg_ptrs, su_ptrs = scale_rows(sgu_ptr, e, offs_n, I, stride_sge, stride_sgn, GATE_STEP, UP_SOFF, UP_SROW, GU_SBN)
+    sd_e = sd_ptr + e * stride_sde
+    if D_K_SCALED:
+        sd_e += (col0 // D_SBK) * stride_sdk
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        mask_k = offs_k < H - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        s_k = 0
+        if GU_K_SCALED:
+            s_k = (k * BLOCK_K // GU_SBK) * stride_sgk
+        wg = dequantized(tl.load(wg_ptrs, mask=w_mask, other=0.0), tl.load(sg_ptrs + s_k)[None, :], x.dtype)
+        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+        if GATED:
+            wu = dequantized(tl.load(wu_ptrs, mask=w_mask, other=0.0), tl.load(su_ptrs + s_k)[None, :], x.dtype)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+        rows = tl.minimum(k * BLOCK_K + offs_k, H - 1)  # this step's rows of Wd (past H: the last one's scale)
+        s_d = tl.load(sd_e + (rows // D_SBN) * stride_sdn)
+        wd = dequantized(tl.load(wd_ptrs, mask=w_mask, other=0.0), s_d[:, None], dy.dtype)
+        acc_d = tl.dot(dy, wd, acc_d, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        dy_ptrs += BLOCK_K * stride_dyk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+        wd_ptrs += BLOCK_K * stride_dn
+    return acc_g, acc_u, acc_d
+
+
+@triton.jit
 def _moe_bwd_act_kernel(
     x_ptr, dy_ptr, wgu_ptr, bgu_ptr, wd_ptr, bd_ptr, wts_ptr, h_ptr, dgu_ptr, dw_ptr,
     sorted_ptr, block_expert_ptr, num_blocks_ptr, dgus_ptr, shift_ptr, dbgu_ptr,
     S, K_TOP, I, H, N_GU, UP_ROW, N_TILES,
     stride_xm, stride_xk, stride_dym, stride_dyk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_de, stride_dn, stride_dk, stride_bde, stride_bdn, stride_wt, stride_wj,
+    sgu_ptr, stride_sge, stride_sgn, stride_sgk, UP_SOFF, UP_SROW, sd_ptr, stride_sde, stride_sdn, stride_sdk,
     GATED: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SORTED: tl.constexpr,
+    FP8: tl.constexpr, GU_K_SCALED: tl.constexpr, GU_SBN: tl.constexpr, GU_SBK: tl.constexpr,
+    D_K_SCALED: tl.constexpr, D_SBN: tl.constexpr, D_SBK: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h -------------------------
     pid_b = tl.program_id(0)
@@ -115,24 +170,31 @@ def _moe_bwd_act_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dy_bd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # <dy[t], bd[e]>: dw_p's bias term
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        mask_k = offs_k < H - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
-        if GATED:
-            acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
-        acc_d = tl.dot(dy, tl.load(wd_ptrs, mask=w_mask, other=0.0), acc_d, input_precision=PRECISION)
-        if HAS_BD:
-            bd = tl.load(bd_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-            dy_bd += tl.sum(dy.to(tl.float32) * bd[None, :], axis=1)
-        x_ptrs += BLOCK_K * stride_xk
-        dy_ptrs += BLOCK_K * stride_dyk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
-        wd_ptrs += BLOCK_K * stride_dn
-        bd_ptrs += BLOCK_K * stride_bdn
+    if FP8:  # float8 weights (no biases): each tile dequantized in registers, never in memory
+        acc_g, acc_u, acc_d = _fp8_act_loop(
+            x_ptrs, dy_ptrs, wg_ptrs, wu_ptrs, wd_ptrs, acc_g, acc_u, acc_d, e, offs_n, offs_k, mask_m, mask_n, H, I,
+            stride_xk, stride_dyk, stride_wk, stride_dn, sgu_ptr, stride_sge, stride_sgn, stride_sgk, UP_SOFF,
+            UP_SROW, sd_ptr, stride_sde, stride_sdn, stride_sdk, pid_n * BLOCK_N, GATED, GATE_STEP, PRECISION,
+            BLOCK_K, GU_K_SCALED, GU_SBN, GU_SBK, D_K_SCALED, D_SBN, D_SBK)
+    else:
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            mask_k = offs_k < H - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w_mask = mask_k[:, None] & mask_n[None, :]
+            acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+            if GATED:
+                acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+            acc_d = tl.dot(dy, tl.load(wd_ptrs, mask=w_mask, other=0.0), acc_d, input_precision=PRECISION)
+            if HAS_BD:
+                bd = tl.load(bd_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+                dy_bd += tl.sum(dy.to(tl.float32) * bd[None, :], axis=1)
+            x_ptrs += BLOCK_K * stride_xk
+            dy_ptrs += BLOCK_K * stride_dyk
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+            wd_ptrs += BLOCK_K * stride_dn
+            bd_ptrs += BLOCK_K * stride_bdn
 
     # -- epilogue: biases, h, A'(g, u) · (w_p dh'), dw_p's partial over these columns -------------------
     if HAS_BGU:
@@ -176,6 +238,48 @@ def _store_gu(ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr
     tl.store(base + (offs_n * GATE_STEP)[None, :], dg, mask=mask)
     if GATED:
         tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], du, mask=mask)
+
+
+@triton.jit
+def _moe_bwd_dx_fp8_kernel(
+    dgu_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+    S, H, N_GU, UP_ROW, UP_SOFF, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    SPLIT: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- one expert's block of pairs, BLOCK_N columns of H: dx_p = [dg du]_p Wgu[e], over Wgu's rows -------------
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = pairs < S
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = dgu_ptr + pairs[:, None] * N_GU + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_k[:, None] * stride_wn + offs_n[None, :] * stride_wk
+    s_e = s_ptr + e * stride_se
+    if K_SCALED:  # the program's H columns lie in one scale block of Wgu's K (BLOCK_N divides SBK)
+        s_e += (pid_n * BLOCK_N // SBK) * stride_sk
+
+    # -- each (BLOCK_K rows, BLOCK_N columns) tile of Wgu[e] times its rows' scales, in dgu's dtype ---------------
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(N_GU, BLOCK_K)):
+        mask_k = offs_k < N_GU - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        rows = tl.minimum(k * BLOCK_K + offs_k, N_GU - 1)
+        if SPLIT:  # gate and up quantized apart: up row UP_ROW + n reads scale row UP_SOFF + n // SBN
+            s_rows = tl.where(rows >= UP_ROW, UP_SOFF + (rows - UP_ROW) // SBN, rows // SBN)
+        else:
+            s_rows = rows // SBN
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w = dequantized(w, tl.load(s_e + s_rows * stride_sn)[:, None], a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wn
+    tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -333,10 +437,66 @@ def _expert_start(routing: Routing, E: int) -> Tensor:
     return torch.searchsorted(be, torch.arange(E + 1, dtype=be.dtype, device=be.device)).to(torch.int32)
 
 
+def _within(cfg: dict, key: str, fe) -> dict:
+    """``cfg`` with its tile ``key`` halved until it divides the scale block along K of float8 weights ``fe``
+    (unchanged where their scales do not change along K); NotImplementedError where no tile of 16 or more can."""
+    if not fe.k_scaled:
+        return cfg
+    if fe.block_k % 16:
+        raise NotImplementedError(f"moe_backward: scale blocks {fe.block_k} wide along K; the kernels' tiles are "
+                                  "multiples of 16 (use the aten reference)")
+    cfg = dict(cfg)
+    while fe.block_k % cfg[key]:
+        cfg[key] //= 2
+    return cfg
+
+
+def _fp8_act_args(scales: tuple | None, up_row: int) -> tuple[tuple, dict]:
+    """The act kernel's scale arguments and FP8 constexprs for float8 weights' ``scales``; for float weights None
+    (no kernel parameter: the bf16 kernel as it was)."""
+    if scales is None:
+        return (None,) * 10, dict(FP8=False, GU_K_SCALED=False, GU_SBN=1, GU_SBK=1, D_K_SCALED=False, D_SBN=1,
+                                  D_SBK=1)
+    fgu, fd = scales
+    return ((fgu.scale, *fgu.scale.stride(), fgu.up_soff, 0 if fgu.up_soff else up_row, fd.scale, *fd.scale.stride()),
+            dict(FP8=True, GU_K_SCALED=fgu.k_scaled, GU_SBN=fgu.block_n, GU_SBK=fgu.block_k if fgu.k_scaled else 1,
+                 D_K_SCALED=fd.k_scaled, D_SBN=fd.block_n, D_SBK=fd.block_k if fd.k_scaled else 1))
+
+
+_DEQUANT_PER_THREAD = 64  # weight elements a thread dequantizes per K step (128 at 128 x 128 on 4 warps: spills)
+
+
+def _fp8_dx(dgu: Tensor, routing: Routing, fgu, H: int, up_row: int, config: dict | None) -> Tensor:
+    """out (S, H) fp32, row p = [dg du]_p Wgu[e] for pair p of expert e (dropped pairs unwritten), Wgu float8 with
+    its scales ``fgu``, each tile dequantized in registers. ``config``: a ``moe_down`` config (BLOCK_M is the
+    routing's), else the default for this GEMM's sizes."""
+    S, N_GU = dgu.shape
+    E = fgu.w.shape[0]
+    out = torch.empty((S, H), dtype=torch.float32, device=dgu.device)
+    n_blocks = routing.block_expert.shape[0]
+    if n_blocks == 0 or H == 0:
+        return out
+    k = routing.k
+    cfg = config or default_config("down", S // k, k, E, H, N_GU, dgu.dtype, dgu.device)
+    cfg = _within(cfg, "BLOCK_N", fgu)
+    while cfg["BLOCK_K"] > 16 and cfg["BLOCK_K"] * cfg["BLOCK_N"] > _DEQUANT_PER_THREAD * 32 * cfg["num_warps"]:
+        cfg = {**cfg, "BLOCK_K": cfg["BLOCK_K"] // 2}  # the tile is dequantized in fp32 registers: keep it small
+    sc = fgu.scale
+    launch(
+        _moe_bwd_dx_fp8_kernel, (n_blocks, cdiv(H, cfg["BLOCK_N"])),
+        dgu, fgu.w, sc, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
+        S, H, N_GU, up_row, fgu.up_soff, *fgu.w.stride(), *sc.stride(),
+        SPLIT=fgu.up_soff > 0, K_SCALED=fgu.k_scaled, SBN=fgu.block_n, SBK=fgu.block_k if fgu.k_scaled else 1,
+        PRECISION=dot_precision(dgu.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        **_launch_opts(cfg),
+    )
+    return out
+
+
 def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
                  configs: dict | None = None, need_dx: bool = True, need_weights: bool = True,
-                 wgrad: str = "triton",
+                 wgrad: str = "triton", scales: tuple | None = None,
                  ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
     given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
@@ -345,8 +505,12 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     torch's grouped GEMM on expert-sorted copies of the operands ("grouped", ``moe_grouped_wgrad``). Raises
     NotImplementedError for what it does not run (the caller falls back to the aten reference). Without
     ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight and bias gradients are not computed
-    and come back None."""
+    and come back None. ``scales``: (gate/up's, down's) ``fp8.Fp8Experts`` of float8 weights w_gu and w_d, frozen
+    and without biases: each weight tile dequantized in registers (the values ``fp8.dequantize_experts`` gives in
+    x's dtype), dx by ``_moe_bwd_dx_fp8_kernel``; no copy of a weight is made."""
     _check(x, act)
+    if scales is not None and (need_weights or b_gu is not None or b_d is not None):
+        raise ValueError("moe_backward: float8 experts are frozen and have no biases (need_weights=False, no biases)")
     T, H = x.shape
     k = ids.shape[1]
     E, _, I = w_d.shape
@@ -369,6 +533,9 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     # -- h, [dg du] per pair and dw's partials per column tile (grouped: h and a copy of [dg du] sorted) ---------
     cfgs = {kind: backward_config(kind, routing.block_m, x.dtype, S) for kind in ("act", "wgrad")} | (configs or {})
     cfg = cfgs["act"]
+    if scales is not None:  # a tile never straddles a scale block: gate/up's along H, down's along I
+        cfg = _within(_within(cfg, "BLOCK_K", scales[0]), "BLOCK_N", scales[1])
+    fp8_ints, fp8_flags = _fp8_act_args(scales, up_row)
     n_tiles = cdiv(I, cfg["BLOCK_N"])
     n_gu = w_gu.shape[1]
     n_blocks = routing.block_expert.shape[0]
@@ -392,17 +559,19 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         dbgu_part if dbgu_part is not None else dw_part,
         S, k, I, H, n_gu, up_row, n_tiles,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
-        *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1),
+        *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1), *fp8_ints,
         GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
         ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SORTED=grouped, **_launch_opts(cfg),
+        SORTED=grouped, **fp8_flags, **_launch_opts(cfg),
     )
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
     # -- dx: [dg du]_p Wgu[e] per pair (the forward's down kernel on the transposed view), summed per token -----
     dx = None
-    if need_dx:
+    if need_dx and scales is not None:
+        dx = moe_combine(_fp8_dx(dgu, routing, scales[0], H, up_row, cfgs.get("dx")), ids, E, x.dtype)
+    elif need_dx:
         ones = torch.ones((), dtype=torch.float32, device=dev).expand(T, k)
         dx = moe_combine(moe_down(dgu, routing, ones, w_gu.transpose(1, 2), None, cfgs.get("dx")), ids, E, x.dtype)
     if not need_weights:

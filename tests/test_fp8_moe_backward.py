@@ -1,0 +1,109 @@
+"""The routed experts' Triton backward on float8 weights (``kernels.moe_backward.moe_backward(scales=...)``): dx and
+d topk_weights against float64 autograd on the weights the scales describe, every scale format, called directly (the
+interpreter on the CPU, in fp32 and fp16: its bf16 tl.dot is wrong; bf16 too on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _moe_cases import sentinels, stored_transposed
+from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty
+from test_fp8_moe import FORMATS, quantized_experts, reference64
+
+from mlp_fuser.kernels import fp8 as K8
+from mlp_fuser.kernels.moe import ExpertAct
+from mlp_fuser.kernels.moe_backward import moe_backward
+from mlp_fuser.reference import rel_err
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+BAR = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # x, dy, h and [dg du] rounded to x's dtype
+
+
+def fp8_case(fmt, block, dtype, T=19, k=3, E=5, H=96, I=48, gated=True, interleaved=False, transposed=False,
+             seed=0):
+    """Float8 experts in ``fmt`` with their float64 values; about 20% sentinel ids; no tokens for the last expert."""
+    g = torch.Generator().manual_seed(seed)
+    N = 2 * I if gated else I
+    wgu, sgu, wgu64 = quantized_experts(E, N, H, fmt, block, g, gated)
+    dfmt = "block" if fmt == "apart" else "tensor" if fmt == "halves" else fmt
+    wd, sd, wd64 = quantized_experts(E, H, I, dfmt, block, g)
+    x = torch.randn(T, H, generator=g) * 4  # activations of O(1)
+    ids = torch.randint(0, E - 1, (T, k), generator=g)
+    ids = torch.where(torch.rand(T, k, generator=g) < 0.2, sentinels(g, (T, k), E), ids)
+    wts, dy = torch.rand(T, k, generator=g), torch.randn(T, H, generator=g)
+    if transposed:
+        wgu, wd = stored_transposed(wgu, wd)
+    dev = KERNEL_DEVICE
+    fgu = K8.fp8_experts(wgu.to(dev), sgu.to(dev), block, gated, interleaved)
+    fd = K8.fp8_experts(wd.to(dev), sd.to(dev), block)
+    x, dy = x.to(dtype), dy.to(dtype)
+    return (x.to(dev), ids.to(dev), wts.to(dev), fgu, fd, dy.to(dev)), (x, ids, wts, wgu64, wd64, dy)
+
+
+def grads64(x, ids, wts, wgu64, wd64, dy, **gate):
+    """dx and d topk_weights by float64 autograd through the pair-by-pair reference."""
+    x64, w64 = x.double().requires_grad_(), wts.double().requires_grad_()
+    reference64(x64, ids, w64, wgu64, wd64, **gate).backward(dy.double())
+    return x64.grad, w64.grad
+
+
+SILU = ExpertAct()
+
+
+def run(args, act=SILU, interleaved=False, need_dx=True):
+    x, ids, wts, fgu, fd, dy = args
+    with poisoned_empty():
+        return moe_backward(x, ids, wts, fgu.w, None, fd.w, None, act, interleaved, dy, need_dx=need_dx,
+                            need_weights=False, scales=(fgu, fd))
+
+
+def check(got, ref, bar):
+    (dx, dwts, *weights), (dx64, dwts64) = got, ref
+    assert weights == [None] * 4
+    assert dx64.abs().max() > 0.1 and dwts64.abs().max() > 0.1
+    for name, g, r in (("dx", dx, dx64), ("dwts", dwts, dwts64)):
+        err = rel_err(g.cpu(), r)
+        assert err <= bar, f"{name}: relative error {err:.2e} > {bar:.0e}"
+
+
+CASES = [(fmt, block, torch.float32) for fmt, block in FORMATS + [("block", (16, 16)), ("block", (48, 48))]]
+CASES += [(fmt, block, dt) for dt in DTYPES[1:] for fmt, block in (FORMATS[1], FORMATS[2])]
+
+
+@pytest.mark.parametrize("fmt,block,dtype", CASES, ids=str)
+def test_fp8_backward_matches_float64(fmt, block, dtype):
+    """Every format (blocks along K and N, gate and up quantized apart, per channel, per tensor, per half; blocks
+    narrower than the tiles and not dividing them), sentinel ids, an expert with no tokens."""
+    args, ref = fp8_case(fmt, block, dtype)
+    check(run(args), grads64(*ref), BAR[dtype])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fp8_backward_clamped_gate_and_transposed_storage(interleaved):
+    """GPT-OSS's gate (clamped, up + 1) in either layout of gate/up rows, the weights stored transposed."""
+    args, ref = fp8_case("block", (32, 64), torch.float32, interleaved=interleaved, transposed=True, seed=1)
+    args, ref = (args[0] * 3, *args[1:]), (ref[0] * 3, *ref[1:])  # so that the clamps bite
+    gate = dict(limit=0.7, up_offset=1.0, interleaved=interleaved)
+    act = ExpertAct("silu", limit=0.7, up_offset=1.0)
+    check(run(args, act, interleaved), grads64(*ref, **gate), BAR[torch.float32])
+
+
+def test_fp8_backward_plain_experts_and_no_dx():
+    """Plain experts (act(x W1ᵀ), per-channel scales); without need_dx only d topk_weights is computed."""
+    args, ref = fp8_case("channel", None, torch.float32, gated=False, seed=2)
+    want = grads64(*ref, act="gelu", gated=False)
+    check(run(args, ExpertAct("gelu")), want, BAR[torch.float32])
+    dx, dwts, *_ = run(args, ExpertAct("gelu"), need_dx=False)
+    assert dx is None and rel_err(dwts.cpu(), want[1]) <= BAR[torch.float32]
+
+
+def test_fp8_backward_every_pair_dropped_and_refusals():
+    args, _ = fp8_case("block", (32, 64), torch.float32, seed=3)
+    x, ids, wts, fgu, fd, dy = args
+    dx, dwts, *_ = run((x, torch.full_like(ids, fgu.w.shape[0]), wts, fgu, fd, dy))
+    assert torch.equal(dx, torch.zeros_like(x)) and torch.equal(dwts, torch.zeros_like(wts))
+    with pytest.raises(ValueError, match="frozen"):
+        moe_backward(x, ids, wts, fgu.w, None, fd.w, None, ExpertAct(), False, dy, scales=(fgu, fd))
+    odd = K8.Fp8Experts(fgu.w, fgu.scale, fgu.block_n, 8)  # scale blocks 8 wide along K: no tile of 16 fits
+    with pytest.raises(NotImplementedError, match="8 wide"):
+        run((x, ids, wts, odd, fd, dy))
