@@ -114,7 +114,7 @@ def forced_row(monkeypatch):
 
 
 OP_CASES = [("gated_top1", torch.float32), ("gated_top2_bias", torch.float32), ("plain_top1_bias", torch.float32),
-            ("gated_top2_bias", torch.float16)]
+            ("gated_top2_bias", torch.float16)] + [("gated_top2_bias", torch.bfloat16)] * (KERNEL_DEVICE == "cuda")
 
 
 @pytest.mark.parametrize(("name", "dtype"), OP_CASES, ids=[f"{n}-{dt}" for n, dt in OP_CASES])
