@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _moe_cases import sentinels, stored_transposed
-from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty
+from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty, requires_cuda
 from test_fp8_moe import FORMATS, quantized_experts, reference64
 
 from mlp_fuser.kernels import fp8 as K8
@@ -107,3 +107,131 @@ def test_fp8_backward_every_pair_dropped_and_refusals():
     odd = K8.Fp8Experts(fgu.w, fgu.scale, fgu.block_n, 8)  # scale blocks 8 wide along K: no tile of 16 fits
     with pytest.raises(NotImplementedError, match="8 wide"):
         run((x, ids, wts, odd, fd, dy))
+
+
+# ---- the op: quant_moe_mlp's backward is quant_moe_mlp_backward, through the kernels where they run ---------------
+
+
+def op_case(fmt="block", block=(32, 64), dtype=torch.float32, seed=10, **shape):
+    """The op's arguments (weights as FP8Experts stores them) on the kernels' device, and the float64 case."""
+    g = torch.Generator().manual_seed(seed)
+    args, ref = fp8_case(fmt, block, dtype, seed=seed, **shape)
+    x, ids, wts, fgu, fd, dy = args
+    return (x, ids, wts, fgu.w, fgu.scale, fd.w, fd.scale), dy, ref, g
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The kernels' rows take the call (Triton on CPU tensors under the interpreter), no plan or signature kept from
+    another test; the rows chosen for the backward are recorded."""
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import fp8_experts
+    from mlp_fuser.ops import quant_moe
+
+    if not HAS_CUDA:
+        monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
+    monkeypatch.setattr(quant_moe, "_SEEN", {})
+    chosen = []
+    real = fp8_experts.choose_backward
+    monkeypatch.setattr(fp8_experts, "choose_backward", lambda p: chosen.append(real(p).name) or real(p))
+    return chosen
+
+
+def test_op_gradients_through_the_kernels_without_a_dequantized_copy(kernels, monkeypatch):
+    """x and topk_weights get their gradients from the Triton backward on the float8 weights: the dequantizing
+    function is never called (forward or backward); a (T, 1, H) x; only topk_weights asking for one."""
+    from mlp_fuser.ops import quant_moe
+
+    monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
+    (x, ids, wts, *weights), dy, ref, _ = op_case()
+    xg, wg = x[:, None].clone().requires_grad_(), wts[:, None].clone().requires_grad_()
+    y = quant_moe.quant_moe_mlp(xg, ids[:, None], wg, *weights, "silu", block=(32, 64))
+    y.backward(dy[:, None])
+    dx64, dwts64 = grads64(*ref)
+    check((xg.grad[:, 0], wg.grad[:, 0], None, None, None, None), (dx64, dwts64), 1e-5)
+    assert kernels == ["fp8_moe_triton_backward"]
+    wg = wts.clone().requires_grad_()
+    quant_moe.quant_moe_mlp(x, ids, wg, *weights, "silu", block=(32, 64)).backward(dy)
+    assert rel_err(wg.grad.cpu(), dwts64) <= 1e-5 and kernels == ["fp8_moe_triton_backward"] * 2
+
+
+def test_op_backward_compiled_and_opcheck(kernels):
+    """Compiled (AOT autograd) the backward graph calls quant_moe_mlp_backward, with eager's gradients; the backward
+    op passes opcheck, with and without dx (not test_schema: its mode runs an aten op float8 has no CPU kernel for)."""
+    from mlp_fuser.ops import quant_moe
+
+    (x, ids, wts, *weights), dy, ref, _ = op_case(seed=11)
+
+    def f(xx, ww):
+        return quant_moe.quant_moe_mlp(xx, ids, ww, *weights, "silu", block=(32, 64))
+
+    xg, wg = x.clone().requires_grad_(), wts.clone().requires_grad_()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(xg, wg).backward(dy)
+    assert kernels == ["fp8_moe_triton_backward"]
+    check((xg.grad, wg.grad, None, None, None, None), grads64(*ref), 1e-5)
+    for need_dx in (True, False):
+        torch.library.opcheck(torch.ops.mlp_fuser.quant_moe_mlp_backward.default,
+                              (dy, x, ids, wts, *weights, "silu", "fp8_e4m3", [32, 64], False, None, False, 0.0,
+                               need_dx), test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_op_double_backward_through_the_dequantized_reference():
+    """create_graph=True: the gradients are differentiable again (the dequantized reference), equal to float64."""
+    from mlp_fuser.ops import quant_moe
+
+    (x, ids, wts, *weights), dy, ref, _ = op_case(seed=12)
+    xg, wg = x.clone().requires_grad_(), wts.clone().requires_grad_()
+    y = quant_moe.quant_moe_mlp(xg, ids, wg, *weights, "silu", block=(32, 64))
+    dx, dwts = torch.autograd.grad(y, (xg, wg), dy, create_graph=True)
+    assert dx.requires_grad and dwts.requires_grad
+    check((dx.detach(), dwts.detach(), None, None, None, None), grads64(*ref), 1e-5)
+
+
+def test_backward_table_reasons(monkeypatch):
+    """Which backward row runs a call and why the kernels' does not: CPU tensors without the interpreter, scale
+    blocks the tiles cannot step in."""
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import fp8_experts
+    from mlp_fuser.reference import Gate
+
+    (x, ids, wts, fgu, fd, dy), _ = fp8_case("block", (32, 64), torch.float32, seed=13)
+    monkeypatch.setattr(config, "triton_on_cpu", False)
+    p = fp8_experts.backward_problem(x.cpu(), ids, fgu, fd, Gate("silu"))
+    assert fp8_experts.choose_backward(p).name == "aten_dequantize"
+    assert "fp8_moe_triton_backward: " in fp8_experts.describe_backward(p)
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    assert fp8_experts.choose_backward(p).name == "fp8_moe_triton_backward"
+    odd = K8.Fp8Experts(fgu.w, fgu.scale, 32, 8)
+    p = fp8_experts.backward_problem(x, ids, odd, fd, Gate("silu"))
+    assert "8 wide along K" in fp8_experts.describe_backward(p)
+    assert fp8_experts.choose_backward(p).name == "aten_dequantize"
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 256])
+def test_op_training_step_makes_no_dequantized_copy_on_cuda(T):
+    """Forward and backward with x and topk_weights needing gradients: the peak memory stays far below a bf16 copy
+    of either weight (the old path dequantized every expert's weights per call)."""
+    from mlp_fuser.ops import quant_moe
+
+    g = torch.Generator().manual_seed(14)
+    E, H, I = 16, 1024, 512
+    wgu, sgu, _ = quantized_experts(E, 2 * I, H, "block", (128, 128), g)
+    wd, sd, _ = quantized_experts(E, H, I, "block", (128, 128), g)
+    ids = torch.randint(0, E, (T, 4), generator=g).cuda()
+    x = torch.randn(T, H, generator=g).cuda().bfloat16().requires_grad_()
+    wts = torch.rand(T, 4, generator=g).cuda().requires_grad_()
+    dy = torch.randn(T, H, generator=g).cuda().bfloat16()
+    weights = [t.cuda() for t in (wgu, sgu, wd, sd)]
+
+    def step():
+        quant_moe.quant_moe_mlp(x, ids, wts, *weights, "silu", block=(128, 128)).backward(dy)
+
+    step()  # compiled before measuring
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < wd.numel()  # a bf16 copy of w_down alone: 2 x its fp8 bytes

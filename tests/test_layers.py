@@ -151,7 +151,8 @@ def test_one_dispatcher():
     from mlp_fuser.dispatch import core as dispatch_core
     from mlp_fuser.dispatch import dense, experts, fp8, fp8_experts, router
 
-    for table in (dense.IMPLS, dense.BACKWARD_IMPLS, experts.IMPLS, router.IMPLS, fp8.IMPLS, fp8_experts.IMPLS):
+    for table in (dense.IMPLS, dense.BACKWARD_IMPLS, experts.IMPLS, router.IMPLS, fp8.IMPLS, fp8_experts.IMPLS,
+                  fp8_experts.BACKWARD_IMPLS):
         assert all(type(i) is dispatch_core.Impl for i in table)
 
 

@@ -1,19 +1,22 @@
-"""The FP8 routed experts' paths (``quant_moe_mlp``: ``ops/quant_moe.py``) as rows of the one dispatcher's table
+"""The FP8 routed experts' paths (``quant_moe_mlp``: ``ops/quant_moe.py``) and those of its backward
+(``quant_moe_mlp_backward``: dx and d topk_weights, ``BACKWARD_IMPLS``) as rows of the one dispatcher's tables
 (``core``). Not timed: from the top down, the first row that runs a call runs it (or the one ``config.force_impl``
 names). A row's ``fn(x2, ids2, wts2, fgu, fd, gate)`` takes the call flattened to (T, H) and (T, k), the checked
 weights (``kernels.fp8.Fp8Experts``) and the ``Gate``; the kernels' rows run through a launch plan
 (``kernels.moe.experts_plan``) built on a signature's first call and kept with the choice (``run``).
 """
-
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
-from .. import config
+from .. import compat, config
+from ..activations import get_activation
 from ..kernels import fp8 as fp8_kernels
 from ..kernels import moe as kmoe
+from ..kernels import moe_backward as kbwd
 from ..reference import Gate, reference_experts
 from . import core
 from .core import Impl
@@ -116,3 +119,60 @@ def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate, signature: 
 def describe(p: Problem) -> str:
     """Which row runs ``p``, and why each one above it does not."""
     return core.describe_first(FP8_EXPERTS, p)
+
+
+# ---- calls with gradients: dx and d topk_weights (the float8 weights are frozen) ----------------------------------
+
+
+class BackwardProblem(NamedTuple):
+    device: str
+    index: int | None
+    pairs: int
+    k_blocks: tuple  # as Problem's
+    activation: str
+
+
+def backward_problem(x2: Tensor, ids2: Tensor, fgu, fd, gate: Gate) -> BackwardProblem:
+    return BackwardProblem(*problem(x2, ids2, fgu, fd), gate.activation)
+
+
+def _triton_grad(p: BackwardProblem) -> str | None:
+    if get_activation(p.activation).triton_grad is None:
+        return f"activation {p.activation!r} has no Triton derivative"
+    return None
+
+
+def triton_backward(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate, dy2: Tensor,
+                    need_dx: bool) -> tuple:
+    """(dx or None, dwts) by the experts' Triton backward on the float8 weights as stored
+    (``kernels.moe_backward``: each weight tile dequantized in registers)."""
+    dx, dwts, *_ = kbwd.moe_backward(x2, ids2, wts2, fgu.w, None, fd.w, None, expert_act(gate), gate.interleaved, dy2,
+                                     need_dx=need_dx, need_weights=False, scales=(fgu, fd))
+    return dx, dwts
+
+
+def dequantized_backward(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate, dy2: Tensor,
+                         need_dx: bool) -> tuple:
+    """(dx or None, dwts) by autograd through ``dequantized`` recomputed from the inputs (a copy of every expert's
+    weights in x's dtype)."""
+    xx, ww = x2.detach().requires_grad_(need_dx), wts2.detach().requires_grad_()
+    with compat.autograd_recording(), torch.enable_grad():
+        y = dequantized(xx, ids2, ww, fgu, fd, gate)
+        got = torch.autograd.grad(y, [xx, ww] if need_dx else [ww], dy2)
+    return (got[0], got[1]) if need_dx else (None, got[0])
+
+
+BACKWARD_IMPLS: list[Impl] = [  # a row's fn(x2, ids2, wts2, fgu, fd, gate, dy2, need_dx) -> (dx or None, dwts)
+    Impl("fp8_moe_triton_backward", triton_backward, None, None, why=(_kernels_run, _scale_blocks, _triton_grad)),
+    Impl("aten_dequantize", dequantized_backward, None, None),  # forcing "aten_dequantize" forces both directions
+]
+FP8_EXPERTS_BACKWARD = core.Registry("fp8_experts_backward", BACKWARD_IMPLS, None, what="the backward of ")
+
+
+def choose_backward(p: BackwardProblem) -> Impl:
+    return core.first(FP8_EXPERTS_BACKWARD, p)
+
+
+def describe_backward(p: BackwardProblem) -> str:
+    """Which backward row runs ``p``, and why each one above it does not."""
+    return core.describe_first(FP8_EXPERTS_BACKWARD, p)

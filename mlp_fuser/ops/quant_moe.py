@@ -15,9 +15,11 @@ On CUDA from sm89 the experts kernels (``kernels/moe.py``: the sorted grouped GE
 ``dispatch/fp8_experts.py``) read the float8 weights as stored and multiply them with x and h quantized per row and
 128 columns (W8A8, transformers' dynamic scheme; W8A16, each tile cast in registers, where ``config.fp8_w8a8`` is
 off). Elsewhere the aten reference
-dequantizes each expert's weights to x's dtype and runs ``moe.reference``. The weights are frozen; x and
-topk_weights get gradients, through that reference on the dequantized weights (on CUDA too: a dequantized copy per
-call where gradients are needed).
+dequantizes each expert's weights to x's dtype and runs ``moe.reference``. The weights and scales are frozen; x and
+topk_weights get gradients (``register_autograd``: the inputs saved; the backward is the op
+``quant_moe_mlp_backward``, eager and compiled alike): on CUDA the experts' Triton backward reading the float8
+weights as stored (``kernels/moe_backward.py``, each tile dequantized in registers: no copy of a weight), elsewhere
+autograd through the dequantized reference; with create_graph=True that reference, differentiable again.
 """
 
 from __future__ import annotations
@@ -106,10 +108,10 @@ def _signature(x, ids, wts, wgu, sgu, wd, sd, activation, fmt, block, interleave
             *[(t.shape, t.stride(), t.dtype, t.device) for t in (x, ids, wts, wgu, sgu, wd, sd)])
 
 
-def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False, limit=None,
-             clamp_after=False, up_offset=0.0):
-    """The op on real tensors; a call whose signature passed the checks before skips them (the ids' check stays)
-    and builds its weights' views from what the first call found."""
+def _prepared(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit, clamp_after,
+              up_offset) -> tuple:
+    """(signature or None, Fp8Experts of gate/up, of down, Gate) of a call; a call whose signature passed the checks
+    before skips them (the ids' check stays) and builds its weights' views from what the first call found."""
     try:
         key = _signature(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
                          clamp_after, up_offset)
@@ -129,6 +131,14 @@ def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=Non
                                                                                        gate.interleaved)
         fd = fp8_kernels.Fp8Experts(wd, sd, *d) if d else fp8_kernels.fp8_experts(wd, sd, block)
     moe._check_ids(ids)
+    return key, fgu, fd, gate
+
+
+def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False, limit=None,
+             clamp_after=False, up_offset=0.0):
+    """The op on real tensors: the row the dispatcher chose for the call's signature."""
+    key, fgu, fd, gate = _prepared(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved,
+                                   limit, clamp_after, up_offset)
     T, x2, ids2, wts2 = _flat(x, ids, wts)
     if T == 0:
         return x.new_zeros(x.shape)
@@ -136,7 +146,7 @@ def _forward(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=Non
     return y if x2 is x else y.view(*x.shape)
 
 
-_lib.impl("quant_moe_mlp", _forward, "CompositeExplicitAutograd")
+_lib.impl("quant_moe_mlp", moe._own_tensor(_forward), "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mlp_fuser::quant_moe_mlp", lib=_lib)
@@ -147,23 +157,72 @@ def _fake(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, 
     return x.new_empty(x.shape)
 
 
-def _autograd(keyset, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False,
-              limit=None, clamp_after=False, up_offset=0.0):
-    """With gradients needed (x or topk_weights): the reference on the dequantized weights, which autograd
-    differentiates; else the op below autograd."""
-    if torch.is_grad_enabled() and compat.any_requires_grad(x, wts):
-        fgu, fd, gate = _checked(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
+# ---- backward: dx and d topk_weights (the float8 weights and their scales are frozen) ------------------------------
+
+_lib.define(
+    "quant_moe_mlp_backward(Tensor dy, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, "
+    "Tensor s_gate_up, Tensor w_down, Tensor s_down, str activation, str weight_format, SymInt[]? block, "
+    "bool interleaved, float? limit, bool clamp_after, float up_offset, bool need_dx) -> (Tensor, Tensor)")
+
+
+def _backward(dy, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit, clamp_after,
+              up_offset, need_dx):
+    """(dx, d topk_weights) on real tensors, dx empty (0,) without ``need_dx``: the row the dispatcher's backward
+    table chooses (``fp8_experts.BACKWARD_IMPLS``: the Triton backward on the float8 weights, else autograd through
+    the dequantized reference)."""
+    _, fgu, fd, gate = _prepared(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
                                  clamp_after, up_offset)
-        moe._check_ids(ids)
-        T, x2, ids2, wts2 = _flat(x, ids, wts)
-        return fp8_experts.dequantized(x2, ids2, wts2, fgu, fd, gate).view(x.shape)
-    with compat.below_autograd():
-        return torch.ops.mlp_fuser.quant_moe_mlp.default.redispatch(
-            keyset & compat.AFTER_AUTOGRAD, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block,
-            interleaved, limit, clamp_after, up_offset)
+    T, x2, ids2, wts2 = _flat(x, ids, wts)
+    if T == 0:
+        dx, dwts = torch.zeros_like(x), torch.zeros_like(wts)
+    else:
+        impl = fp8_experts.choose_backward(fp8_experts.backward_problem(x2, ids2, fgu, fd, gate))
+        dx, dwts = impl.fn(x2, ids2, wts2, fgu, fd, gate, dy.reshape(T, x.shape[-1]), need_dx)
+    return (dx.reshape(x.shape).contiguous() if need_dx else x.new_empty(0),
+            dwts.reshape(wts.shape).contiguous().to(wts.dtype))
 
 
-_lib.impl("quant_moe_mlp", _autograd, "Autograd", with_keyset=True)
+_lib.impl("quant_moe_mlp_backward", _backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::quant_moe_mlp_backward", lib=_lib)
+def _backward_fake(dy, x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit,
+                   clamp_after, up_offset, need_dx):
+    return x.new_empty(x.shape) if need_dx else x.new_empty(0), wts.new_empty(wts.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])  # the inputs alone: the backward recomputes gate/up from x
+    ctx.options = inputs[7:]
+
+
+def _differentiable_backward(ctx, dy, need_dx: bool, need_wts: bool) -> tuple:
+    """create_graph=True: dx and dwts by autograd through the dequantized reference, differentiable again."""
+    x, ids, wts, wgu, sgu, wd, sd = ctx.saved_tensors
+    fgu, fd, gate = _checked(x, ids, wts, wgu, sgu, wd, sd, *ctx.options)
+    T, x2, ids2, wts2 = _flat(x, ids, wts)
+    y = fp8_experts.dequantized(x2, ids2, wts2, fgu, fd, gate)
+    asked = [t for t, need in ((x, need_dx), (wts, need_wts)) if need]
+    got = iter(torch.autograd.grad(y, asked, dy.reshape(y.shape), create_graph=True))
+    return next(got) if need_dx else None, next(got) if need_wts else None
+
+
+def _autograd_backward(ctx, dy):
+    """The op's backward: ``quant_moe_mlp_backward``, in eager mode as in a compiled graph; no weight gradients."""
+    need_dx, need_wts = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if torch.is_grad_enabled():
+        dx, dwts = _differentiable_backward(ctx, dy, need_dx, need_wts)
+    else:
+        saved = ctx.saved_tensors
+        if compat.plain_call(dy, saved[:1] + saved[2:]):
+            dx, dwts = _backward(dy, *saved, *ctx.options, need_dx)
+        else:  # the op where a mode or a tracer must see it
+            dx, dwts = torch.ops.mlp_fuser.quant_moe_mlp_backward.default(dy, *saved, *ctx.options, need_dx)
+    return (dx if need_dx else None, None, dwts if need_wts else None, *(None,) * 11)
+
+
+torch.library.register_autograd("mlp_fuser::quant_moe_mlp", _autograd_backward, setup_context=_setup_context,
+                                lib=_lib)
 
 
 def eager_quant_moe_mlp(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, interleaved=False,
