@@ -1,6 +1,6 @@
 """The routed experts' Triton backward on the GPU against autograd through the aten path (torch._grouped_mm).
 
-    python benchmarks/bench_moe_backward.py [--backward] [--profile] [--sweep] [--T 1024,4096] [--tiny]
+    python benchmarks/bench_moe_backward.py [--backward] [--profile] [--sweep] [--T 1024,4096] [--tiny] [--fp8]
 
 Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8, silu, gate|up concatenated), bf16, random top-k routing.
 For each T: ours = ``moe_experts_autograd`` (the sorted Triton forward, ``moe_backward``); theirs = autograd through
@@ -12,6 +12,11 @@ one step above what the inputs hold; with ``--sweep``, the backward alone over a
 kernels (the others at their defaults), the fastest printed. Every gradient checked against float64 autograd
 (‖out − ref‖ / ‖ref‖, both sides' errors).
 Results go to $OUT/moe_backward.json when OUT is set; a short table is printed last.
+``--fp8``: frozen float8 experts (the same weights quantized in 128 × 128 blocks, LoRA on an FP8 base): the
+training step of ``quant_moe_mlp`` with x and topk_weights needing gradients (FP8 forward kernels, the Triton
+backward on the float8 weights) against the old path (autograd through the reference on the weights dequantized
+per call, ``fp8_experts.dequantized``) and our bf16 op on the dequantized weights, frozen; dx and dwts checked
+against float64; ``--backward`` / ``--profile`` as above; $OUT/moe_backward_fp8.json.
 ``--tiny``: small shapes on the CPU under the Triton interpreter (fp32, wall clock): a smoke test of the script.
 """
 
@@ -88,10 +93,11 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def grads64(x, ids, wts, w_gu, w_d, dy):
-    """(dx, dwts, dw_gu, dw_d) by float64 autograd, expert by expert (rows by torch.where: a benchmark may sync)."""
+def grads64(x, ids, wts, w_gu, w_d, dy, frozen=False):
+    """(dx, dwts, dw_gu, dw_d) by float64 autograd, expert by expert (rows by torch.where: a benchmark may sync);
+    ``frozen``: (dx, dwts) alone."""
     E, H, I = w_d.shape
-    leaves = [t.detach().double().requires_grad_() for t in (x, wts, w_gu, w_d)]
+    leaves = [t.detach().double().requires_grad_(i < 2 or not frozen) for i, t in enumerate((x, wts, w_gu, w_d))]
     xx, ww, wgu, wd = leaves
     y = torch.zeros((x.shape[0], H), dtype=torch.float64, device=x.device)
     for e in range(E):
@@ -100,7 +106,7 @@ def grads64(x, ids, wts, w_gu, w_d, dy):
             gu = xx[tok] @ wgu[e].T
             h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
             y = y.index_add(0, tok, (h @ wd[e].T) * ww[tok, j][:, None])
-    return torch.autograd.grad(y, leaves, dy.double())
+    return torch.autograd.grad(y, leaves[:2] if frozen else leaves, dy.double())
 
 
 def profile_kernels(fn, label: str) -> dict:
@@ -198,17 +204,96 @@ def run(T: int, backward_alone: bool, do_sweep: bool = False, profile: bool = Fa
     return row
 
 
+FP8_PATHS = ("fp8", "dequantized", "bf16")
+
+
+def run_fp8(T: int, backward_alone: bool, profile: bool = False) -> dict:
+    """``--fp8``: one T's training step (and backward) of the three paths of frozen experts (the module docstring)."""
+    from mlp_fuser import config
+    from mlp_fuser.dispatch import fp8_experts
+    from mlp_fuser.kernels import fp8 as K8
+    from mlp_fuser.ops.quant_moe import quant_moe_mlp
+
+    if TINY:
+        config.triton_on_cpu = True  # the kernels' rows on CPU tensors, under the interpreter
+    H, I, E, k = SIZE
+    block = (32, 32) if TINY else (128, 128)
+    g = torch.Generator(device=DEV).manual_seed(T)
+    qgu, sgu = K8.quantize_blocks(torch.randn((E, 2 * I, H), generator=g, device=DEV) / H ** 0.5, block)
+    qd, sd = K8.quantize_blocks(torch.randn((E, H, I), generator=g, device=DEV) / I ** 0.5, block)
+    fgu, fd = K8.fp8_experts(qgu, sgu, block, gated=True), K8.fp8_experts(qd, sd, block)
+    w_gu, w_d = K8.dequantize_experts(fgu, DTYPE), K8.dequantize_experts(fd, DTYPE)  # the bf16 path's weights
+    x = torch.randn((T, H), generator=g, device=DEV).to(DTYPE)
+    top, ids = torch.randn((T, E), generator=g, device=DEV).topk(k, dim=1)
+    wts = torch.softmax(top, dim=1).to(DTYPE)
+    dy = torch.randn((T, H), generator=g, device=DEV).to(DTYPE)
+    act, gate = ExpertAct("silu"), Gate("silu")
+    xg, wg = x.clone().requires_grad_(), wts.clone().requires_grad_()
+    forwards = {
+        "fp8": lambda: quant_moe_mlp(xg, ids, wg, qgu, sgu, qd, sd, "silu", block=block),
+        "dequantized": lambda: fp8_experts.dequantized(xg, ids, wg, fgu, fd, gate),  # the op's old path with grads
+        "bf16": lambda: moe_experts_autograd(xg, ids, wg, w_gu, None, w_d, None, act),
+    }
+    steps = {name: (lambda f=f: torch.autograd.grad(f(), (xg, wg), dy)) for name, f in forwards.items()}
+    ref = grads64(x, ids, wts, w_gu, w_d, dy, frozen=True)
+    row = {"T": T, "H": H, "I": I, "E": E, "k": k, "dtype": str(DTYPE), "block": block}
+    for name, fn in steps.items():
+        row[f"{name}_err"] = {n: rel_err(o.detach().float(), r) for n, o, r in zip(NAMES, fn(), ref)}
+        row[f"{name}_step_us"], row[f"{name}_how"] = timed(fn)
+        row[f"{name}_peak_mib"] = peak_mib(fn)
+    if backward_alone or profile:  # ours from the inputs; the old path's graph (and dequantized weights) kept
+        y = forwards["dequantized"]()
+        bwds = {"fp8": lambda: moe_backward(x, ids, wts, qgu, None, qd, None, act, False, dy, need_weights=False,
+                                            scales=(fgu, fd)),
+                "dequantized": lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
+                "bf16": lambda: moe_backward(x, ids, wts, w_gu, None, w_d, None, act, False, dy, need_weights=False)}
+        for name, fn in bwds.items():
+            if backward_alone:
+                row[f"{name}_bwd_us"], row[f"{name}_bwd_how"] = timed(fn)
+            if profile:
+                row[f"{name}_bwd_kernels"] = profile_kernels(fn, f"T={T} backward {name}")
+    print(f"T={T}: step fp8 {row['fp8_step_us']:.0f} µs, dequantized {row['dequantized_step_us']:.0f}, bf16 "
+          f"{row['bf16_step_us']:.0f}; peak MiB {row['fp8_peak_mib']:.0f} / {row['dequantized_peak_mib']:.0f} / "
+          f"{row['bf16_peak_mib']:.0f}", flush=True)
+    return row
+
+
+def print_fp8(rows: list[dict]) -> None:
+    H, I, E, k = SIZE
+    print(f"\nfrozen FP8 experts (H {H}, I {I}, E {E}, k {k}, x {DTYPE}, {rows[0]['block']} blocks), µs "
+          f"({rows[0]['fp8_how']}); peak MiB above the inputs; errors: max over (dx, dwts) against float64")
+    print("| T | step fp8 | step dequantized | step bf16 | fp8 vs dequantized | fp8 vs bf16 | bwd fp8 "
+          "| bwd dequantized | bwd bf16 | peak fp8 | peak dequantized | peak bf16 | err fp8 | err dequantized "
+          "| err bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        bwd = " | ".join(f"{r[n + '_bwd_us']:.0f}" if n + "_bwd_us" in r else "–" for n in FP8_PATHS)
+        print(f"| {r['T']} | " + " | ".join(f"{r[n + '_step_us']:.0f}" for n in FP8_PATHS)
+              + f" | {r['dequantized_step_us'] / r['fp8_step_us']:.2f}x | {r['bf16_step_us'] / r['fp8_step_us']:.2f}x"
+              + f" | {bwd} | " + " | ".join(f"{r[n + '_peak_mib']:.0f}" for n in FP8_PATHS) + " | "
+              + " | ".join(f"{max(r[n + '_err'].values()):.2e}" for n in FP8_PATHS) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backward", action="store_true", help="also time the backward alone (ours both ways)")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of each backward, once")
     ap.add_argument("--sweep", action="store_true", help="time the backward over a few configs per kernel")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="frozen float8 experts: the FP8 op against the old path")
     ap.add_argument("--only", default=None, help="with --sweep: only these kernel kinds (act, wgrad, dx)")
     ap.add_argument("--T", default="5,33" if TINY else "1024,4096")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
+    if args.fp8:
+        rows = [run_fp8(int(t), args.backward, args.profile) for t in args.T.split(",")]
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "moe_backward_fp8.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        print_fp8(rows)
+        print(f"({time.time() - t0:.0f} s)")
+        return
     rows = [run(int(t), args.backward, args.sweep, args.profile) for t in args.T.split(",")]
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_backward.json"), "w") as f:

@@ -191,3 +191,17 @@ def test_moe_row_where_ours_failed_says_so():
                       skipped={"ours": "failed: OutOfMemoryError"}, impl="?"))
     assert not row["check_ok"]
     assert "| failed: OutOfMemoryError |" in format_row(row)
+
+
+def test_moe_backward_fp8_tiny(tmp_path):
+    """bench_moe_backward --fp8 (the FP8 op's training step against the dequantized path and bf16) on the CPU: every
+    path's dx and dwts checked against float64, its JSON and table written."""
+    import subprocess
+
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_moe_backward.py"), "--tiny", "--fp8",
+                          "--T", "5"], env=env, capture_output=True, text=True, check=True).stdout
+    (row,) = json.loads((tmp_path / "moe_backward_fp8.json").read_text())
+    for path in ("fp8", "dequantized", "bf16"):
+        assert set(row[f"{path}_err"]) == {"dx", "dwts"} and max(row[f"{path}_err"].values()) < 1e-5
+    assert "| 5 |" in out and "fp8 vs dequantized" in out
