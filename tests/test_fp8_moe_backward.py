@@ -154,6 +154,9 @@ def test_op_gradients_through_the_kernels_without_a_dequantized_copy(kernels, mo
     wg = wts.clone().requires_grad_()
     quant_moe.quant_moe_mlp(x, ids, wg, *weights, "silu", block=(32, 64)).backward(dy)
     assert rel_err(wg.grad.cpu(), dwts64) <= 1e-5 and kernels == ["fp8_moe_triton_backward"] * 2
+    s_gu = weights[1].clone().requires_grad_()  # only a scale asks for a gradient: frozen, no backward kernel
+    y = quant_moe.quant_moe_mlp(x, ids, wts, weights[0], s_gu, *weights[2:], "silu", block=(32, 64))
+    assert torch.autograd.grad(y, s_gu, dy, allow_unused=True) == (None,) and len(kernels) == 2
 
 
 def test_op_backward_compiled_and_opcheck(kernels):
@@ -216,7 +219,7 @@ def test_op_training_step_makes_no_dequantized_copy_on_cuda(T):
     from mlp_fuser.ops import quant_moe
 
     g = torch.Generator().manual_seed(14)
-    E, H, I = 16, 1024, 512
+    E, H, I = 16, 2048, 1024  # a bf16 copy of w_down (the bar) twice the backward's activations at T = 256
     wgu, sgu, _ = quantized_experts(E, 2 * I, H, "block", (128, 128), g)
     wd, sd, _ = quantized_experts(E, H, I, "block", (128, 128), g)
     ids = torch.randint(0, E, (T, 4), generator=g).cuda()

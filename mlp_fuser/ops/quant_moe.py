@@ -210,6 +210,8 @@ def _differentiable_backward(ctx, dy, need_dx: bool, need_wts: bool) -> tuple:
 def _autograd_backward(ctx, dy):
     """The op's backward: ``quant_moe_mlp_backward``, in eager mode as in a compiled graph; no weight gradients."""
     need_dx, need_wts = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if not (need_dx or need_wts):  # only the weights or scales ask (transformers' FP8 Parameters do): frozen
+        return (None,) * 14
     if torch.is_grad_enabled():
         dx, dwts = _differentiable_backward(ctx, dy, need_dx, need_wts)
     else:
