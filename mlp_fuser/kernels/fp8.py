@@ -59,8 +59,8 @@ class Fp8Weight(NamedTuple):
 
 def fp8_weight(w: Tensor, scale: Tensor, block: tuple[int, int] | list[int] | None = None) -> Fp8Weight:
     """``w`` (N, K) float8_e4m3fn with ``scale``: per block (``block`` = (block_n, block_k), scale (⌈N/bn⌉, ⌈K/bk⌉)),
-    per channel (scale (N,) or (N, 1)) or per tensor (one element); fp32 or UE8M0 scales. Raises ValueError naming
-    what does not fit."""
+    per channel (scale (N,), (N, 1) or (1, N)) or per tensor (one element); fp32, UE8M0 or bf16 scales. Raises
+    ValueError naming what does not fit."""
     if w.dim() != 2 or w.dtype != FP8:
         raise ValueError(f"mlp_fuser: an FP8 weight must be 2-D float8_e4m3fn, got {tuple(w.shape)} {w.dtype}")
     N, K = w.shape
@@ -76,7 +76,7 @@ def fp8_weight(w: Tensor, scale: Tensor, block: tuple[int, int] | list[int] | No
         return Fp8Weight(w, s.reshape(want), bn, min(bk, K))
     if s.numel() == 1:  # as per channel, one scale repeated (stride 0): no kernel per N
         return Fp8Weight(w, s.reshape(1, 1).expand(N, 1), 1, K)
-    if tuple(s.shape) in ((N,), (N, 1)):
+    if tuple(s.shape) in ((N,), (N, 1), (1, N)):
         return Fp8Weight(w, s.reshape(N, 1), 1, K)
     raise ValueError(f"mlp_fuser: FP8 scales {tuple(scale.shape)} fit no format of a weight {(N, K)}: per tensor "
                      f"(1 element), per channel ({N},) or per block with a block size")

@@ -28,9 +28,10 @@ from torch import nn
 
 from ..graph._dynamo_utils import fresh_code
 from ..graph.backend import FilterFn, check_filter, make_backend, pass_options
+from ..graph.fx_pass import NearMiss
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
-from . import hf
+from . import compressed, hf
 from .experts import FusedExpertsForward, fp8_near_miss, fuse_experts, spec
 from .fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
@@ -117,6 +118,7 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
                 misses.append(miss)
             if forward is not None and (filter_fn is None or filter_fn(module, path)):
                 fused[path] = forward
+        misses += _keep_compressed(model, fused)
         for m in misses:
             log.info("mlp_fuser.patch: not fused %s (%s): %s", m.path, m.check, m.reason)
         if misses and not fused:  # its MLPs are modules the op cannot run: Dynamo over the whole model would not either
@@ -147,6 +149,18 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
     if merge_gate_up:
         model.__dict__[_MERGED] = _merge(model, _gate_up_paths(_proven(model, filter_fn, pass_options(**options))))
     return model
+
+
+def _keep_compressed(model: nn.Module, fused: dict) -> list:
+    """Where fused MLPs read compressed-tensors layers, keep them compressed (``compressed.settle``); where they
+    cannot be, drop them from ``fused``: their near misses."""
+    paths = [p for p in fused if compressed.compressed_children(model.get_submodule(p))]
+    why = compressed.settle(model, paths) if paths else None
+    if why is None:
+        return []
+    for p in paths:
+        del fused[p]
+    return [NearMiss(p, "mlp", "plain_tensors", why) for p in paths]
 
 
 def _switchable(model: nn.Module, fused: dict) -> dict[str, str | None]:
@@ -335,11 +349,14 @@ def unpatch(model: nn.Module) -> nn.Module:
     merged = model.__dict__.pop(_MERGED, None)
     if merged:
         _split(model, merged)
-    for path in model.__dict__.pop(_MODULES, ()):  # patched per module, or unpickled from such a model
+    paths = model.__dict__.pop(_MODULES, None)
+    for path in paths or ():  # patched per module, or unpickled from such a model
         module = model.get_submodule(path)
         forward = module.__dict__.get("forward")
         if isinstance(forward, _FORWARDS) or getattr(forward, "__func__", None) is type(module).forward:
             del module.__dict__["forward"]
+    if paths:
+        compressed.rehook(model)
     if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model
         _restore(model)
     return model

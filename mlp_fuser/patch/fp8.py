@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .. import compat
 from ..ops import quant
+from . import compressed
 from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in, fused_forward, in_each_mode
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -28,8 +29,9 @@ _MAX_PROOFS = 256
 
 def _stored(child: nn.Module) -> tuple[Tensor, Tensor | None, tuple[int, int] | None, str] | None:
     """(float8 data, scales, block, who made it) of a projection's weight: transformers' FP8Linear (``weight`` and
-    ``weight_scale_inv``, ``block_size``) or a torchao Float8Tensor weight (``qdata``, ``scale``, ``block_size``);
-    None when its weight is not float8."""
+    ``weight_scale_inv``, ``block_size``), a compressed-tensors layer (``weight`` and ``weight_scale``, its scheme's
+    block) or a torchao Float8Tensor weight (``qdata``, ``scale``, ``block_size``); None when its weight is not
+    float8."""
     w = child._parameters.get("weight")
     data = getattr(w, "qdata", None)
     if isinstance(data, Tensor) and "float8" in str(data.dtype):  # torchao's quantize_(..., Float8*Config())
@@ -37,6 +39,8 @@ def _stored(child: nn.Module) -> tuple[Tensor, Tensor | None, tuple[int, int] | 
         return data, getattr(w, "scale", None), tuple(int(b) for b in block) if block else None, "torchao"
     if not isinstance(w, Tensor) or "float8" not in str(w.dtype):
         return None
+    if "weight_scale" in child._parameters and "weight_scale_inv" not in child._parameters:
+        return w, child._parameters["weight_scale"], compressed.block(child), "compressed-tensors"
     s = child._parameters.get("weight_scale_inv")
     if s is None:
         s = child._buffers.get("weight_scale_inv")
@@ -55,6 +59,8 @@ def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None, str] | st
         return f"{w.dtype} weights (the FP8 op reads float8_e4m3fn)"
     if not isinstance(s, Tensor):
         return "no weight_scale_inv beside its float8 weight"
+    if maker == "compressed-tensors" and (why := compressed.why_not(child)) is not None:
+        return why
     if type(w) not in (Tensor, nn.Parameter) or type(s) not in (Tensor, nn.Parameter):
         return f"a {type(w).__name__} weight (the FP8 op reads plain tensors)"
     if maker == "torchao" and block is not None and block[1] >= w.shape[1] and block[0] in (1, w.shape[0]):
@@ -71,6 +77,8 @@ def _read(child: nn.Module, maker: str) -> tuple[Tensor, Tensor]:
     w = child._parameters["weight"]
     if maker == "torchao":
         return w.qdata, w.scale
+    if maker == "compressed-tensors":
+        return w, child._parameters["weight_scale"]
     s = child._parameters.get("weight_scale_inv")
     return w, s if s is not None else child._buffers["weight_scale_inv"]
 
@@ -136,7 +144,9 @@ def fp8_site(module: nn.Module, path: str, options: dict):
         block = f" {fmt[1][0]}x{fmt[1][1]} blocks"
     else:
         block = " per tensor" if _stored(projs[0])[1].numel() == 1 else " per channel"
-    maker = ", torchao" if fmt[2] == "torchao" else ""
+    maker = "" if fmt[2] == "transformers" else f", {fmt[2]}"
+    if fmt[2] == "compressed-tensors":
+        maker += compressed.note(projs[0])
     return dataclasses.replace(site, path=path, pattern=f"{site.pattern} ({fmt[0]}{block}{maker})")
 
 

@@ -331,6 +331,11 @@ def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict) ->
     if memo[key] is None:
         return None
     name, why = bad[0]
+    from .fp8 import fp8_format  # patch/fp8.py builds on this module
+
+    child = name.split(".")[0]
+    if isinstance(fmt := fp8_format(module.get_submodule(child)), str) and fmt:  # what its FP8 format lacks
+        return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{'.'.join(p for p in (path, child) if p)}: {fmt}")
     return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{'.'.join(p for p in (path, name) if p)} is {why}")
 
 
