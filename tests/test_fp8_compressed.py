@@ -14,6 +14,7 @@ import mlp_fuser
 from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
+from mlp_fuser.ops import quant
 from mlp_fuser.reference import rel_err
 
 ct = pytest.importorskip("compressed_tensors")
@@ -221,7 +222,7 @@ def test_the_ops_activation_scaling_is_no_less_accurate_than_the_checkpoints(sch
     cuda = torch.cuda.is_available()
     monkeypatch.setattr(fp8, "_PLANS", {})
     if not cuda:
-        monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
+        monkeypatch.setattr(mlp_fuser.config, "triton_on_cpu", True)
     own, model = _load(checkpoint(scheme)), _load(checkpoint(scheme))
     own_mlp, seen = own.model.layers[0].mlp, []
     hook = own_mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
@@ -231,6 +232,7 @@ def test_the_ops_activation_scaling_is_no_less_accurate_than_the_checkpoints(sch
     mlp_fuser.patch(model)
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
     mlp, x = model.model.layers[0].mlp.to(dev), seen[0].to(dt)
+    assert quant.choose(x, x.shape[0] * x.shape[1]) == "fp8_w8a8"  # the kernels, x quantized
     with torch.no_grad():
         w = {n: own_mlp.get_submodule(n).weight.double() for n in ("gate_proj", "up_proj", "down_proj")}
         ref = (F.silu(x.double() @ w["gate_proj"].T) * (x.double() @ w["up_proj"].T)) @ w["down_proj"].T
