@@ -15,7 +15,7 @@ from . import compat
 from .activations import get_activation
 from .graph._dynamo_utils import fresh_code
 from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
-from .patch import experts
+from .patch import compressed, experts
 from .patch.api import fused_forwards_aside, original_forward
 from .patch.fp8 import fp8_site, fuse_fp8_linear
 from .patch.modules import weight_near_miss
@@ -217,6 +217,9 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
         torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
     except Exception as e:  # the report says what the forward raised: explain is how a user finds out why
         error = _error_text(e)
+        if isinstance(model, torch.nn.Module) and compressed.HOOK in model.__dict__:  # explain runs no module hooks
+            error += (" (the model's compressed-tensors layers are still compressed: its hook decompresses them on the"
+                      " first forward, which explain does not run)")
     reasons = [r for r, n in compat.graph_breaks().items() if n > before.get(r, 0)]
     report = Report(graphs=len(graphs), graph_breaks=len(reasons), break_reasons=reasons, error=error,
                     verbose=verbose)

@@ -136,6 +136,7 @@ def test_explain_before_patch_and_patch_again_after_unpatch(checkpoint):
     ids = torch.randint(0, V, (1, 7))
     report = mlp_fuser.explain(model, ids)
     assert [s.pattern for s in report.fused] == [PATTERNS["FP8_DYNAMIC"]] * 2
+    assert "its hook decompresses them on the first forward" in str(report)  # why the captured forward raised
     assert _dtypes(model, "self_attn") == _dtypes(model, "mlp") == {K8.FP8} and hasattr(model, "ct_decompress_hook")
     mlp_fuser.patch(model, filter_fn=lambda m, fqn: fqn == "model.layers.1.mlp")
     assert [n for n, m in model.named_modules() if type(m.__dict__.get("forward")).__name__ == "FusedModuleForward"] \
