@@ -21,6 +21,11 @@ EXPECT = {
                               "merge_gate_up: OK"], False),
     "moe_experts.py": ([], ["generate with the mlp_fuser experts: the same 8 tokens", "mlp_fuser.patch: max",
                         "routed experts through mlp_fuser: OK"], False),
+    "fp8_checkpoint.py": ([], ["the FP8 model: FP8Linear torch.float8_e4m3fn, FP8Experts torch.float8_e4m3fn",
+                               "model.layers.0.mlp          gated (fp8_e4m3 128x128 blocks)",
+                               "model.layers.1.mlp.experts  routed_experts (fp8_e4m3 128x128 blocks)",
+                               "8 other FP8 linear layer(s) run through mlp_fuser's FP8 GEMM",
+                               "FP8 checkpoint through mlp_fuser: OK"], False),
     "explain_models.py": ([], ["llama", "gpt2", "qwen3", "summary"], True),
     "generate_smollm2.py": (["--tokens", "12"], ["all variants generated the same 12 tokens", "ms/token"], True),
 }
