@@ -26,6 +26,9 @@ EXPECT = {
                                "model.layers.1.mlp.experts  routed_experts (fp8_e4m3 128x128 blocks)",
                                "8 other FP8 linear layer(s) run through mlp_fuser's FP8 GEMM",
                                "FP8 checkpoint through mlp_fuser: OK"], False),
+    "moe_finetune.py": ([], ["one step: mlp_fuser::moe_mlp 4 calls", "mlp_fuser::moe_mlp_backward 2",
+                             "patched with LoRA on: fused model.layers.0.mlp.experts, model.layers.1.mlp.experts",
+                             "mixture of experts fine-tuned through mlp_fuser: OK"], False),
     "explain_models.py": ([], ["llama", "gpt2", "qwen3", "summary"], True),
     "generate_smollm2.py": (["--tokens", "12"], ["all variants generated the same 12 tokens", "ms/token"], True),
 }
