@@ -93,7 +93,7 @@ try:
     print("transformers' FP8 forward runs here: its kernel loaded from the Hub")
 except ImportError as e:  # offline, or no `kernels` package: the Hub kernel cannot load
     print(f"transformers' FP8 forward raised ImportError ({str(e).split(':')[0]}): mlp_fuser.patch runs it instead")
-# What patch fuses, from the modules (its trace of transformers' forward says what it raised, if it did)
+# What patch fuses (explain traces transformers' FP8 layers on an aten stand-in where the Hub kernel cannot load)
 print(mlp_fuser.explain(model, prompt))
 
 

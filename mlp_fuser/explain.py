@@ -7,6 +7,7 @@ block.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ from .graph._dynamo_utils import fresh_code
 from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
 from .patch import compressed, experts
 from .patch.api import fused_forwards_aside, original_forward
-from .patch.fp8 import fp8_site, fuse_fp8_linear
+from .patch.fp8 import fp8_site, fuse_fp8_linear, transformers_fp8_kernel_loads
 from .patch.modules import weight_near_miss
 
 
@@ -200,6 +201,27 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
         return _explain(model, example_inputs, example_kwargs, activations, patterns, verbose)
 
 
+def _float8(module) -> bool:
+    return any("float8" in str(p.dtype) for p in module.parameters(recurse=False))
+
+
+def _fp8_layers_run(model):
+    """Where transformers' FP8 layers cannot load their Hub kernel, the capture runs them on the aten stand-in
+    (``tools/hf_fp8.py``), so that the graph is the model's and not an ImportError."""
+    if not isinstance(model, torch.nn.Module) or transformers_fp8_kernel_loads():
+        return contextlib.nullcontext()
+    try:
+        from transformers.integrations import finegrained_fp8 as hf
+    except ImportError:
+        return contextlib.nullcontext()
+    kinds = tuple(c for c in (getattr(hf, "FP8Linear", None), getattr(hf, "FP8Experts", None)) if c is not None)
+    if not any(isinstance(m, kinds) for m in model.modules()):
+        return contextlib.nullcontext()
+    from .tools.hf_fp8 import transformers_fp8_in_aten
+
+    return transformers_fp8_in_aten()
+
+
 def _explain(model, example_inputs, example_kwargs, activations, patterns, verbose) -> Report:
     """``explain`` for a model whose fused forwards, if any, are set aside."""
     acts = None if activations is None else {get_activation(a).name for a in activations}
@@ -214,7 +236,8 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
     before = dict(compat.graph_breaks())
     error = None
     try:
-        torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
+        with _fp8_layers_run(model):
+            torch.compile(fresh_code(fn), backend=record)(*example_inputs, **example_kwargs)
     except Exception as e:  # the report says what the forward raised: explain is how a user finds out why
         error = _error_text(e)
         if isinstance(model, torch.nn.Module) and compressed.HOOK in model.__dict__:  # explain runs no module hooks
@@ -236,7 +259,7 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
         options = dict(activations=acts, patterns=pats)
         for path, module in model.named_modules():
             fused_here = any(s.path == path for s in report.fused)
-            if not fused_here and (site := fp8_site(module, path, options)) is not None:
+            if not fused_here and (site := fp8_site(module, path, options) or experts.fp8_site(module, path)):
                 report.fused.append(site)  # the pass's near miss for its float8 weights, if any, no longer applies
                 report.near_misses = [m for m in report.near_misses if m.path != path]
                 seen |= {path, *(f"{path}.{name}" for name, _ in module.named_children())}
@@ -244,9 +267,8 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
                 report.fp8_linears.append(path)
             elif path not in seen and (m := weight_near_miss(module, path, options, memo)) is not None:
                 report.near_misses.append(m)
-            elif path not in seen and (site := experts.fp8_site(module, path)) is not None:
-                report.fused.append(site)
-            elif path not in seen and (why := experts.unfused_reason(module)) is not None:
+            elif (path not in seen or _float8(module)) and (why := experts.unfused_reason(module)) is not None:
+                report.near_misses = [m for m in report.near_misses if m.path != path]  # its weights' reason first
                 report.near_misses.append(NearMiss(path, "routed_experts", "experts", why))
     return report
 

@@ -534,6 +534,7 @@ def test_explain_reports_fp8_mlps_fused_and_the_lone_fp8_layers_patch_runs():
         if patched:
             mlp_fuser.patch(model)
         report = mlp_fuser.explain(model, ids)
+        assert report.error is None and report.graphs == 1 and report.graph_breaks == 0  # FP8 layers traced offline
         assert sorted(s.path for s in report.fused) == ["model.layers.0.mlp", "model.layers.1.mlp"]
         assert {s.pattern for s in report.fused} == {"gated (fp8_e4m3 128x128 blocks)"}
         assert len(report.fp8_linears) == 8 and "self_attn.q_proj" in str(report)

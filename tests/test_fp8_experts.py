@@ -123,8 +123,10 @@ def test_patch_leaves_unsupported_fp8_experts_exactly_as_they_were(caplog):
 
 
 def test_explain_reports_fp8_experts_with_their_format():
-    model, _, inputs = fp8_moe("qwen3_moe", (16, 32))
+    model, twin, inputs = fp8_moe("qwen3_moe", (16, 32))
     report = mlp_fuser.explain(model, *inputs)
+    assert report.error is None  # transformers' FP8 experts traced offline, on the aten stand-in
+    assert report.graph_breaks == mlp_fuser.explain(twin, *inputs).graph_breaks  # and no break of the stand-in's
     sites = [s for s in report.fused if s.path.endswith("experts")]
     assert len(sites) == 2 and all(s.pattern == "routed_experts (fp8_e4m3 16x32 blocks)" for s in sites)
     model, _, inputs = fp8_moe("qwen3_moe", (16, 32), weight_dtype=torch.float8_e5m2)

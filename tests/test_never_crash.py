@@ -124,15 +124,17 @@ def test_fp8linear_mlp_is_fused_and_unpatch_restores_it(fp8_kernel):
     _assert_unchanged(model, before, ref)
 
 
-def test_fp8linear_without_its_kernel_explain_says_why_and_patch_runs_it(monkeypatch):
-    """On a machine without the hub kernel the forward itself raises: explain reports that (never Dynamo's
-    TorchRuntimeError) and the blocks patch fuses; after patch the model runs."""
+def test_fp8linear_without_its_kernel_explain_traces_it_and_patch_runs_it(monkeypatch):
+    """On a machine without the hub kernel the forward itself raises; explain still captures the model's graph
+    (transformers' FP8 layers traced on the aten stand-in for that kernel) and reports the blocks patch fuses, with
+    no error and never Dynamo's TorchRuntimeError; after patch the model runs."""
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
     monkeypatch.setattr(fp8, "_FINEGRAINED_FP8", None)
     monkeypatch.setattr(fp8, "is_kernels_available", lambda: False)
     model = _fp8_llama()
     report = mlp_fuser.explain(model, _ids())
-    assert report.error and report.error.startswith("ImportError") and "kernel" in report.error, report.error
+    assert report.error is None and report.graphs >= 1, report.error
+    assert fp8._FINEGRAINED_FP8 is None  # the stand-in was the capture's alone
     assert "TorchRuntimeError" not in str(report)
     assert len(report.fused) == 2 and not report.near_misses, report.details()
     _assert_user_names(report)

@@ -34,20 +34,23 @@ def _x(x2: Tensor, group: int, activation_scale: Tensor | None) -> Tensor:
     return ((xb / s).clamp(-K8.FP8_MAX, K8.FP8_MAX).to(K8.FP8).float() * s).view(M, -1)[:, :K]
 
 
+def _grid(w: Tensor, s: Tensor, bn: int, bk: int) -> Tensor:
+    N, K = w.shape
+    return w.float() * s.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+
+
 def _w(w: Tensor, s: Tensor, block_size) -> tuple[Tensor, int]:
     """(the dequantized weight in fp32, the activations' quantization group: the weight's K block, else 128)."""
+    N, K = w.shape
     block = tuple(int(b) for b in block_size) if block_size is not None else None
-    if block is not None and block == tuple(w.shape):
-        block = None  # transformers' per-tensor weights may give their whole shape as the block
-    N = w.shape[0]
-    if block is not None and s.shape[0] != K8.cdiv(N, block[0]) and N % 2 == 0 and \
-            s.shape[0] == 2 * K8.cdiv(N // 2, block[0]):  # an expert's gate and up, quantized apart then stacked
-        half = s.shape[0] // 2
-        wd = torch.cat([K8.dequantize(K8.fp8_weight(w[:N // 2], s[:half].float(), block)),
-                        K8.dequantize(K8.fp8_weight(w[N // 2:], s[half:].float(), block))])
-    else:
-        wd = K8.dequantize(K8.fp8_weight(w, s.float(), block))
-    return wd, block[1] if block else K8.A8_BLOCK
+    if block is None or block == (N, K):  # per tensor (transformers may give the whole shape as the block)
+        return w.float() * s.float().reshape(-1, 1).expand(N, 1) if s.numel() in (1, N) else _grid(w, s, N, K), \
+            K8.A8_BLOCK
+    bn, bk = block
+    if s.shape[0] != K8.cdiv(N, bn) and N % 2 == 0 and s.shape[0] == 2 * K8.cdiv(N // 2, bn):
+        half = s.shape[0] // 2  # an expert's gate and up, quantized apart then stacked
+        return torch.cat([_grid(w[:N // 2], s[:half], bn, bk), _grid(w[N // 2:], s[half:], bn, bk)]), bk
+    return _grid(w, s.reshape(K8.cdiv(N, bn), K8.cdiv(K, bk)), bn, bk), bk
 
 
 def matmul(input: Tensor, weight: Tensor, weight_scale_inv: Tensor, block_size=None, output_dtype=None,
@@ -59,9 +62,20 @@ def matmul(input: Tensor, weight: Tensor, weight_scale_inv: Tensor, block_size=N
     return y.to(output_dtype or input.dtype).reshape(*input.shape[:-1], weight.shape[0])
 
 
+def _every_expert(x: Tensor, w: Tensor, ws: Tensor, block_size, ids: Tensor, activation_scale) -> Tensor:
+    """Each row times its expert's weight, every expert computed for every row: no host sync, so Dynamo traces it
+    (``explain``'s capture); E times the work."""
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for e in range(w.shape[0]):
+        out = torch.where((ids == e)[:, None], matmul(x, w[e], ws[e], block_size, x.dtype, activation_scale), out)
+    return out
+
+
 def batched_matmul(x: Tensor, w: Tensor, ws: Tensor, block_size=None, expert_ids: Tensor = None,
                    activation_scale: Tensor | None = None) -> Tensor:
     """Row i of ``x`` (S, K) times expert ``expert_ids[i]``'s weight (E, N, K); rows of no expert (ids ≥ E) zero."""
+    if torch.compiler.is_compiling():
+        return _every_expert(x, w, ws, block_size, expert_ids, activation_scale)
     out = x.new_zeros(x.shape[0], w.shape[1])
     for e in expert_ids.unique().tolist():
         if 0 <= e < w.shape[0]:
@@ -74,6 +88,9 @@ def grouped_matmul(x: Tensor, w: Tensor, ws: Tensor, offsets: Tensor = None, tok
                    block_size=None, activation_scale: Tensor | None = None) -> Tensor:
     """``x`` (S, K) sorted by expert, expert e's rows ending at ``offsets[e]``, each times its expert's weight; rows
     past the last offset (no expert) zero."""
+    if torch.compiler.is_compiling():
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+        return _every_expert(x, w, ws, block_size, torch.searchsorted(offsets, rows, right=True), activation_scale)
     out = x.new_zeros(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(offsets.tolist()):
