@@ -70,6 +70,13 @@ VARIANTS = {
     "moe backward SwiGLU + biases": "k.moe_backward.moe_backward(randn(16, 512), ids(16, 2, 8), randn(16, 2), "
                                     "randn(8, 512, 512), randn(8, 512), randn(8, 512, 256), randn(8, 512), "
                                     "k.moe.ExpertAct(), False, randn(16, 512))",
+    "moe sorted SwiGLU + biases, gate/up kept": "k.moe.moe_experts(randn(16, 512), ids(16, 2, 8), randn(16, 2), "
+                                                "randn(8, 512, 512), randn(8, 512), randn(8, 512, 256), randn(8, 512), "
+                                                "gu=randn(32, 512))",
+    "moe backward SwiGLU + biases, gate/up read": "k.moe_backward.moe_backward(randn(16, 512), ids(16, 2, 8), "
+                                                  "randn(16, 2), randn(8, 512, 512), randn(8, 512), "
+                                                  "randn(8, 512, 256), randn(8, 512), k.moe.ExpertAct(), False, "
+                                                  "randn(16, 512), gu=randn(32, 512))",
     "moe backward FP8 128-blocks, frozen": "fp8_backward(16, 2, 8, 512, 256, [128, 128])",
     "moe backward FP8 per channel, frozen": "fp8_backward(16, 2, 8, 512, 256, None)",
 }

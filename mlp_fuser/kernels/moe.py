@@ -206,14 +206,14 @@ def _moe_gate_up_kernel(
     S, K_TOP, N, K, UP_ROW,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW, xs_ptr, stride_xs,
-    ids_ptr, E, stride_it, stride_ij, count_ptr, N_COUNTS,
+    ids_ptr, E, stride_it, stride_ij, count_ptr, N_COUNTS, gu_ptr,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
     ZERO_COUNTS: tl.constexpr, BLOCK_C: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, A8: tl.constexpr,
-    QUANT_X: tl.constexpr,
+    QUANT_X: tl.constexpr, SAVE_GU: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
@@ -254,10 +254,32 @@ def _moe_gate_up_kernel(
             stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk,
             GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
-    h = expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
-                        GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    if SAVE_GU:  # training, backward "save": g and u with their biases per pair, rounded as stored; h from those
+        if HAS_BIAS:
+            acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
+                                            GATED, GATE_STEP)
+        g = acc_g.to(gu_ptr.dtype.element_ty)
+        u = acc_u.to(gu_ptr.dtype.element_ty)
+        n_gu = 2 * N if GATED else N
+        store_gu(gu_ptr, pairs.to(tl.int64), g, u, offs_n, mask_m[:, None] & mask_n[None, :], n_gu, UP_ROW, GATED,
+                 GATE_STEP)
+        h = expert_epilogue(g.to(tl.float32), u.to(tl.float32), b_ptr, e, offs_n, mask_n, stride_be, stride_bn,
+                            UP_ROW, GATED, False, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    else:
+        h = expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
+                            GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def store_gu(ptr, rows, g, u, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr):
+    """g (and u) stored in Wgu's row layout at ``rows`` of a (rows, N_GU) tensor: gate column GATE_STEP·n, up
+    UP_ROW + GATE_STEP·n."""
+    base = ptr + rows[:, None] * N_GU
+    tl.store(base + (offs_n * GATE_STEP)[None, :], g, mask=mask)
+    if GATED:
+        tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], u, mask=mask)
 
 
 @triton.jit
@@ -621,7 +643,7 @@ def _launch_opts(config: dict) -> dict:
 def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                 interleaved: bool = False, config: dict | None = None, ids: Tensor | None = None,
                 counts: Tensor | None = None, pdl: bool = False, scale=None, xs: Tensor | None = None,
-                out_dtype: torch.dtype | None = None, quant_x: bool = False) -> Tensor:
+                out_dtype: torch.dtype | None = None, quant_x: bool = False, gu: Tensor | None = None) -> Tensor:
     """h (S, I) in x's dtype, row p = A(x[p // k] @ Wgu[e]ᵀ + bgu[e]) for pair p of expert e; rows of dropped
     pairs are left unwritten. ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages (BLOCK_M is the routing's).
     ``routing`` None: no routing, every pair its own block (a BLOCK_M tile with one live row), ``ids`` (T, k).
@@ -630,7 +652,9 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
     ``scale``: w_gu is float8 with these scales (``fp8.Fp8Experts``), dequantized tile by tile in registers; with
     ``xs`` x is float8 too (``fp8.quantize_rows``: its scales per row and 128 columns) and the fp8 tensor cores
     multiply (W8A8); h then in ``out_dtype``. ``quant_x`` (where ``quant_in_gemm``): W8A8 with x in its own dtype,
-    quantized by the kernel as quantize_rows would (no ``xs``)."""
+    quantized by the kernel as quantize_rows would (no ``xs``). ``gu``: a contiguous (S, 2I or I) tensor in x's
+    dtype where the kernel also stores x[p // k] @ Wgu[e]ᵀ + bgu[e] (row p, Wgu's row layout), h then computed from
+    those rounded values (a training forward that keeps them for the backward)."""
     T, H = x.shape
     k = routing.k if routing is not None else ids.shape[1]
     S = T * k
@@ -643,24 +667,28 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
         if counts is not None:  # no kernel to zero them
             counts.zero_()
         return h
+    if gu is not None and (gu.shape != (S, w_gu.shape[1]) or gu.dtype != x.dtype or not gu.is_contiguous()):
+        raise ValueError(f"moe_gate_up: gu must be a contiguous {x.dtype} tensor of shape {(S, w_gu.shape[1])}, not "
+                         f"{gu.dtype} {tuple(gu.shape)}")
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
         raise ValueError(f"moe_gate_up: counts must be a contiguous int32 tensor, not {counts.dtype} {counts.stride()}")
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     blocks = (routing.sorted_pairs, routing.block_expert, routing.num_blocks) if routing is not None else (None,) * 3
     grid, ints, ints_ids, n_counts, constexprs = _gate_up_args(
         x, ids, k, (n_blocks, routing.block_m) if routing is not None else None, w_gu, b_gu, act, I, interleaved, cfg,
-        counts.numel() if counts is not None else None, pdl, scale, xs, quant_x)
+        counts.numel() if counts is not None else None, pdl, scale, xs, quant_x, gu is not None)
     launch(_moe_gate_up_kernel, grid, x, w_gu, b, h, *blocks, *ints, ids if routing is None else None, *ints_ids,
-           counts, n_counts, **constexprs)
+           counts, n_counts, gu, **constexprs)
     return h
 
 
 def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int] | None, w_gu: Tensor,
                   b_gu: Tensor | None, act: ExpertAct, I: int, interleaved: bool, cfg: dict, n_counts: int | None,
-                  pdl: bool, scale=None, xs: Tensor | None = None,
-                  quant_x: bool = False) -> tuple[tuple, tuple, tuple, int | None, dict]:
+                  pdl: bool, scale=None, xs: Tensor | None = None, quant_x: bool = False,
+                  save_gu: bool = False) -> tuple[tuple, tuple, tuple, int | None, dict]:
     """The gate_up launch but its tensors (for h contiguous): grid, the integers before ids and after it, the
-    counters' size, constexprs. ``blocks``: the routing's (blocks, BLOCK_M), None for every pair its own block."""
+    counters' size, constexprs. ``blocks``: the routing's (blocks, BLOCK_M), None for every pair its own block;
+    ``save_gu``: the pre-activations stored too (``moe_gate_up``'s ``gu``)."""
     T, H = x.shape
     S = T * k
     E = w_gu.shape[0]
@@ -677,7 +705,7 @@ def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int]
         **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None or quant_x, quant_x), PER_PAIR=blocks is None,
         ZERO_COUNTS=n_counts is not None,
         BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
-        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), **_launch_opts(cfg))
+        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), SAVE_GU=save_gu, **_launch_opts(cfg))
 
 
 def has_pdl(device: torch.device) -> bool:
@@ -947,7 +975,8 @@ _FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                 b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
-                configs: dict | None = None, scales: tuple | None = None, a8: bool = False) -> Tensor:
+                configs: dict | None = None, scales: tuple | None = None, a8: bool = False,
+                gu: Tensor | None = None) -> Tensor:
     """y (T, H) in x's dtype through one of PATHS: "sorted" (routing, gate_up, down, combine: 4 launches;
     "sorted_tma" the same with the weights read through TMA where ``tma_why_not`` allows),
     "sorted_fused" (routing, gate_up, down with the combine: 3), "unsorted" (gate_up and down+combine with every
@@ -957,11 +986,15 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     ``configs``: a config per kind of CONFIGS, else default_config's. ``scales``: (gate/up's, down's)
     ``fp8.Fp8Experts`` of float8 weights w_gu and w_d (W8A16: tiles dequantized in registers; sorted_tma then runs
     sorted); ``a8``: with them, x and h quantized per row and 128 columns and multiplied on the fp8 tensor cores
-    (W8A8, the grouped paths; "pairs" stays W8A16)."""
+    (W8A8, the grouped paths; "pairs" stays W8A16). ``gu``: the gate/up kernel also stores the pre-activations there
+    (``moe_gate_up``'s ``gu``, the training forward of backward "save"): the grouped paths but on W8A16 weights only
+    (sorted_tma then runs sorted)."""
     T, k = ids.shape
     E, H, I = w_d.shape
     s_gu, s_d = scales if scales is not None else (None, None)
-    if scales is not None and path == "sorted_tma":
+    if gu is not None and (path == "pairs" or (scales is not None and a8)):
+        raise ValueError(f"moe_experts: the {'W8A8' if a8 else path} path keeps no pre-activations (gu)")
+    if (scales is not None or gu is not None) and path == "sorted_tma":
         path = "sorted"
     if scales is not None and a8 and path != "pairs":
         return _experts_a8(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, s_gu, s_d)
@@ -986,11 +1019,11 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     down = cfg("down")
     counts = combine_counts(T, H, down, x.device) if no_memset else None
     if path.startswith("unsorted"):
-        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids, counts, pdl, s_gu)
+        h = moe_gate_up(x, None, w_gu, b_gu, act, I, interleaved, cfg("gate_up"), ids, counts, pdl, s_gu, gu=gu)
         return moe_down_combine(h, None, ids, wts, w_d, b_d, x.dtype, down, counts, pdl, s_d)
     up = cfg("gate_up")
     routing = moe_align(ids, E, up["BLOCK_M"])
-    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up, counts=counts, pdl=pdl, scale=s_gu)
+    h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up, counts=counts, pdl=pdl, scale=s_gu, gu=gu)
     if path in _FUSED:
         return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl, s_d)
     return moe_combine(moe_down(h, routing, wts, w_d, b_d, down, s_d), ids, E, x.dtype)
@@ -1137,7 +1170,7 @@ def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Ten
         xq, xs = quant_x(x) if quant_x is not None else (x, None)
         h = torch.empty((S, I), dtype=dtype, device=device)
         gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride, None, *ids_gu, None,
-           n_counts)
+           n_counts, None)
         hq, hs = quant_h(h) if quant_h is not None else (h, None)
         out = torch.empty((S, H), dtype=torch.float32, device=device)
         dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
@@ -1193,7 +1226,7 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
         counts = torch.empty(counts_shape, dtype=i32, device=device) if no_memset else None
         h = torch.empty((S, I), dtype=dtype, device=device)
         gu(x, w_gu, w_gu if b_gu is None else b_gu, h, *routing, *ints_gu, ids if unsorted else None, *ids_gu, counts,
-           n_counts)
+           n_counts, None)
         if combine:
             y = torch.empty((T, H), dtype=dtype, device=device)
             out = torch.empty((S, H), dtype=f32, device=device)

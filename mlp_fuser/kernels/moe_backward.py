@@ -6,7 +6,8 @@ y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising wit
 - ``_moe_bwd_act_kernel``, per (block of one expert's pairs, BLOCK_N columns of h): over H at once it recomputes
   g, u = x Wgu[e]ᵀ and takes dh' = dy[t] Wd[e] (three fp32 accumulators from one x and one dy tile), then in its
   epilogue h = A(g, u), dw_p's partial <dh', h> (+ <dy, bd[e]> once), dh = w_p dh' and (dg, du) = A'(g, u) · dh,
-  stored in Wgu's row layout. Nothing of the forward is saved but its inputs and routing.
+  stored in Wgu's row layout. Nothing of the forward is saved but its inputs; or (``gu``, backward "save") g and u as
+  the forward's gate/up kernel stored them per pair, read in the epilogue instead of the two recomputed products.
 - dx: dx_p = [dg du]_p Wgu[e] is ``moe_down`` on the transposed weight view, summed over each token's k pairs by
   ``moe_combine`` in j order.
 - ``_moe_wgrad_kernel``, per (expert, BLOCK_N rows, BLOCK_K columns of dW[e]): loops over that expert's blocks,
@@ -138,13 +139,13 @@ def _moe_bwd_act_kernel(
     S, K_TOP, I, H, N_GU, UP_ROW, N_TILES,
     stride_xm, stride_xk, stride_dym, stride_dyk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_de, stride_dn, stride_dk, stride_bde, stride_bdn, stride_wt, stride_wj,
-    sgu_ptr, stride_sge, stride_sgn, stride_sgk, UP_SOFF, UP_SROW, sd_ptr, stride_sde, stride_sdn, stride_sdk,
+    sgu_ptr, stride_sge, stride_sgn, stride_sgk, UP_SOFF, UP_SROW, sd_ptr, stride_sde, stride_sdn, stride_sdk, gu_ptr,
     GATED: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, GATE_STEP: tl.constexpr,
     ACT: tl.constexpr, ACT_GRAD: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SORTED: tl.constexpr,
     FP8: tl.constexpr, GU_K_SCALED: tl.constexpr, GU_SBN: tl.constexpr, GU_SBK: tl.constexpr,
-    D_K_SCALED: tl.constexpr, D_SBN: tl.constexpr, D_SBK: tl.constexpr,
+    D_K_SCALED: tl.constexpr, D_SBN: tl.constexpr, D_SBK: tl.constexpr, SAVED: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h -------------------------
     pid_b = tl.program_id(0)
@@ -159,7 +160,7 @@ def _moe_bwd_act_kernel(
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
 
-    # -- over H: g, u = x Wgu[e]ᵀ (recomputed) and dh' = dy Wd[e], tiles (BLOCK_K, BLOCK_N) of each weight ----
+    # -- over H: g, u = x Wgu[e]ᵀ (recomputed unless SAVED) and dh' = dy Wd[e], tiles (BLOCK_K, BLOCK_N) of each weight
     x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
     dy_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_k[None, :] * stride_dyk
     wg_ptrs = wgu_ptr + e * stride_we + (offs_n * GATE_STEP)[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -179,12 +180,14 @@ def _moe_bwd_act_kernel(
     else:
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             mask_k = offs_k < H - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if not SAVED:
+                x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w_mask = mask_k[:, None] & mask_n[None, :]
-            acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
-            if GATED:
-                acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+            if not SAVED:
+                acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+                if GATED:
+                    acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
             acc_d = tl.dot(dy, tl.load(wd_ptrs, mask=w_mask, other=0.0), acc_d, input_precision=PRECISION)
             if HAS_BD:
                 bd = tl.load(bd_ptrs, mask=mask_k, other=0.0).to(tl.float32)
@@ -197,7 +200,10 @@ def _moe_bwd_act_kernel(
             bd_ptrs += BLOCK_K * stride_bdn
 
     # -- epilogue: biases, h, A'(g, u) · (w_p dh'), dw_p's partial over these columns -------------------
-    if HAS_BGU:
+    if SAVED:  # the forward's g and u (biases in), as it stored them per pair
+        acc_g, acc_u = _load_gu(gu_ptr, pairs.to(tl.int64), offs_n, mask_m[:, None] & mask_n[None, :], N_GU, UP_ROW,
+                                GATED, GATE_STEP)
+    elif HAS_BGU:
         acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, bgu_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
                                         GATED, GATE_STEP)
     wts = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
@@ -238,6 +244,17 @@ def _store_gu(ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr
     tl.store(base + (offs_n * GATE_STEP)[None, :], dg, mask=mask)
     if GATED:
         tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], du, mask=mask)
+
+
+@triton.jit
+def _load_gu(ptr, rows, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr):
+    """(g, u) in fp32 from Wgu's row layout at ``rows`` (``moe.store_gu``'s); u zero without GATED."""
+    base = ptr + rows[:, None] * N_GU
+    g = tl.load(base + (offs_n * GATE_STEP)[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.zeros_like(g)
+    if GATED:
+        u = tl.load(base + (UP_ROW + offs_n * GATE_STEP)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return g, u
 
 
 @triton.jit
@@ -496,7 +513,7 @@ def _fp8_dx(dgu: Tensor, routing: Routing, fgu, H: int, up_row: int, config: dic
 def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
                  configs: dict | None = None, need_dx: bool = True, need_weights: bool = True,
-                 wgrad: str = "triton", scales: tuple | None = None,
+                 wgrad: str = "triton", scales: tuple | None = None, gu: Tensor | None = None,
                  ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
     given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
@@ -507,7 +524,9 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight and bias gradients are not computed
     and come back None. ``scales``: (gate/up's, down's) ``fp8.Fp8Experts`` of float8 weights w_gu and w_d, frozen
     and without biases: each weight tile dequantized in registers (the values ``fp8.dequantize_experts`` gives in
-    x's dtype), dx by ``_moe_bwd_dx_fp8_kernel``; no copy of a weight is made."""
+    x's dtype), dx by ``_moe_bwd_dx_fp8_kernel``; no copy of a weight is made. ``gu``: the forward's
+    pre-activations (``moe_experts(gu=...)``: (S, 2I or I) per pair, biases in, x's dtype), read instead of
+    recomputing x Wgu[e]ᵀ (backward "save")."""
     _check(x, act)
     if scales is not None and (need_weights or b_gu is not None or b_d is not None):
         raise ValueError("moe_backward: float8 experts are frozen and have no biases (need_weights=False, no biases)")
@@ -515,6 +534,10 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     k = ids.shape[1]
     E, _, I = w_d.shape
     S = T * k
+    if gu is not None and (scales is not None or gu.shape != (S, w_gu.shape[1]) or gu.dtype != x.dtype
+                           or not gu.is_contiguous()):
+        raise ValueError(f"moe_backward: gu must be the forward's contiguous ({S}, {w_gu.shape[1]}) {x.dtype} "
+                         f"pre-activations, of float weights; got {gu.dtype} {tuple(gu.shape)}")
     if wgrad not in ("triton", "grouped"):
         raise ValueError(f"moe_backward: wgrad must be 'triton' or 'grouped', not {wgrad!r}")
     grouped = wgrad == "grouped" and need_weights
@@ -559,11 +582,11 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         dbgu_part if dbgu_part is not None else dw_part,
         S, k, I, H, n_gu, up_row, n_tiles,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
-        *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1), *fp8_ints,
+        *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1), *fp8_ints, gu,
         GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
         ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SORTED=grouped, **fp8_flags, **_launch_opts(cfg),
+        SORTED=grouped, **fp8_flags, SAVED=gu is not None, **_launch_opts(cfg),
     )
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
