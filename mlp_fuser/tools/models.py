@@ -263,6 +263,8 @@ def model_from_config(cfg: Any, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     with _quiet_transformers():
         model = _model_class(cfg).from_config(cfg)
+    if getattr(cfg, "languages", None) and hasattr(model, "set_default_language"):  # X-MOD: one adapter per language
+        model.set_default_language(cfg.languages[0])
     return model.float().eval()
 
 
