@@ -47,6 +47,11 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   token and 128 columns on the fp8 tensor cores, at every M (transformers' own FP8 scheme; faster than casting the
   weights, benchmarks/NOTES.md, FP8 weights); off: the activations keep their dtype and each weight tile is cast on
   chip (W8A16: about 20x less error, slower).
+- ``moe_backward`` (``MLP_FUSER_MOE_BACKWARD=save``, default "recompute"): what routed experts keep for their
+  backward where no ``backward=`` was given to ``patch`` / ``make_backend`` (the experts switch, ``patch(model)``):
+  "recompute" keeps only the op's inputs and recomputes gate/up in the backward (least memory); "save" keeps gate/up's
+  output, T·k·2I elements a layer, and the backward skips that grouped GEMM (``mlp_fuser::moe_mlp_save``). Read at
+  each call of the switch; by the backend when it compiles a graph.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
     "private_apis": ("MLP_FUSER_PRIVATE", "1", _on_unless_0),
     "check_routing": ("MLP_FUSER_CHECK_ROUTING", "0", _on_if_1),
     "fp8_w8a8": ("MLP_FUSER_FP8_W8A8", "1", _on_unless_0),
+    "moe_backward": ("MLP_FUSER_MOE_BACKWARD", "recompute", str),
 }
 
 
@@ -99,6 +105,8 @@ sites: bool
 inductor_direct: bool
 private_apis: bool
 check_routing: bool
+fp8_w8a8: bool
+moe_backward: str
 
 
 def settings() -> dict[str, object]:

@@ -7,7 +7,8 @@ two expert GEMMs (``_grouped_mm`` / ``grouped_mm`` / transformers' ``grouped_mm_
 weights): the first reads ``gate_up_proj`` (``up_proj`` for plain experts), the second ``down_proj``. What lies
 between them (``_apply_gate`` or ``act_fn``) is identified by running it in float64 on probe rows against the op's
 gated activations (``mlp_fuser.moe.Gate``), as ``act_match`` identifies a dense MLP's activation. The rewrite
-replaces the region by one ``mlp_fuser::moe_mlp`` call.
+replaces the region by one ``mlp_fuser::moe_mlp`` call (``moe_mlp_save``'s y where asked to keep gate/up for the
+backward).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PATTERN = "routed_experts"  # the pattern's name in reports and in the pass's ``
 _GEMMS = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "bmm"}
 _PASS = {"squeeze", "unsqueeze", "masked_fill", "to", "contiguous", "float", "type_as"}
 _INPLACE_FNS = {operator.setitem}
+_OPS = (torch.ops.mlp_fuser.moe_mlp.default, torch.ops.mlp_fuser.moe_mlp_save.default)  # a region fused already
 
 
 @dataclass
@@ -103,7 +105,7 @@ def _param_of(n: Node, params: dict[Node, str]) -> Node | None:
 
 def analyze(c: ExpertsCandidate) -> ExpertsCandidate:
     """Fill in ``c``'s inputs, weights and activation, or its ``reason``."""
-    op = next((n for n in c.nodes if n.target is torch.ops.mlp_fuser.moe_mlp.default), None)
+    op = next((n for n in c.nodes if n.target in _OPS), None)
     if op is not None:  # fused already: what it computes is in its arguments
         a = list(op.args) + [None] * (12 - len(op.args))
         c.op, c.E, c.H, c.I = op, val(a[3]).shape[0], val(a[0]).shape[-1], val(a[5]).shape[2]
@@ -280,8 +282,9 @@ def find(graph: Graph) -> list[ExpertsCandidate]:
     return [analyze(c) for c in regions(graph).values()]
 
 
-def rewrite(graph: Graph, c: ExpertsCandidate) -> Node:
-    """Replace the region by one ``moe_mlp`` call; return it."""
+def rewrite(graph: Graph, c: ExpertsCandidate, save: bool = False) -> Node:
+    """Replace the region by one ``moe_mlp`` call (``save``: ``moe_mlp_save``, its y read from the pair); return
+    it."""
     if c.op is not None:
         return c.op
     g = c.gate
@@ -295,15 +298,18 @@ def rewrite(graph: Graph, c: ExpertsCandidate) -> Node:
         if c.transposed:
             w1 = graph.call_method("transpose", (w1, 1, 2))
             w2 = graph.call_method("transpose", (w2, 1, 2))
-        new = graph.call_function(torch.ops.mlp_fuser.moe_mlp.default, (
+        new = graph.call_function(_OPS[save], (
             x, c.ids, c.wts, w1, c.b_gate_up, w2, c.b_down, g.activation, g.interleaved, g.limit, g.clamp_after,
             g.up_offset))
-        result = new
+        y = graph.call_function(operator.getitem, (new, 0)) if save else new
+        result = y
         if val(out) is not None and val(out).dtype != wdtype:
-            result = graph.call_method("to", (new, val(out).dtype))
+            result = graph.call_method("to", (y, val(out).dtype))
     for key in ("example_value", "nn_module_stack", "stack_trace"):
         if key in out.meta:
-            new.meta[key] = out.meta[key]
+            y.meta[key] = out.meta[key]
+            if key != "example_value":
+                new.meta[key] = out.meta[key]
     out.replace_all_uses_with(result)
     for n in reversed(c.nodes):
         if not n.users:

@@ -5,11 +5,15 @@ rounded before the activation, forward and backward alike) both modes against fl
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, poisoned_empty
-from test_moe_backward import BAR, CASES, NAMES, check, grads64, make_case
+from test_moe_backward import BAR, CASES, NAMES, check, grads64, make_case, op_case
 
+import mlp_fuser
+from mlp_fuser import config
 from mlp_fuser.kernels import moe_backward as kbwd
 from mlp_fuser.kernels.moe import moe_experts
 from mlp_fuser.ops import moe
@@ -75,3 +79,281 @@ def test_kept_gate_up_checked():
             kbwd.moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, act, False, dy, gu=bad.to(KERNEL_DEVICE))
     with pytest.raises(ValueError, match="keeps no pre-activations"):
         kept(x, ids, wts, w_gu, b_gu, w_d, b_d, act, False, "pairs")
+
+
+# ---- the op: mlp_fuser.moe_mlp(save_preact=True) and the entries -----------------------------------------------
+
+
+@pytest.fixture
+def triton_rows(monkeypatch):
+    """The Triton rows on CPU tensors (the interpreter), the Triton backward forced; the list of its calls, each
+    (need_dx, need_weights, whether it read a kept gu)."""
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "force_impl", "triton_moe_backward")
+    moe.reset()
+    calls, real = [], kbwd.moe_backward
+    monkeypatch.setattr(kbwd, "moe_backward", lambda *a, **k: calls.append(
+        (k["need_dx"], k["need_weights"], k.get("gu") is not None)) or real(*a, **k))
+    yield calls
+    moe.reset()
+
+
+def leaves_of(tensors, frozen=False):
+    x, wts, *ws = tensors
+    return [x.clone().requires_grad_(), wts.clone().requires_grad_()] + [
+        None if t is None else t.clone().requires_grad_(not frozen) for t in ws]
+
+
+def step(leaves, ids, act, dy, save):
+    y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act, save_preact=save)
+    y.backward(dy)
+    return y.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_op_save_against_recompute_and_float64(triton_rows, dtype):
+    """Every gradient through the op with save_preact against the recompute mode (fp32: bit for bit) and float64;
+    the backward read the kept gu, the recompute one did not."""
+    ids, act, gate, tensors = op_case("gated_top2_bias", dtype, seed=13)
+    dy = tensors[-1]
+    with poisoned_empty():
+        y, got = step(leaves_of(tensors[:-1]), ids, act, dy, True)
+        y0, want = step(leaves_of(tensors[:-1]), ids, act, dy, False)
+    assert triton_rows == [(True, True, True), (True, True, False)]
+    x, wts, w_gu, b_gu, w_d, b_d = tensors[:-1]
+    check(got, grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy), BAR[dtype])
+    if BITWISE and dtype == torch.float32:
+        assert torch.equal(y, y0) and all(same(a, b) for a, b in zip(got, want))
+
+
+def test_op_save_frozen_experts_3d_input(triton_rows):
+    """Frozen experts: the forward still keeps gu (dx and dwts read it), gradients reach x and the routing weights
+    only; x with two leading dimensions."""
+    ids, act, gate, tensors = op_case("gated_top1", torch.float32, seed=2)
+    x, wts, w_gu, b_gu, w_d, b_d, dy = tensors
+    xg, wg = x.clone().view(1, *x.shape).requires_grad_(), wts.clone().view(1, *wts.shape).requires_grad_()
+    with poisoned_empty():
+        y = mlp_fuser.moe_mlp(xg, ids.view(1, *ids.shape), wg, w_gu, b_gu, w_d, b_d, act, save_preact=True)
+        y.backward(dy.view(1, *dy.shape))
+    assert triton_rows == [(True, False, True)]
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
+    check([xg.grad.view(x.shape), wg.grad.view(wts.shape)], ref[:2], BAR[torch.float32])
+
+
+def test_op_save_checkpointed_under_autocast(triton_rows):
+    """Non-reentrant checkpointing and fp16 autocast over fp32 master weights: the recomputed forward keeps gu
+    again, the backward reads it, the fp32 leaves' gradients within fp16's bar of float64."""
+    ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=11)
+    leaves = [torch.nn.Parameter(t.clone()) for t in tensors[:-1]]
+    dy = tensors[-1]
+
+    def f(*args):
+        return mlp_fuser.moe_mlp(args[0], ids, *args[1:], act, save_preact=True)
+
+    with torch.autocast(KERNEL_DEVICE, dtype=torch.float16), poisoned_empty():
+        y = torch.utils.checkpoint.checkpoint(f, *leaves, use_reentrant=False)
+    assert y.dtype == torch.float16
+    y.backward(dy.half())
+    assert triton_rows == [(True, True, True)]
+    assert all(t.grad.dtype == torch.float32 for t in leaves)
+    check([t.grad for t in leaves], grads64(tensors[0], ids, *tensors[1:-1], gate, dy), BAR[torch.float16])
+
+
+def test_no_gate_up_kept_without_gradients(triton_rows, monkeypatch):
+    """Inference with save_preact: no gradient recorded (no_grad) or none asked (nothing requires grad) never calls
+    moe_mlp_save, so gu is never stored; eager entry and op entry alike."""
+    kept_calls = []
+    real = moe._forward_save
+    monkeypatch.setattr(moe, "_forward_save", lambda *a: kept_calls.append(1) or real(*a))
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top2_bias", torch.float32, seed=5)
+    args = (x, ids, wts, w_gu, b_gu, w_d, b_d, act)
+    with torch.no_grad():
+        y0 = moe.eager_moe_mlp(*(t.clone().requires_grad_() if t is x else t for t in args), save_preact=True)
+        mlp_fuser.moe_mlp(*(t.clone().requires_grad_() if t is x else t for t in args), save_preact=True)
+    y1 = moe.eager_moe_mlp(*args, save_preact=True)
+    mlp_fuser.moe_mlp(*args, save_preact=True)
+    assert not kept_calls and torch.equal(y0, y1)
+    mlp_fuser.moe_mlp(x.clone().requires_grad_(), *args[1:], save_preact=True)
+    assert kept_calls == [1]
+
+
+def test_save_forward_plan_reused(triton_rows):
+    """The first call of a signature builds its launch plan, the next ones run it: the same y and gu bit for bit as
+    the first call's, x with two leading dimensions too."""
+    ids, act, gate, (x, wts, w_gu, b_gu, w_d, b_d, dy) = op_case("gated_top2_bias", torch.float32, seed=10)
+    op = torch.ops.mlp_fuser.moe_mlp_save.default
+    for shape in (x.shape, (1, *x.shape)):
+        args = (x.view(shape), ids.view(*shape[:-1], -1), wts.view(*shape[:-1], -1), w_gu, b_gu, w_d, b_d, act)
+        moe.reset()
+        with poisoned_empty():
+            first = op(*args)
+            assert len(moe._SAVING) == 1
+            again = op(*args)
+        valid = ids.reshape(-1) < w_gu.shape[0]  # rows of dropped pairs are left unwritten
+        assert first[0].shape == shape and torch.equal(first[0], again[0])
+        assert torch.equal(first[1][valid], again[1][valid]) and not first[1][valid].isnan().any()
+
+
+def saved_bytes(fn) -> int:
+    """The bytes of the distinct storages autograd keeps for the backward while ``fn()`` runs."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("triton_on_cpu", [True, False])
+def test_saved_bytes(triton_rows, monkeypatch, triton_on_cpu):
+    """What the save mode keeps beyond the recompute mode: gu, T·k·2I elements of x's dtype, exactly; nothing where
+    the Triton backward cannot run (the aten path recomputes: gu is empty)."""
+    monkeypatch.setattr(config, "triton_on_cpu", triton_on_cpu)
+    ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=6)
+    leaves = leaves_of(tensors[:-1])
+    T, k = ids.shape
+    extra = T * k * leaves[2].shape[1] * 4 if triton_on_cpu else 0
+    modes = [saved_bytes(lambda s=s: mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act, save_preact=s))
+             for s in (False, True)]
+    assert modes[1] - modes[0] == extra
+
+
+def test_save_op_compiled_and_opcheck(triton_rows):
+    """moe_mlp_save under torch.compile (AOTAutograd: gu a saved output of the forward graph, the backward op reading
+    it) gives eager's y and gradients (fp32: bit for bit); opcheck passes (routing without sentinels: rows of dropped
+    pairs in gu are left unwritten)."""
+    ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=8)
+    dy = tensors[-1]
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: mlp_fuser.moe_mlp(a[0], ids, *a[1:], act, save_preact=True), backend="aot_eager",
+                      fullgraph=True)
+    leaves = leaves_of(tensors[:-1])
+    y = f(*leaves)
+    y.backward(dy)
+    y0, want = step(leaves_of(tensors[:-1]), ids, act, dy, True)
+    assert triton_rows == [(True, True, True)] * 2
+    got = [t.grad if t is not None else None for t in leaves]
+    if BITWISE:
+        assert torch.equal(y.detach(), y0) and all(same(a, b) for a, b in zip(got, want))
+    check(got, grads64(tensors[0], ids, *tensors[1:-1], gate, dy), BAR[torch.float32])
+    torch._dynamo.reset()
+    valid = ids.clamp(max=tensors[2].shape[0] - 1)
+    x, *rest = leaves_of(tensors[:-1])
+    torch.library.opcheck(torch.ops.mlp_fuser.moe_mlp_save.default, (x, valid, *rest, act))
+
+
+def test_save_op_empty_and_dropped(triton_rows):
+    """No tokens, and every pair dropped (sentinel ids only): zero output and zero gradients."""
+    ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=3)
+    for T, ids_ in ((0, ids[:0]), (ids.shape[0], torch.full_like(ids, tensors[2].shape[0]))):
+        leaves = leaves_of([t[:T] if i < 2 else t for i, t in enumerate(tensors[:-1])])
+        y = mlp_fuser.moe_mlp(leaves[0], ids_, *leaves[1:], act, save_preact=True)
+        y.backward(torch.ones_like(y))
+        assert not y.any() and all(not t.grad.any() for t in leaves if t is not None)
+
+
+# ---- the user's switches: patch(backward=...), config.moe_backward, the backend ------------------------------
+
+
+def test_patch_backward_save_and_the_config(monkeypatch):
+    """patch(model, backward="save") keeps gu in every experts layer of a training step, with the recompute mode's
+    loss and gradients (fp32: bit for bit); plain patch follows config.moe_backward ("recompute" by default); the
+    experts switch reads config.moe_backward at each call; unpatch forgets the module's mode."""
+    from test_moe_training import tiny_qwen3_moe
+
+    from mlp_fuser.patch import experts
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    moe.reset()
+    kept_calls = []
+    real = moe._forward_save
+    monkeypatch.setattr(moe, "_forward_save", lambda *a: kept_calls.append(1) or real(*a))
+    base = tiny_qwen3_moe()
+    layers = base.config.num_hidden_layers
+    ids = torch.randint(1, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    ids = ids.to(KERNEL_DEVICE)
+
+    def train_step(model, forward):
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    results = {}
+    for mode in ("save", "recompute", None):
+        model = copy.deepcopy(base)
+        forward = mlp_fuser.patch(model, **({} if mode is None else {"backward": mode}))
+        kept_calls.clear()
+        results[mode] = train_step(model, forward)
+        assert len(kept_calls) == (layers if mode == "save" else 0), mode
+        mlp_fuser.unpatch(model)
+        assert not any(experts.BACKWARD in m.__dict__ for m in model.modules())
+    (loss, grads), (loss0, grads0) = results["save"], results["recompute"]
+    assert grads.keys() == grads0.keys()
+    for name in grads:
+        assert rel_err(grads[name], grads0[name]) <= 1e-6, name
+        assert not BITWISE or torch.equal(grads[name], grads0[name]), name
+    assert not BITWISE or torch.equal(loss, loss0)
+
+    model = copy.deepcopy(base)
+    model.set_experts_implementation(experts.NAME)
+    monkeypatch.setattr(config, "moe_backward", "save")
+    kept_calls.clear()
+    train_step(model, model)
+    assert len(kept_calls) == layers
+    monkeypatch.setattr(config, "moe_backward", "keep")
+    with pytest.raises(ValueError, match="moe_backward"):
+        train_step(model, model)
+    moe.reset()
+
+
+def test_backend_without_inductor_and_pass_keep_gate_up(monkeypatch):
+    """The graph pass rewrites a training graph's experts to moe_mlp_save where asked (save_experts, or
+    config.moe_backward without it), inference graphs to moe_mlp; make_backend(inductor=False, backward="save")
+    trains through it."""
+    from test_moe_families import experts_modules, toy
+
+    from mlp_fuser.graph import fx_pass
+
+    model, inputs = toy("qwen3_moe")
+    n_layers = len(experts_modules(model))
+
+    def graphs_of(grad):
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            torch.compile(model, backend=record)(*inputs)
+        return graphs
+
+    def ops_in(graphs, **kw):
+        for gm in graphs:
+            fx_pass.fuse_mlps(gm, **kw)
+        targets = [n.target for gm in graphs for n in gm.graph.nodes]
+        return (targets.count(torch.ops.mlp_fuser.moe_mlp_save.default),
+                targets.count(torch.ops.mlp_fuser.moe_mlp.default))
+
+    assert ops_in(graphs_of(True), save_experts=True) == (n_layers, 0)
+    assert ops_in(graphs_of(True)) == (0, n_layers)
+    monkeypatch.setattr(config, "moe_backward", "save")
+    assert ops_in(graphs_of(True)) == (n_layers, 0)
+    assert ops_in(graphs_of(True), save_experts=False) == (0, n_layers)
+    assert ops_in(graphs_of(False), save_experts=True) == (0, n_layers)
+    monkeypatch.setattr(config, "moe_backward", "recompute")
+    kept_calls = []
+    real = moe._forward_save
+    monkeypatch.setattr(moe, "_forward_save", lambda *a: kept_calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=mlp_fuser.make_backend(inductor=False, backward="save"))
+    out = compiled(*inputs).logits
+    out.sum().backward()
+    assert len(kept_calls) == n_layers
+    with torch.no_grad():
+        assert rel_err(out.detach(), model(*inputs).logits) <= 1e-5
+    torch._dynamo.reset()

@@ -5,7 +5,8 @@ time (``wall``: between syncs) for plain calls and on the GPU alone for CUDA-gra
 aten path (``reference_experts``) elsewhere or where nothing else runs. The op's backward (``moe_mlp_backward``)
 chooses from a table of its own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``), that backward with
 its weight gradients by torch's grouped GEMM (``kernels/moe_grouped_wgrad.py``), or autograd through the aten path
-recomputed from the inputs, each row timed as the backward alone (the forward is the same for all).
+recomputed from the inputs, each row timed as the backward alone (the forward is the same for all); calls whose
+forward kept gate/up's output (``moe_mlp_save``) are problems of their own, the Triton rows reading it.
 """
 
 from __future__ import annotations
@@ -175,37 +176,39 @@ def chosen(p: Problem) -> str | None:
 
 @dataclass(frozen=True)
 class StepProblem(Problem):
-    """A call with gradients: its ``Problem`` and which gradients are asked for (frozen experts: no weights')."""
+    """A call with gradients: its ``Problem``, which gradients are asked for (frozen experts: no weights') and
+    whether the forward saved gate/up's output (backward "save")."""
 
     need_dx: bool
     need_weights: bool
+    saved: bool = False
 
 
 def problem(x2: Tensor, ids2: Tensor, wgu: Tensor, wd: Tensor, bgu, bd, gate: Gate, *need: bool) -> Problem:
-    """The call's ``Problem``; with ``need`` (need_dx, need_weights) its ``StepProblem``."""
+    """The call's ``Problem``; with ``need`` (need_dx, need_weights[, saved]) its ``StepProblem``."""
     return (StepProblem if need else Problem)(x2.device.type, x2.dtype, x2.shape[0], ids2.shape[1], wgu.shape[0],
                                               x2.shape[1], wd.shape[2], gate, bgu is not None or bd is not None, *need)
 
 
 def triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate: Gate, dy, need_dx: bool, need_weights: bool,
-                    wgrad: str = "triton") -> tuple:
+                    wgrad: str = "triton", gu: Tensor | None = None) -> tuple:
     """(dx, dwts, dwgu, dbgu, dwd, dbd) from dy (T, H) by ``kernels.moe_backward`` (None where not asked), the
-    weight gradients by its Triton kernel or by grouped_mm (``wgrad``)."""
+    weight gradients by its Triton kernel or by grouped_mm (``wgrad``); ``gu``: the forward's gate/up output."""
     return kbwd.moe_backward(x, ids, wts, wgu, bgu, wd, bd, expert_act(gate), gate.interleaved, dy, need_dx=need_dx,
-                             need_weights=need_weights, wgrad=wgrad)
+                             need_weights=need_weights, wgrad=wgrad, gu=gu)
 
 
 # The rows' functions are the backward op's work, (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy) ->
 # (dx, dwts, dwgu, dbgu, dwd, dbd), None where not asked: what is timed, the op's forward being the same for all.
 def _triton_step(wgrad: str):
-    def make(need_dx: bool, need_weights: bool):
+    def make(need_dx: bool, need_weights: bool, gu: Tensor | None = None):
         def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
-            return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights, wgrad)
+            return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights, wgrad, gu)
         return step
     return make
 
 
-def _aten_step(need_dx: bool, need_weights: bool):
+def _aten_step(need_dx: bool, need_weights: bool, gu: Tensor | None = None):  # gu unread: autograd recomputes it
     def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
         wants = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
         leaves = [t.detach().requires_grad_(w) if t is not None else None
@@ -235,14 +238,15 @@ def _weights_asked(p: StepProblem) -> str | None:
 
 
 def _step(make) -> ImplFn:
-    """A row's function: (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy, (need_dx, need_weights)) -> the gradients."""
+    """A row's function: (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy, (need_dx, need_weights[, gu])) -> the
+    gradients."""
     return lambda *a: make(*a[-1])(*a[:-1])
 
 
 BACKWARD_IMPLS: list[Impl] = [
     Impl("triton_moe_backward", _step(_triton_step("triton")), frozenset({"cuda"}), triton=True, why=(_triton_grad,),
-         notes="gate/up recomputed, dh and A' in one kernel, dx by the down kernel, dW per "
-               "expert tile; nothing saved but the inputs"),
+         notes="gate/up recomputed (or read, backward 'save'), dh and A' in one kernel, dx by the down kernel, dW "
+               "per expert tile"),
     Impl("triton_moe_backward_grouped_wgrad", _step(_triton_step("grouped")), frozenset({"cuda"}), triton=True,
          why=(_triton_grad, _grouped_wgrad_ok), worth=(_weights_asked,),
          notes="the Triton act and dx kernels; dW by torch._grouped_mm (CUTLASS) on expert-sorted copies of "
@@ -259,18 +263,19 @@ BACKWARD = core.Registry("moe_backward", BACKWARD_IMPLS, core.Rules(sleep_cycles
 
 
 def _backward_key(p: StepProblem) -> tuple:
-    return (*_choice_key(p), p.need_dx, p.need_weights)
+    return (*_choice_key(p), p.need_dx, p.need_weights, p.saved)
 
 
-def choose_backward(p: StepProblem, args: tuple) -> Impl:
-    """The implementation of ``mlp_fuser::moe_mlp_backward`` (``args``: the forward's, x and ids 2-D): on CUDA the
-    faster backward of the eligible rows, timed once per bucket of T on the call's own routing and a random dy; the
-    aten path while the first call of a bucket is being captured in a CUDA graph."""
+def choose_backward(p: StepProblem, args: tuple, gu: Tensor | None = None) -> Impl:
+    """The implementation of ``mlp_fuser::moe_mlp_backward`` (``args``: the forward's, x and ids 2-D; ``gu``: its
+    kept gate/up output where ``p.saved``): on CUDA the faster backward of the eligible rows, timed once per bucket
+    of T on the call's own routing and a random dy; the aten path while the first call of a bucket is being captured
+    in a CUDA graph."""
     found = core.cached(BACKWARD, _backward_key(p))
     if found is None:
         gen = torch.Generator(device=args[0].device).manual_seed(0)  # the caller's random stream left alone
         dy = torch.randn((p.T, p.H), generator=gen, device=args[0].device).to(p.dtype)
-        found = core.choose(BACKWARD, p, (*args, dy, (p.need_dx, p.need_weights)), _backward_key(p))
+        found = core.choose(BACKWARD, p, (*args, dy, (p.need_dx, p.need_weights, gu)), _backward_key(p))
         if found is None:
             return BACKWARD_BY_NAME["reference"]
     return found.eager

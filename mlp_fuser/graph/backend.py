@@ -88,20 +88,22 @@ def check_filter(filter_fn: FilterFn | None) -> FilterFn | None:
 
 
 def pass_options(activations: Iterable[str] | None = None, patterns: Iterable[str] | None = None,
-                 backward: str = "save") -> dict[str, Any]:
+                 backward: str | None = None) -> dict[str, Any]:
     """``fuse_mlps``'s keyword arguments for the allowed activations (registry names or aliases) and patterns
     (names from ``mlp_fuser.patterns.PATTERNS``), None allowing all, and for what the fused ops keep for their
-    backward (``backward``: "recompute" or "save"). Unknown names raise ValueError."""
+    backward (``backward``: "recompute" or "save"; None: "save" for the dense ops, ``config.moe_backward`` for routed
+    experts). Unknown names raise ValueError."""
     acts = None if activations is None else {get_activation(a).name for a in activations}
     pats = None if patterns is None else set(patterns)
     if pats is not None and pats - set(registry.NAMES):
         raise ValueError(f"mlp_fuser: unknown pattern(s) {sorted(pats - set(registry.NAMES))}; "
                          f"known: {', '.join(registry.NAMES)}")
-    if backward not in BACKWARD:
+    if backward is not None and backward not in BACKWARD:
         raise ValueError(f"mlp_fuser: backward={backward!r}; expected 'recompute' (keep nothing of the "
                          "intermediate's size for the backward, recompute gate and up: least memory) or 'save' (keep "
                          "the gate and up outputs: fastest)")
-    return dict(activations=acts, patterns=pats, save_preact=backward == "save")
+    return dict(activations=acts, patterns=pats, save_preact=backward != "recompute",
+                save_experts=None if backward is None else backward == "save")
 
 
 def make_backend(
@@ -110,7 +112,7 @@ def make_backend(
     enabled: bool = True,
     inductor: bool = True,
     filter_fn: FilterFn | None = None,
-    backward: str = "save",
+    backward: str | None = None,
     root: nn.Module | None = None,
 ):
     """A backend that fuses MLP sites, then compiles with Inductor (or, with ``inductor=False``, runs the graph).
@@ -121,10 +123,12 @@ def make_backend(
     the site's module path (the common ancestor of its projections, ``model.layers.0.mlp``), ``module`` the module
     at that path in ``root`` (the model this backend compiles, when given), else None: a graph holds no modules.
     ``backward`` (training only):
-    "save" (the default) keeps the gate and up outputs, 2·tokens·I elements per MLP (fastest; less than
+    "save" (the dense MLPs' default) keeps the gate and up outputs, 2·tokens·I elements per MLP (fastest; less than
     torch.compile keeps); "recompute" keeps nothing of the intermediate's size between forward and backward and
-    recomputes the gate and up GEMMs in the backward (least memory, two more GEMMs). torch.compile's ``mode`` and
-    ``options`` reach Inductor unchanged.
+    recomputes the gate and up GEMMs in the backward (least memory, two more GEMMs). Routed experts (in graphs
+    Inductor does not compile, ``inductor=False``) follow a ``backward`` given here, else ``config.moe_backward``
+    ("recompute" by default; "save" keeps tokens·k·2I elements a layer). torch.compile's ``mode`` and ``options``
+    reach Inductor unchanged.
     """
     allowed = pass_options(activations, patterns, backward)
     filter_fn = check_filter(filter_fn)

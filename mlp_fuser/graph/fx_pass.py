@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from mlp_fuser import compat
+from mlp_fuser import compat, config
 from mlp_fuser import patterns as P
 from mlp_fuser.graph import sharding
 from mlp_fuser.ops.dense import _PLAIN
@@ -309,10 +309,13 @@ def _fill_get_attr_values(gm: GraphModule) -> None:
 
 
 def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_run: bool,
-                  leave_trained: bool = False) -> PassReport:
+                  leave_trained: bool = False, save: bool | None = None) -> PassReport:
     """Routed experts (``patterns/experts.py``): each experts module's region checked, then rewritten to one
-    ``moe_mlp`` call; ``leave_trained``: a region whose output needs gradients is left as it is."""
+    ``moe_mlp`` call; ``leave_trained``: a region whose output needs gradients is left as it is; ``save``: such a
+    region keeps gate/up's output for its backward (``moe_mlp_save``), None: as ``config.moe_backward`` says."""
     report = PassReport()
+    if save is None:
+        save = config.moe_backward == "save"
     for c in routed.find(gm.graph):
         path = clean_path(c.path)
         failed = None
@@ -331,7 +334,7 @@ def _fuse_experts(gm: GraphModule, activations, patterns, filter_fn, root, dry_r
             continue
         report.fused.append(Site(path, routed.PATTERN, f"{c.gate.describe()}, {c.E} experts", c.H, c.I, c.H))
         if not dry_run:
-            routed.rewrite(gm.graph, c)
+            routed.rewrite(gm.graph, c, save and c.needs_grad)
     return report
 
 
@@ -361,17 +364,19 @@ def fuse_mlps(
     save_preact: bool = False,
     root=None,
     leave_trained_experts: bool = False,
+    save_experts: bool | None = None,
 ) -> PassReport:
     """Find, check and (unless ``dry_run``) rewrite every MLP site of ``gm``; return what was fused and missed.
     ``save_preact``: the ops keep their pre-activations for the backward instead of recomputing them.
     ``filter_fn(module, fqn)``: as for ``make_backend``, ``module`` the module at ``fqn`` in ``root`` or None.
     ``leave_trained_experts``: routed experts whose output needs gradients are left to the compiler (check
-    "training"); the backend asks this when Inductor compiles."""
+    "training"); the backend asks this when Inductor compiles. ``save_experts``: the routed experts whose output
+    needs gradients keep gate/up's output (``moe_mlp_save``); None: as ``config.moe_backward`` says."""
     _fill_get_attr_values(gm)
     report = PassReport()
     gm, lowered = sharding.lower(gm, copy=dry_run)  # a tensor-parallel MLP's DTensor chain, as its local computation
     report.near_misses += [NearMiss(*m) for m in lowered]
-    experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run, leave_trained_experts)
+    experts = _fuse_experts(gm, activations, patterns, filter_fn, root, dry_run, leave_trained_experts, save_experts)
     report.routers, report.routers_with_grad = _fuse_routers(gm, patterns, filter_fn, root, dry_run)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[Node] = set()
@@ -408,7 +413,8 @@ def fuse_mlps(
     for sub in gm.children():
         if isinstance(sub, GraphModule):
             inner = fuse_mlps(sub, activations=activations, patterns=patterns, filter_fn=filter_fn, dry_run=dry_run,
-                              save_preact=save_preact, root=root, leave_trained_experts=leave_trained_experts)
+                              save_preact=save_preact, root=root, leave_trained_experts=leave_trained_experts,
+                              save_experts=save_experts)
             report.fused += inner.fused
             report.near_misses += inner.near_misses
             report.projections += inner.projections

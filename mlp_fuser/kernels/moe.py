@@ -971,6 +971,7 @@ PATHS = ("sorted", "sorted_fused", "sorted_fused_nomemset", "sorted_fused_pdl", 
 # the fused paths: (counters zeroed by the gate/up kernel rather than a memset, PDL between the kernels)
 _FUSED = {f"{base}{variant}": flags for base in ("sorted_fused", "unsorted")
           for variant, flags in (("", (False, False)), ("_nomemset", (True, False)), ("_pdl", (True, True)))}
+_GROUPED = ("sorted", *_FUSED)  # the paths of the gate/up kernel that can keep gu
 
 
 def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
@@ -1067,14 +1068,18 @@ def _fp8_config(kind: str, configs: dict | None, a8: bool, T: int, k: int, E: in
 
 def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct = ExpertAct(), interleaved: bool = False, path: str = "sorted",
-                 configs: dict | None = None, scales: tuple | None = None, a8: bool = False):
+                 configs: dict | None = None, scales: tuple | None = None, a8: bool = False, save_gu: bool = False):
     """``moe_experts`` as a function of the seven tensors, for calls whose tensors have these ones' shapes, strides,
     dtypes and devices: each path with its launches' grids, integers and constexprs worked out here, once (a
     decode step's host time is the launches' argument building); empty problems call ``moe_experts``. With
     ``scales`` (float8 weights, as ``moe_experts`` takes them) a function of the seven tensors and the call's
-    scales, for scales of these ones' views."""
+    scales, for scales of these ones' views. ``save_gu``: a function returning (y, gu), ``moe_experts``' gu kept by
+    the gate/up kernel (the grouped paths on float weights, non-empty problems)."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    if save_gu and (scales is not None or path not in _GROUPED or T * k == 0 or I == 0 or H == 0 or E == 0):
+        raise ValueError(f"experts_plan: save_gu plans the grouped paths ({', '.join(_GROUPED)}) of float weights "
+                         f"for non-empty problems, not {path!r}")
     if scales is not None:
         return _fp8_plan(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, scales, a8)
     if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0 or (
@@ -1084,7 +1089,7 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     if path == "sorted_tma":
         return _tma_plan(x, ids, w_gu, w_d, act, configs or {})
     if path != "pairs":
-        return _grouped_plan(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs or {})
+        return _grouped_plan(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs or {}, save_gu)
     cfgs = configs or {}
     dtype, device = x.dtype, x.device
     grid_gu, ints_gu, const_gu = _gate_up_pairs_args(x, ids, w_gu, b_gu, act, I, interleaved,
@@ -1200,8 +1205,9 @@ def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
 
 
 def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
-                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, path: str, cfgs: dict):
-    """``experts_plan`` for the sorted and unsorted paths: ``moe_experts``' launches, their arguments built here."""
+                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, path: str, cfgs: dict, save_gu: bool = False):
+    """``experts_plan`` for the sorted and unsorted paths: ``moe_experts``' launches, their arguments built here;
+    ``save_gu``: (y, gu) returned, gu kept by the gate/up kernel."""
     T, k = ids.shape
     E, H, I = w_d.shape
     S, dtype, device = T * k, x.dtype, x.device
@@ -1213,32 +1219,32 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
     align = None if unsorted else align_plan(ids, E, up["BLOCK_M"])
     counts_shape = (T, cdiv(H, down["BLOCK_N"]))
     grid_gu, ints_gu, ids_gu, n_counts, const_gu = _gate_up_args(
-        x, ids, k, blocks, w_gu, b_gu, act, I, interleaved, up, math.prod(counts_shape) if no_memset else None, pdl)
+        x, ids, k, blocks, w_gu, b_gu, act, I, interleaved, up, math.prod(counts_shape) if no_memset else None, pdl,
+        save_gu=save_gu)
     grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, dtype, ids, wts, w_d, b_d, down, combine,
                                                 pdl and has_pdl(device))
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
     gu, down, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
                       Prepared(_moe_combine_kernel, grid_c, **const_c))
-    f32, i32 = torch.float32, torch.int32
+    f32, i32, n_gu = torch.float32, torch.int32, w_gu.shape[1]
 
     def grouped(x, ids, wts, w_gu, b_gu, w_d, b_d):
         routing = (None,) * 3 if unsorted else align(ids)[:3]
         counts = torch.empty(counts_shape, dtype=i32, device=device) if no_memset else None
         h = torch.empty((S, I), dtype=dtype, device=device)
+        kept = torch.empty((S, n_gu), dtype=dtype, device=device) if save_gu else None
         gu(x, w_gu, w_gu if b_gu is None else b_gu, h, *routing, *ints_gu, ids if unsorted else None, *ids_gu, counts,
-           n_counts, None)
+           n_counts, kept)
+        y = torch.empty((T, H), dtype=dtype, device=device)
+        out = torch.empty((S, H), dtype=f32, device=device)
         if combine:
-            y = torch.empty((T, H), dtype=dtype, device=device)
-            out = torch.empty((S, H), dtype=f32, device=device)
             if counts is None:
                 counts = torch.zeros(counts_shape, dtype=i32, device=device)
             down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, ids, y, counts, *ids_d)
-            return y
-        out = torch.empty((S, H), dtype=f32, device=device)
-        down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, None, None, None, *ids_d)
-        y = torch.empty((T, H), dtype=dtype, device=device)
-        comb(out, ids, y, *ints_c)
-        return y
+        else:
+            down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, None, None, None, *ids_d)
+            comb(out, ids, y, *ints_c)
+        return (y, kept) if save_gu else y
     return grouped
 
 

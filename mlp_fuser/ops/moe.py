@@ -15,8 +15,15 @@ GPT-OSS's transposed storage is passed as ``.transpose(1, 2)`` views, never copi
     A = act(g) · (u + up_offset)   (GPT-OSS: quick_gelu, limit 7, up_offset 1; DeepSeek-V4: silu, limit)
 and A = act(gu) for plain experts.
 
+    moe_mlp_save(same arguments) -> (y, gu)
+y as above and gu = x[t] @ w_gate_up[e]ᵀ + b_gate_up[e] per pair (row t·k + j, w_gate_up's row layout, x's dtype;
+g and u rounded to it before A, so that y and the gradients use the values kept; rows of dropped pairs unwritten):
+the training forward of backward "save", whose backward reads gu instead of recomputing that GEMM. Where the Triton
+backward cannot run (``saves_preact``) gu is (0, N) and the op computes moe_mlp. The entries take ``save_preact``
+and call it only where a gradient is recorded, so inference never stores gu.
+
 Kernels, top of the dispatcher down: autocast (like nn.Linear: floating inputs cast to the autocast dtype);
-autograd (``torch.library.register_autograd``: the inputs saved, nothing else; the backward is the op
+autograd (``torch.library.register_autograd``: the inputs saved, and moe_mlp_save's gu; the backward is the op
 ``mlp_fuser::moe_mlp_backward``, in eager mode and in compiled graphs alike, whose kernel runs what the dispatcher's
 table of backwards, ``experts.BACKWARD``, chooses: the Triton backward (weight gradients by its kernel or by
 grouped_mm) or autograd through the aten path recomputed from the inputs; with create_graph=True the aten path,
@@ -40,6 +47,7 @@ from ..dispatch import core, experts
 from ..dispatch.experts import FLOAT as _FLOAT
 from ..dispatch.experts import Problem
 from ..dispatch.experts import expert_act as _expert_act  # noqa: F401  (quant_moe's name for it)
+from ..kernels import moe as kmoe
 from ..reference import Gate, gates  # noqa: F401  (the op's activations, as patch and patterns name them)
 from ..reference import reference_experts as reference
 
@@ -48,6 +56,10 @@ _lib.define(
     "moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor? b_gate_up, Tensor w_down, "
     "Tensor? b_down, str activation, bool interleaved=False, float? limit=None, bool clamp_after=False, "
     "float up_offset=0.0) -> Tensor")
+_lib.define(
+    "moe_mlp_save(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor? b_gate_up, Tensor w_down, "
+    "Tensor? b_down, str activation, bool interleaved=False, float? limit=None, bool clamp_after=False, "
+    "float up_offset=0.0) -> (Tensor, Tensor)")
 
 _INT = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 # Checking ids for negative values reads them on the host: on CUDA only where asked (a sync per call otherwise).
@@ -131,6 +143,7 @@ def reset() -> None:
     core.reset(experts.EXPERTS)
     core.reset(experts.BACKWARD)
     _EAGER.clear()
+    _SAVING.clear()
 
 
 # ---- the op's kernels ------------------------------------------------------------------------------------------
@@ -224,16 +237,101 @@ def _fake(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=No
     return x.new_empty(x.shape)
 
 
+# ---- backward "save": moe_mlp_save keeps gate/up's output --------------------------------------------------
+
+
+def saves_preact(device: torch.device, dtype: torch.dtype, activation: str) -> bool:
+    """Whether ``moe_mlp_save`` keeps gu for calls on ``device`` in ``dtype``: where the Triton backward runs (CUDA,
+    or the CPU with ``config.triton_on_cpu``; float16, bfloat16, float32; an activation with a Triton derivative)
+    and no aten row is forced (``config.force_impl``). Its fake kernel reads the same, so no shape decides it."""
+    return ((device.type == "cuda" or (device.type == "cpu" and config.triton_on_cpu))
+            and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and get_activation(activation).triton_grad is not None and config.force_impl not in ("grouped_mm",
+                                                                                                  "reference"))
+
+
+_SAVING: dict[tuple, tuple] = {}  # _signature -> (plan returning (y, gu), check ids, flatten, T, k, H)
+
+
+def _forward_save(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
+                  up_offset=0.0):
+    """``moe_mlp_save`` on real tensors: a signature seen before runs the launch plan the first call made (as
+    ``_forward``), else ``_forward_save_full``."""
+    try:
+        key = _signature(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
+        hit = _SAVING.get(key)
+    except TypeError:
+        key = hit = None
+    if hit is None:
+        return _forward_save_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after,
+                                  up_offset)
+    plan, check, flat, T, k, H = hit
+    if check or config.check_routing:
+        _check_ids(ids)
+    if not flat:
+        return plan(x, ids, wts, wgu, bgu, wd, bd)
+    y, gu = plan(x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k), wgu, bgu, wd, bd)
+    return y.view(x.shape), gu
+
+
+def _forward_save_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset):
+    """The Triton grouped path the dispatcher would take (sorted, or sorted_fused where that is its choice), its
+    gate/up kernel keeping gu, as a launch plan kept for the signature; where ``saves_preact`` says no, moe_mlp's y
+    and an empty gu."""
+    if not saves_preact(x.device, x.dtype, activation):
+        return (_kernel(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset),
+                x.new_empty((0, wgu.shape[1])))
+    check_args(x, ids, wts, wgu, bgu, wd, bd, activation)
+    _check_ids(ids)
+    H, k, E, I = x.shape[-1], ids.shape[-1], wgu.shape[0], wd.shape[2]
+    T = math.prod(x.shape[:-1])
+    if T == 0:
+        return x.new_zeros(x.shape), x.new_empty((0, wgu.shape[1]))
+    x2, ids2, wts2 = x.reshape(T, H), ids.reshape(T, k), wts.reshape(T, k)
+    gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
+    if k == 0 or E == 0 or H == 0 or I == 0:  # nothing to plan
+        gu = x.new_empty((T * k, wgu.shape[1]))
+        y = kmoe.moe_experts(x2, ids2, wts2, wgu, bgu, wd, bd, experts.expert_act(gate), gate.interleaved, gu=gu)
+        return y.view(x.shape), gu
+    p = Problem(x.device.type, x.dtype, T, k, E, H, I, gate, bgu is not None or bd is not None)
+    args = (x2, ids2, wts2, wgu, bgu, wd, bd, gate)
+    path = "sorted_fused" if experts.choose(p, args).name == "triton_moe_sorted_fused" else "sorted"
+    plan = kmoe.experts_plan(*args[:-1], experts.expert_act(gate), gate.interleaved, path, save_gu=True)
+    if key is not None:
+        if len(_SAVING) >= _MAX_EAGER:
+            _SAVING.clear()
+        _SAVING[key] = (plan, not x.is_cuda, x.dim() != 2 or ids.dim() != 2, T, k, H)
+    y, gu = plan(*args[:-1])
+    return y.view(x.shape), gu
+
+
+def _save_kernel(*args):
+    y, gu = _forward_save(*args)
+    return y if compat.view_base(y) is None else y.detach(), gu  # as ``_own_tensor``
+
+
+_lib.impl("moe_mlp_save", _save_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::moe_mlp_save")
+def _save_fake(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
+               up_offset=0.0):
+    check_args(x, ids, wts, wgu, bgu, wd, bd, activation)
+    rows = math.prod(ids.shape) if saves_preact(x.device, x.dtype, activation) else 0
+    return x.new_empty(x.shape), x.new_empty((rows, wgu.shape[1]))
+
+
 _lib.define(
     "moe_mlp_backward(Tensor dy, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor? b_gate_up, "
     "Tensor w_down, Tensor? b_down, str activation, bool interleaved, float? limit, bool clamp_after, float up_offset, "
-    "bool need_dx, bool need_weights) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    "bool need_dx, bool need_weights, Tensor? gu=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _backward(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset, need_dx,
-              need_weights):
+              need_weights, gu=None):
     """The op's backward on real tensors: what the dispatcher's table (``experts.BACKWARD``) chooses, the Triton
-    backward or autograd through the aten path recomputed from the inputs."""
+    backward (reading ``gu``, moe_mlp_save's, where it is not empty) or autograd through the aten path recomputed
+    from the inputs."""
     H, k = x.shape[-1], ids.shape[-1]
     T = math.prod(x.shape[:-1])
     gate = _gate(wgu, wd, activation, interleaved, limit, clamp_after, up_offset)
@@ -242,8 +340,9 @@ def _backward(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
         grads = (x.new_zeros((0, H)), wts.new_zeros((0, k)), *(torch.zeros_like(t) if t is not None else None
                                                                for t in (wgu, bgu, wd, bd)))
     else:
-        p = experts.problem(*args[:2], wgu, wd, bgu, bd, gate, need_dx, need_weights)
-        grads = experts.choose_backward(p, args).fn(*args, dy.reshape(T, H), (need_dx, need_weights))
+        gu = gu if gu is not None and gu.numel() else None
+        p = experts.problem(*args[:2], wgu, wd, bgu, bd, gate, need_dx, need_weights, gu is not None)
+        grads = experts.choose_backward(p, args, gu).fn(*args, dy.reshape(T, H), (need_dx, need_weights, gu))
     dx, dwts, *dw = grads
     wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
     # the fake kernel's outputs: each gradient contiguous in its input's shape, (0,) where not asked or no input
@@ -256,7 +355,7 @@ _lib.impl("moe_mlp_backward", _backward, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("mlp_fuser::moe_mlp_backward")
 def _backward_fake(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset, need_dx,
-                   need_weights):
+                   need_weights, gu=None):
     wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
     return tuple(t.new_empty(t.shape) if w and t is not None else x.new_empty(0)
                  for t, w in zip((x, wts, wgu, bgu, wd, bd), wanted))
@@ -267,9 +366,16 @@ def _setup_context(ctx, inputs, output):
     ctx.options = inputs[7:]
 
 
+def _setup_context_save(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7], output[1])  # and gate/up's output, which the backward reads
+    ctx.options = inputs[7:]
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero gradient of gu's size made for the backward
+
+
 def _differentiable_backward(ctx, dy):
     """create_graph=True: every gradient through the aten path, which autograd differentiates again."""
-    x, ids, wts, wgu, bgu, wd, bd = ctx.saved_tensors
+    x, ids, wts, wgu, bgu, wd, bd = ctx.saved_tensors[:7]
     H, k = x.shape[-1], ids.shape[-1]
     T = math.prod(x.shape[:-1])
     gate = _gate(wgu, wd, *ctx.options)
@@ -282,28 +388,34 @@ def _differentiable_backward(ctx, dy):
     return tuple(grads)
 
 
-def _autograd_backward(ctx, dy):
-    """The forward op's backward: ``moe_mlp_backward``, in eager mode as in a compiled graph."""
+def _autograd_backward(ctx, dy, *_):
+    """Both forward ops' backward: ``moe_mlp_backward`` (with moe_mlp_save's gu), in eager mode as in a compiled
+    graph."""
+    if dy is None:  # moe_mlp_save's y unused (its gradients are not materialized)
+        return (None,) * 12
     if torch.is_grad_enabled():
         return _differentiable_backward(ctx, dy)
-    x, ids, wts, wgu, bgu, wd, bd = saved = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    gu = saved[7] if len(saved) > 7 else None
     need = ctx.needs_input_grad
     need_dx, need_weights = need[0], any(need[3:7])
     if compat.plain_call(dy, saved[:1] + saved[2:]):
-        grads = _backward(dy, *saved, *ctx.options, need_dx, need_weights)
+        grads = _backward(dy, *saved[:7], *ctx.options, need_dx, need_weights, gu)
     else:  # the op where a mode or a tracer must see it
-        grads = torch.ops.mlp_fuser.moe_mlp_backward.default(dy, *saved, *ctx.options, need_dx, need_weights)
+        grads = torch.ops.mlp_fuser.moe_mlp_backward.default(dy, *saved[:7], *ctx.options, need_dx, need_weights, gu)
     dx, dwts, dwgu, dbgu, dwd, dbd = grads
     return (dx if need[0] else None, None, dwts if need[2] else None, dwgu if need[3] else None,
             dbgu if need[4] else None, dwd if need[5] else None, dbd if need[6] else None, *(None,) * 5)
 
 
 torch.library.register_autograd("mlp_fuser::moe_mlp", _autograd_backward, setup_context=_setup_context, lib=_lib)
+torch.library.register_autograd("mlp_fuser::moe_mlp_save", _autograd_backward, setup_context=_setup_context_save,
+                                lib=_lib)
 
 
-def _register_autocast(device_type: str) -> None:
+def _register_autocast(device_type: str, name: str) -> None:
     key_name = compat.autocast_key(device_type)
-    op = torch.ops.mlp_fuser.moe_mlp.default
+    op = getattr(torch.ops.mlp_fuser, name).default
 
     def kernel(_keyset, x, ids, wts, wgu, bgu, wd, bd, *rest):
         dtype = torch.get_autocast_dtype(device_type)
@@ -314,11 +426,12 @@ def _register_autocast(device_type: str) -> None:
         with compat.excluding(key_name):
             return op(cast(x), ids, wts, cast(wgu), cast(bgu), cast(wd), cast(bd), *rest)
 
-    _lib.impl("moe_mlp", kernel, key_name, with_keyset=True)
+    _lib.impl(name, kernel, key_name, with_keyset=True)
 
 
 for _dev in ("cuda", "cpu"):
-    _register_autocast(_dev)
+    for _name in ("moe_mlp", "moe_mlp_save"):
+        _register_autocast(_dev, _name)
 
 
 def _functorch(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset) -> Tensor:
@@ -332,23 +445,39 @@ def _functorch(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, cl
 
 
 def eager_moe_mlp(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False,
-                  up_offset=0.0) -> Tensor:
+                  up_offset=0.0, save_preact=False) -> Tensor:
     """``moe_mlp`` for a caller that runs eagerly (``patch``, the experts switch outside torch.compile): what the op
-    computes, minus the dispatcher's layers (autocast, autograd, the op's entry) where nothing needs them."""
+    computes, minus the dispatcher's layers (autocast, autograd, the op's entry) where nothing needs them.
+    ``save_preact``: where a gradient is recorded, ``moe_mlp_save`` (backward "save")."""
     if type(ids) is Tensor and compat.plain_call(x, (wts, wgu, bgu, wd, bd)):
         return _forward(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
     if compat.functorch_active():
         return _functorch(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
-    return torch.ops.mlp_fuser.moe_mlp.default(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
-                                               clamp_after, up_offset)
+    op = _op(save_preact, x, wts, wgu, bgu, wd, bd)
+    return op(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset)
+
+
+def _op(save_preact: bool, *tensors):
+    """The op a call with gradients takes: moe_mlp_save's y where asked to save and a gradient is recorded, else
+    moe_mlp (traceable by Dynamo)."""
+    if save_preact and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _save_y
+    return torch.ops.mlp_fuser.moe_mlp.default
+
+
+def _save_y(*args) -> Tensor:
+    return torch.ops.mlp_fuser.moe_mlp_save.default(*args)[0]
 
 
 def moe_mlp(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, b_gate_up: Tensor | None,
             w_down: Tensor, b_down: Tensor | None, activation: str, interleaved: bool = False,
-            limit: float | None = None, clamp_after: bool = False, up_offset: float = 0.0) -> Tensor:
-    """Routed experts as one op: ``torch.ops.mlp_fuser.moe_mlp`` (see the module's docstring)."""
+            limit: float | None = None, clamp_after: bool = False, up_offset: float = 0.0,
+            save_preact: bool = False) -> Tensor:
+    """Routed experts as one op: ``torch.ops.mlp_fuser.moe_mlp`` (see the module's docstring). ``save_preact``: keep
+    gate/up's output for the backward (``moe_mlp_save``) where a gradient is recorded, instead of recomputing it."""
     if compat.functorch_active():
         return _functorch(x, topk_ids, topk_weights, w_gate_up, b_gate_up, w_down, b_down, activation, interleaved,
                           limit, clamp_after, up_offset)
-    return torch.ops.mlp_fuser.moe_mlp.default(x, topk_ids, topk_weights, w_gate_up, b_gate_up, w_down, b_down,
-                                               activation, interleaved, limit, clamp_after, up_offset)
+    op = _op(save_preact, x, topk_weights, w_gate_up, b_gate_up, w_down, b_down)
+    return op(x, topk_ids, topk_weights, w_gate_up, b_gate_up, w_down, b_down, activation, interleaved, limit,
+              clamp_after, up_offset)

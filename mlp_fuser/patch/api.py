@@ -32,7 +32,7 @@ from ..graph.fx_pass import NearMiss
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
 from . import compressed, hf
-from .experts import FusedExpertsForward, fp8_near_miss, fuse_experts, spec
+from .experts import BACKWARD, FusedExpertsForward, fp8_near_miss, fuse_experts, spec
 from .fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
 from .router import FusedRouterForward, fuse_router
@@ -91,16 +91,16 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
 
     ``filter_fn(module, fqn) -> bool`` picks the sites to fuse, as torchao's ``quantize_`` takes it: ``fqn`` is the
     site's module path (the common ancestor of its projections, e.g. ``model.layers.0.mlp``), ``module`` the module
-    at that path (None where the path names no module). ``options`` go to ``make_backend``
-    (``activations=``, ``patterns=``, ``backward="save" | "recompute"``: what the fused ops keep for training, "save"
-    by default, as for ``make_backend``). ``per_module=False`` runs the whole forward through Dynamo even where the
-    MLPs are modules of their own. An MLP module whose weights the op cannot read (float8, integer, a tensor subclass
-    such as torchao's) is left as it is, with its reason logged (``explain`` reports it); where that leaves nothing
-    to fuse, the model is left exactly as it was. A call that fails raises what the unpatched forward raises.
-    Patching a patched model again with other options re-patches it with those. Routed experts of transformers'
-    ``@use_experts_implementation`` classes are fused by selecting ``"mlp_fuser"`` in their config, so
-    ``set_experts_implementation`` still switches them afterwards. ``merge_gate_up=True``: then
-    ``merge_gate_up(model, filter_fn)``, which ``unpatch`` undoes.
+    at that path (None where the path names no module). ``options`` go to ``make_backend`` (``activations=``,
+    ``patterns=``, ``backward="save" | "recompute"``: what the fused ops keep for training, as for ``make_backend``:
+    by default "save" for the dense MLPs and ``config.moe_backward`` for routed experts). ``per_module=False`` runs
+    the whole forward through Dynamo even where the MLPs are modules of their own. An MLP module whose weights the
+    op cannot read (float8, integer, a tensor subclass such as torchao's) is left as it is, with its reason logged
+    (``explain`` reports it); where that leaves nothing to fuse, the model is left exactly as it was. A call that
+    fails raises what the unpatched forward raises. Patching a patched model again with other options re-patches it
+    with those. Routed experts of transformers' ``@use_experts_implementation`` classes are fused by selecting
+    ``"mlp_fuser"`` in their config, so ``set_experts_implementation`` still switches them afterwards.
+    ``merge_gate_up=True``: then ``merge_gate_up(model, filter_fn)``, which ``unpatch`` undoes.
     """
     filter_fn = check_filter(filter_fn)
     settings = (repr(filter_fn), per_module, merge_gate_up, repr(sorted(options.items())))  # strings: pickle keeps it
@@ -125,6 +125,9 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             log.warning("mlp_fuser.patch: nothing fused, the model is left as it was: %s", misses[0].reason)
             return model
         if fused:
+            for path, forward in fused.items():
+                if isinstance(forward, FusedExpertsForward) and allowed["save_experts"] is not None:
+                    model.get_submodule(path).__dict__[BACKWARD] = "save" if allowed["save_experts"] else "recompute"
             switched = _switchable(model, fused)
             for path in switched:
                 hf.select(model.get_submodule(path).config, hf.NAME)
@@ -343,6 +346,8 @@ def fused_forwards_aside(model: nn.Module):
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the forwards ``patch`` replaced, and the weights' storages where it merged them; return ``model``."""
     model.__dict__.pop(_SETTINGS, None)
+    for module in model.modules():
+        module.__dict__.pop(BACKWARD, None)
     for path, before in model.__dict__.pop(_SWITCHED, {}).items():
         if _implementation(model, path) == hf.NAME:  # else the user chose another since: theirs stays
             hf.select(model.get_submodule(path).config, before)

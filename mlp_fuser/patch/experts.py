@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import compat
+from .. import compat, config
 from ..ops import quant_moe
 from ..ops.moe import Gate, eager_moe_mlp, gates
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
+BACKWARD = "_mlp_fuser_moe_backward"  # patch(backward=...) on an experts module: what it keeps for its backward
 FP8_WEIGHTS = (torch.float8_e4m3fn,)  # the float8 formats quant_moe_mlp reads
 
 
@@ -237,10 +238,27 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     w, b, wd, bd = weights(self, s)
     g = s.gate
     x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
-    op = torch.ops.mlp_fuser.moe_mlp.default if compiling else eager_moe_mlp
-    y = op(x, top_k_index, top_k_weights, w, b, wd, bd, g.activation, g.interleaved, g.limit, g.clamp_after,
-           g.up_offset)
+    args = (x, top_k_index, top_k_weights, w, b, wd, bd, g.activation, g.interleaved, g.limit, g.clamp_after,
+            g.up_offset)
+    save = saves(self)
+    if not compiling:
+        y = eager_moe_mlp(*args, save_preact=save)
+    elif save and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, top_k_weights, w, b,
+                                                                                             wd, bd)):
+        y = torch.ops.mlp_fuser.moe_mlp_save.default(*args)[0]
+    else:
+        y = torch.ops.mlp_fuser.moe_mlp.default(*args)
     return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+def saves(module: nn.Module) -> bool:
+    """Whether ``module``'s experts keep gate/up's output for their backward: as ``patch(backward=...)`` set it on
+    the module, else as ``config.moe_backward`` says."""
+    mode = getattr(module, BACKWARD, None) or config.moe_backward
+    if mode not in ("recompute", "save"):
+        raise ValueError(f"mlp_fuser: experts backward {mode!r} (config.moe_backward, MLP_FUSER_MOE_BACKWARD); "
+                         "expected 'recompute' or 'save'")
+    return mode == "save"
 
 
 def _fallback(module: nn.Module):
