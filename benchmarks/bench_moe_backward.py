@@ -1,6 +1,7 @@
 """The routed experts' Triton backward on the GPU against autograd through the aten path (torch._grouped_mm).
 
-    python benchmarks/bench_moe_backward.py [--backward] [--profile] [--sweep] [--T 1024,4096] [--tiny] [--fp8]
+    python benchmarks/bench_moe_backward.py [--backward] [--profile] [--sweep] [--save] [--T 1024,4096] [--tiny]
+        [--fp8]
 
 Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8, silu, gate|up concatenated), bf16, random top-k routing.
 For each T: ours = ``moe_experts_autograd`` (the sorted Triton forward, ``moe_backward``); theirs = autograd through
@@ -9,8 +10,11 @@ experts (forward + backward) and, with ``--backward``, the backward alone as wel
 gradients by grouped_mm (``moe_backward(wgrad="grouped")``, the row ``triton_moe_backward_grouped_wgrad``; its
 gradients checked too); ``--profile``: each backward once under torch.profiler, GPU time per kernel; peak memory of
 one step above what the inputs hold; with ``--sweep``, the backward alone over a few tile configs of each of its
-kernels (the others at their defaults), the fastest printed. Every gradient checked against float64 autograd
-(‖out − ref‖ / ‖ref‖, both sides' errors).
+kernels (the others at their defaults), the fastest printed. ``--save``: the backward "save" mode too (the
+forward's gate/up kernel keeps g and u, (T·k, 2I), and the backward reads them instead of recomputing that GEMM):
+its step, its forward alone against the recomputing one's (the cost of the extra store), its peak, and with
+``--backward`` / ``--profile`` its backward alone both ways (dW by our kernel or by grouped_mm). Every gradient
+checked against float64 autograd (‖out − ref‖ / ‖ref‖, both sides' errors).
 Results go to $OUT/moe_backward.json when OUT is set; a short table is printed last.
 ``--fp8``: frozen float8 experts (the same weights quantized in 128 × 128 blocks, LoRA on an FP8 base): the
 training step of ``quant_moe_mlp`` with x and topk_weights needing gradients (FP8 forward kernels, the Triton
@@ -151,7 +155,52 @@ def sweep(row, x, ids, wts, w_gu, w_d, dy, act) -> None:
         print(f"  T={x.shape[0]} {kind}: best {us:.0f} µs with {best}", flush=True)
 
 
-def run(T: int, backward_alone: bool, do_sweep: bool = False, profile: bool = False) -> dict:
+class KeptGateUp(torch.autograd.Function):
+    """``moe_experts_autograd`` in the backward "save" mode: the sorted forward keeps gu, the backward reads it."""
+
+    @staticmethod
+    def forward(ctx, x, ids, wts, w_gu, w_d, act):
+        gu = torch.empty((ids.numel(), w_gu.shape[1]), dtype=x.dtype, device=x.device)
+        y = moe.moe_experts(x, ids, wts, w_gu, None, w_d, None, act, False, "sorted", gu=gu)
+        ctx.save_for_backward(x, ids, wts, w_gu, w_d, gu)
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ids, wts, w_gu, w_d, gu = ctx.saved_tensors
+        dx, dwts, dw_gu, _, dw_d, _ = moe_backward(x, ids, wts, w_gu, None, w_d, None, ctx.act, False, dy, gu=gu)
+        return dx, None, dwts, dw_gu, dw_d, None
+
+
+def run_save(row, leaves, ids, dy, act, ref, backward_alone, profile) -> None:
+    """The backward "save" mode's step, forward, peak and (optionally) backward alone, into ``row``."""
+    def step():
+        y = KeptGateUp.apply(leaves[0], ids, leaves[1], leaves[2], leaves[3], act)
+        return torch.autograd.grad(y, leaves, dy)
+
+    out = step()
+    row["save_err"] = {n: rel_err(o.detach(), r) for n, o, r in zip(NAMES, out, ref)}
+    if not all(row["save_err"][n] <= 3 * row["grouped_mm_err"][n] + 1e-2 for n in NAMES):
+        print(f"  WRONG T={row['T']} save: {row['save_err']}", flush=True)
+    row["save_step_us"], row["save_how"] = timed(step)
+    row["save_peak_mib"] = peak_mib(step)
+    xd, wd_, wgud, wdd = (t.detach() for t in leaves)
+    gu = torch.empty((ids.numel(), wgud.shape[1]), dtype=xd.dtype, device=xd.device)
+    for name, keep in (("fwd", None), ("fwd_save", gu)):
+        row[f"{name}_us"], _ = timed(lambda keep=keep: moe.moe_experts(xd, ids, wd_, wgud, None, wdd, None, act, False,
+                                                                      "sorted", gu=keep))
+    bwds = {"save": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, gu=gu),
+            "save_gw": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, wgrad="grouped",
+                                            gu=gu)}
+    for name, fn in bwds.items():
+        if backward_alone:
+            row[f"{name}_bwd_us"], row[f"{name}_bwd_how"] = timed(fn)
+        if profile:
+            row[f"{name}_bwd_kernels"] = profile_kernels(fn, f"T={row['T']} backward {name}")
+
+
+def run(T: int, backward_alone: bool, do_sweep: bool = False, profile: bool = False, save: bool = False) -> dict:
     H, I, E, k = SIZE
     g = torch.Generator(device=DEV).manual_seed(T)
     w_gu = (torch.randn((E, 2 * I, H), generator=g, device=DEV) / H ** 0.5).to(DTYPE)
@@ -197,6 +246,8 @@ def run(T: int, backward_alone: bool, do_sweep: bool = False, profile: bool = Fa
                 row[f"{name}_bwd_us"], row[f"{name}_bwd_how"] = timed(fn)
             if profile:
                 row[f"{name}_bwd_kernels"] = profile_kernels(fn, f"T={T} backward {name}")
+    if save:
+        run_save(row, leaves, ids, dy, act, ref, backward_alone, profile)
     if do_sweep:
         sweep(row, *(t.detach() for t in (x, ids, wts, w_gu, w_d, dy)), act)
     print(f"T={T}: step ours {row['ours_step_us']:.0f} µs, grouped_mm {row['grouped_mm_step_us']:.0f} µs "
@@ -282,6 +333,7 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="frozen float8 experts: the FP8 op against the old path")
     ap.add_argument("--only", default=None, help="with --sweep: only these kernel kinds (act, wgrad, dx)")
+    ap.add_argument("--save", action="store_true", help="also the backward 'save' mode (gate/up kept by the forward)")
     ap.add_argument("--T", default="5,33" if TINY else "1024,4096")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -294,7 +346,7 @@ def main():
         print_fp8(rows)
         print(f"({time.time() - t0:.0f} s)")
         return
-    rows = [run(int(t), args.backward, args.sweep, args.profile) for t in args.T.split(",")]
+    rows = [run(int(t), args.backward, args.sweep, args.profile, args.save) for t in args.T.split(",")]
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_backward.json"), "w") as f:
             json.dump(rows, f, indent=1)
@@ -312,6 +364,17 @@ def main():
               f"{r['grouped_mm_peak_mib']:.0f} | {max(r['ours_err'].values()):.2e} | "
               f"{max(r['ours_gw_err'].values()) if 'ours_gw_err' in r else math.nan:.2e} | "
               f"{max(r['grouped_mm_err'].values()):.2e} |")
+    if args.save:
+        print("\nbackward 'save' (gate/up kept) against recompute, µs, peak MiB above the inputs")
+        print("| T | step recompute | step save | fwd recompute | fwd save | bwd recompute | bwd save "
+              "| bwd save, dW by grouped_mm | peak recompute | peak save | err save |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            bwd = (f"{r['ours_bwd_us']:.0f} | {r['save_bwd_us']:.0f} | {r['save_gw_bwd_us']:.0f}"
+                   if "save_bwd_us" in r else "– | – | –")
+            print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['save_step_us']:.0f} | {r['fwd_us']:.0f} | "
+                  f"{r['fwd_save_us']:.0f} | {bwd} | {r['ours_peak_mib']:.0f} | {r['save_peak_mib']:.0f} | "
+                  f"{max(r['save_err'].values()):.2e} |")
     print(f"({time.time() - t0:.0f} s)")
 
 

@@ -23,8 +23,11 @@ backward and autograd through grouped_mm, logged with both steps' times), ``patc
 ``compile-experts`` (torch.compile with the mlp_fuser experts: the op under Inductor) and ``backend-recompute``
 (which leaves training graphs' experts to Inductor: near miss "training"); on request ``experts-aten``
 (the experts switch with its grouped_mm rows forced, ``MLP_FUSER_IMPL=grouped_mm``: the op's path before its Triton
-backward) and ``experts-gw`` (the experts switch with the backward row ``triton_moe_backward_grouped_wgrad`` forced:
-the Triton backward with its weight gradients by grouped_mm; on the CPU the aten rows, as ``experts-aten``).
+backward), ``experts-gw`` (the experts switch with the backward row ``triton_moe_backward_grouped_wgrad`` forced:
+the Triton backward with its weight gradients by grouped_mm; on the CPU the aten rows, as ``experts-aten``) and
+``experts-save`` (the experts switch with ``config.moe_backward = "save"``: the forward keeps gate/up's output, T·k·2I
+elements a layer, and the backward reads it instead of recomputing that grouped GEMM). ``patch-save`` on an MoE model
+keeps the experts' gate/up output too (``patch(backward="save")`` reaches them); ``patch-recompute`` does not.
 
 ``--model gptoss-small``: GPT-OSS with GPT-OSS-20B's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of
 intermediate 2880, top 4, interleaved clamped SwiGLU with biases, sliding and full attention alternating, eager
@@ -69,7 +72,7 @@ MOE_FAMILIES = {  # --model: (config class, model class, attention, dims, tiny d
 }
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
 MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
-EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "compile-experts")  # set_experts_implementation
+EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "experts-save", "compile-experts")  # the experts switch
 EXTRA = ["patch-whole"]  # on request only: patch(per_module=False), the whole forward through Dynamo (recompute)
 
 
@@ -185,12 +188,14 @@ def run_variant(name, model, ids, args, counter):
     counter.fused = 0
     if name in EXPERTS_SWITCH:
         model.set_experts_implementation(experts.NAME)
-    forced = config.force_impl
+    forced, moe_backward = config.force_impl, config.moe_backward
+    if name == "experts-save":
+        config.moe_backward = "save"
     if name == "experts-aten":
         config.force_impl = "grouped_mm" if args.device == "cuda" else "reference"  # the aten rows: CUDA's, CPU's
     if name == "experts-gw":
         config.force_impl = "triton_moe_backward_grouped_wgrad" if args.device == "cuda" else "reference"
-    if name in ("eager", "experts", "experts-aten", "experts-gw"):
+    if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-save"):
         forward = model
     elif name in ("compile", "compile-experts"):
         forward = torch.compile(model)
@@ -216,7 +221,7 @@ def run_variant(name, model, ids, args, counter):
             mlp_fuser.unpatch(model)
         if name in EXPERTS_SWITCH:
             model.set_experts_implementation("grouped_mm")
-        config.force_impl = forced
+        config.force_impl, config.moe_backward = forced, moe_backward
         if saved is not None:
             with torch.no_grad():
                 model.load_state_dict(saved)
