@@ -194,6 +194,19 @@ def test_save_forward_plan_reused(triton_rows):
         assert torch.equal(first[1][valid], again[1][valid]) and not first[1][valid].isnan().any()
 
 
+def test_save_op_double_backward_through_aten(triton_rows):
+    """create_graph=True through moe_mlp_save: the aten path, as for moe_mlp (its gu unread), differentiable again."""
+    ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=12)
+    outs = []
+    for save in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors[:-1]]
+        y = mlp_fuser.moe_mlp(leaves[0], ids, *leaves[1:], act, save_preact=save)
+        grads = torch.autograd.grad(y, leaves, tensors[-1], create_graph=True)
+        outs.append((*grads, *torch.autograd.grad((grads[0] * grads[0]).sum(), leaves[4])))
+    assert not triton_rows
+    assert all(rel_err(a, b) <= BAR[torch.float32] for a, b in zip(*outs))
+
+
 def saved_bytes(fn) -> int:
     """The bytes of the distinct storages autograd keeps for the backward while ``fn()`` runs."""
     seen = {}
