@@ -46,7 +46,7 @@ with the bf16 model's mlp_fuser path it is compared with: ``fp8_patch`` (``mlp_f
 compile_config=CompileConfig(fullgraph=True))``: Dynamo traces the patched modules' quant ops) with
 ``static_backend``; the prefill's ``fp8_patch`` with ``patch``; ``fp8_eager``, the twin as transformers runs it (the
 FP8 reference): on transformers' FP8 kernel where it loads (it is fetched from the Hub: never offline), else on
-``mlp_fuser.tools.hf_fp8``'s aten stand-in for it (its row says so: then its tokens and logits are the reference,
+``mlp_fuser.patch.hf_fp8``'s aten stand-in for it (its row says so: then its tokens and logits are the reference,
 its time is not transformers'). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8
 reference's. Memory (CUDA): each
 path's weights and its peak as if alone (``Memory``); a model cut to ``--layers`` also at its released depth
@@ -514,7 +514,7 @@ def path_model(model, path, first: bool):
 
 def fp8_reference_kernel(device) -> str:
     """The kernel the FP8 reference (the twin as transformers runs it) runs on: "hub", transformers' own (fetched
-    from the Hub, CUDA only), else "aten", ``mlp_fuser.tools.hf_fp8``'s stand-in for it (transformers' FP8 code on
+    from the Hub, CUDA only), else "aten", ``mlp_fuser.patch.hf_fp8``'s stand-in for it (transformers' FP8 code on
     aten: its tokens and logits are the reference, its time is not transformers')."""
     from mlp_fuser.patch import fp8 as patch_fp8
 
@@ -525,7 +525,7 @@ def on_reference_kernel(fn, model, device):
     """``fn`` run on the FP8 reference's kernel; the model's table label says which kernel that is."""
     if fp8_reference_kernel(device) == "hub":
         return fn
-    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+    from mlp_fuser.patch.hf_fp8 import transformers_fp8_in_aten
 
     if "stand-in" not in model._bench_fp8:
         model._bench_fp8 += ", transformers' FP8 forward on an aten stand-in for its Hub kernel: time not its own"

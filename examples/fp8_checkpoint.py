@@ -13,7 +13,7 @@ transformers' FP8 quantizer stores it and saved with ``save_pretrained``. On a G
 as FP8Linear / FP8Experts. On the CPU transformers 5.17 dequantizes FP8 checkpoints at load (plain Linears, fp32),
 so there the example runs the FP8 model it built, the very modules and tensors a GPU load gives. The dequantized
 load in float64 is the reference both FP8 forwards are measured against: transformers' own (its code on an aten
-stand-in for its Hub kernel, ``mlp_fuser.tools.hf_fp8.transformers_fp8_in_aten``) and the patched model's.
+stand-in for its Hub kernel, ``transformers_fp8_in_aten`` from ``mlp_fuser.patch.hf_fp8``) and the patched model's.
 """
 
 import argparse
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeCon
 from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
 
 import mlp_fuser
-from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+from mlp_fuser.patch.hf_fp8 import transformers_fp8_in_aten
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

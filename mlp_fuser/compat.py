@@ -449,3 +449,8 @@ def hf_fp8_kernel_as(module, kernel):
         yield
     finally:
         module._FINEGRAINED_FP8 = kept
+
+
+def has_forward_hooks(module) -> bool:
+    """Whether ``module`` has forward hooks or pre-hooks of its own (nn.Module has no public accessor)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)

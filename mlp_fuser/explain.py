@@ -18,8 +18,7 @@ from .graph._dynamo_utils import fresh_code
 from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
 from .patch import compressed, experts
 from .patch.api import fused_forwards_aside, original_forward
-from .patch.fp8 import fp8_site, fuse_fp8_linear, transformers_fp8_kernel_loads
-from .patch.modules import weight_near_miss
+from .patch.fp8 import fp8_site, fuse_fp8_linear, transformers_fp8_kernel_loads, weight_near_miss
 
 
 @dataclass
@@ -207,7 +206,7 @@ def _float8(module) -> bool:
 
 def _fp8_layers_run(model):
     """Where transformers' FP8 layers cannot load their Hub kernel, the capture runs them on the aten stand-in
-    (``tools/hf_fp8.py``), so that the graph is the model's and not an ImportError."""
+    (``patch/hf_fp8.py``), so that the graph is the model's and not an ImportError."""
     if not isinstance(model, torch.nn.Module) or transformers_fp8_kernel_loads():
         return contextlib.nullcontext()
     try:
@@ -217,7 +216,7 @@ def _fp8_layers_run(model):
     kinds = tuple(c for c in (getattr(hf, "FP8Linear", None), getattr(hf, "FP8Experts", None)) if c is not None)
     if not any(isinstance(m, kinds) for m in model.modules()):
         return contextlib.nullcontext()
-    from .tools.hf_fp8 import transformers_fp8_in_aten
+    from .patch.hf_fp8 import transformers_fp8_in_aten
 
     return transformers_fp8_in_aten()
 

@@ -443,7 +443,7 @@ def test_transformers_fp8linear_runs_its_own_forward_on_the_aten_stand_in(static
     pytest.importorskip("transformers")
     from transformers.integrations import finegrained_fp8 as hf
 
-    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+    from mlp_fuser.patch.hf_fp8 import transformers_fp8_in_aten
 
     g = torch.Generator().manual_seed(3)
     N, K = 200, 320
@@ -473,7 +473,7 @@ def test_fused_fp8_llama_is_as_accurate_as_transformers_own_fp8_forward(monkeypa
     """The FP8 issue's accuracy bar: patched (every FP8Linear through our kernels: the interpreter on the CPU), the
     model's logits err against float64 (the dequantized weights) by at most 1.25x what transformers' own FP8 forward
     errs (its code on the aten stand-in for its Hub kernel)."""
-    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+    from mlp_fuser.patch.hf_fp8 import transformers_fp8_in_aten
 
     monkeypatch.setattr(config, "triton_on_cpu", True)
     model, twin = _fp8_llama()

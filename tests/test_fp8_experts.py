@@ -155,7 +155,7 @@ def test_fused_fp8_experts_are_as_accurate_as_transformers_own_fp8_forward(impl,
     transformers' own FP8Experts forward errs (``impl``, its code on the aten stand-in for its Hub kernel)."""
     from conftest import KERNEL_DEVICE
 
-    from mlp_fuser.tools.hf_fp8 import transformers_fp8_in_aten
+    from mlp_fuser.patch.hf_fp8 import transformers_fp8_in_aten
 
     monkeypatch.setattr(config, "triton_on_cpu", True)
     model, twin, inputs = fp8_moe("qwen3_moe", (16, 32))

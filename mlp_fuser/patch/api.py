@@ -33,8 +33,8 @@ from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
 from . import compressed, hf
 from .experts import BACKWARD, FusedExpertsForward, fp8_near_miss, fuse_experts, spec
-from .fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module
-from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, weight_near_miss
+from .fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module, weight_near_miss
+from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 from .router import FusedRouterForward, fuse_router
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .. import compat
+
 HOOK = "ct_decompress_hook"  # compressed-tensors' attribute for its pre-hook that decompresses the model
 _ACT = "x per token and 128 columns"  # how the FP8 kernels quantize x (the CPU's aten reference does not)
 
@@ -37,7 +39,7 @@ def why_not(child: nn.Module) -> str | None:
         return None
     if not is_compressed(child):
         return f"its compressed-tensors status is {getattr(child, 'quantization_status', None)}, not compressed"
-    if child._forward_hooks or child._forward_pre_hooks:
+    if compat.has_forward_hooks(child):
         return "its hooks (compressed-tensors transforms?) would be skipped by the fused op"
     w, x = scheme.weights, scheme.input_activations
     if w is None or _v(w.type) != "float" or w.num_bits != 8 or not w.symmetric or w.dynamic:

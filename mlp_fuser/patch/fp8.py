@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import compat
 from ..ops import quant
-from . import compressed
+from . import compressed, modules
 from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in, fused_forward, in_each_mode
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -46,6 +46,14 @@ def _stored(child: nn.Module) -> tuple[Tensor, Tensor | None, tuple[int, int] | 
         s = child._buffers.get("weight_scale_inv")
     block = getattr(child, "block_size", None)
     return w, s, tuple(int(b) for b in block) if block is not None else None, "transformers"
+
+
+def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict):
+    """``modules.weight_near_miss``, a float8 projection's reason being what its format lacks."""
+    def lacks(child: nn.Module) -> str | None:
+        fmt = fp8_format(child)
+        return fmt if isinstance(fmt, str) and fmt else None
+    return modules.weight_near_miss(module, path, options, memo, lacks)
 
 
 def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None, str] | str:

@@ -304,11 +304,13 @@ def _stand_in(child: nn.Module) -> nn.Module:
     return twin
 
 
-def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict) -> fx_pass.NearMiss | None:
+def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict,
+                     lacks=None) -> fx_pass.NearMiss | None:
     """A near miss for ``module`` when it is an MLP whose projections hold weights the op cannot read (float8,
     integer, a tensor subclass such as torchao's): proven on a twin of the module whose projections are plain
     Linears on the meta device, so no weight is read, converted or changed. ``memo`` keeps the proofs by the
-    module's structure (a model's identical layers are proven once)."""
+    module's structure (a model's identical layers are proven once). ``lacks(projection)``: a reason in place of
+    the weight's type where it has one (patch/fp8.py: what a float8 format lacks)."""
     projs = _projections(module)
     if not projs or "forward" in module.__dict__:
         return None
@@ -331,11 +333,10 @@ def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict) ->
     if memo[key] is None:
         return None
     name, why = bad[0]
-    from .fp8 import fp8_format  # patch/fp8.py builds on this module
-
     child = name.split(".")[0]
-    if isinstance(fmt := fp8_format(module.get_submodule(child)), str) and fmt:  # what its FP8 format lacks
-        return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{'.'.join(p for p in (path, child) if p)}: {fmt}")
+    if lacks is not None and (reason := lacks(module.get_submodule(child))):
+        where = ".".join(p for p in (path, child) if p)
+        return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{where}: {reason}")
     return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{'.'.join(p for p in (path, name) if p)} is {why}")
 
 
