@@ -51,6 +51,20 @@ def logits(model, inputs):
         return model(*inputs).logits
 
 
+def graphs_of(model, inputs, grad: bool) -> list:
+    """The graphs Dynamo captures of one forward, with gradients recorded or not (nothing compiled)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        torch.compile(model, backend=record)(*inputs)
+    return graphs
+
+
 def moe_calls(fn):
     return count_ops(fn, MOE_OP)
 
@@ -271,16 +285,7 @@ def test_backend(model_type, impl):
 def test_pass_report(impl):
     model, inputs = toy("qwen3_moe")
     model.set_experts_implementation(impl)
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=record)(*inputs)
-    fused = [s for gm in graphs for s in fx_pass.fuse_mlps(gm, dry_run=True).fused]
+    fused = [s for gm in graphs_of(model, inputs, False) for s in fx_pass.fuse_mlps(gm, dry_run=True).fused]
     routed = [s for s in fused if s.pattern == "routed_experts"]
     assert [s.path for s in routed] == [n for n, _ in experts_modules(model)]
 
@@ -292,29 +297,17 @@ def test_training_graph_experts_left_to_inductor(monkeypatch):
     model, inputs = toy("qwen3_moe")
     paths = [n for n, _ in experts_modules(model)]
 
-    def graphs_of(grad):
-        graphs = []
-
-        def record(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        with torch.set_grad_enabled(grad):
-            torch.compile(model, backend=record)(*inputs)
-        return graphs
-
     def routed(reports):
         fused = [s.path for r in reports for s in r.fused if s.pattern == "routed_experts"]
         missed = [(m.path, m.check) for r in reports for m in r.near_misses if m.pattern == "routed_experts"]
         return fused, missed
 
-    train = graphs_of(True)
+    train = graphs_of(model, inputs, True)
     assert routed([fx_pass.fuse_mlps(gm, dry_run=True, leave_trained_experts=True) for gm in train]) == \
         ([], [(p, "training") for p in paths])
     assert routed([fx_pass.fuse_mlps(gm, dry_run=True) for gm in train]) == (paths, [])
-    assert routed([fx_pass.fuse_mlps(gm, dry_run=True, leave_trained_experts=True) for gm in graphs_of(False)]) == \
-        (paths, [])
+    infer = graphs_of(model, inputs, False)
+    assert routed([fx_pass.fuse_mlps(gm, dry_run=True, leave_trained_experts=True) for gm in infer]) == (paths, [])
     asked = []
     real = fx_pass.fuse_mlps
     monkeypatch.setattr(fx_pass, "fuse_mlps", lambda gm, **kw: asked.append(kw["leave_trained_experts"]) or

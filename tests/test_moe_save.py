@@ -326,24 +326,12 @@ def test_backend_without_inductor_and_pass_keep_gate_up(monkeypatch):
     """The graph pass rewrites a training graph's experts to moe_mlp_save where asked (save_experts, or
     config.moe_backward without it), inference graphs to moe_mlp; make_backend(inductor=False, backward="save")
     trains through it."""
-    from test_moe_families import experts_modules, toy
+    from test_moe_families import experts_modules, graphs_of, toy
 
     from mlp_fuser.graph import fx_pass
 
     model, inputs = toy("qwen3_moe")
     n_layers = len(experts_modules(model))
-
-    def graphs_of(grad):
-        graphs = []
-
-        def record(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        with torch.set_grad_enabled(grad):
-            torch.compile(model, backend=record)(*inputs)
-        return graphs
 
     def ops_in(graphs, **kw):
         for gm in graphs:
@@ -352,12 +340,12 @@ def test_backend_without_inductor_and_pass_keep_gate_up(monkeypatch):
         return (targets.count(torch.ops.mlp_fuser.moe_mlp_save.default),
                 targets.count(torch.ops.mlp_fuser.moe_mlp.default))
 
-    assert ops_in(graphs_of(True), save_experts=True) == (n_layers, 0)
-    assert ops_in(graphs_of(True)) == (0, n_layers)
+    assert ops_in(graphs_of(model, inputs, True), save_experts=True) == (n_layers, 0)
+    assert ops_in(graphs_of(model, inputs, True)) == (0, n_layers)
     monkeypatch.setattr(config, "moe_backward", "save")
-    assert ops_in(graphs_of(True)) == (n_layers, 0)
-    assert ops_in(graphs_of(True), save_experts=False) == (0, n_layers)
-    assert ops_in(graphs_of(False), save_experts=True) == (0, n_layers)
+    assert ops_in(graphs_of(model, inputs, True)) == (n_layers, 0)
+    assert ops_in(graphs_of(model, inputs, True), save_experts=False) == (0, n_layers)
+    assert ops_in(graphs_of(model, inputs, False), save_experts=True) == (0, n_layers)
     monkeypatch.setattr(config, "moe_backward", "recompute")
     kept_calls = []
     real = moe._forward_save
