@@ -43,9 +43,10 @@ def _w(w: Tensor, s: Tensor, block_size) -> tuple[Tensor, int]:
     """(the dequantized weight in fp32, the activations' quantization group: the weight's K block, else 128)."""
     N, K = w.shape
     block = tuple(int(b) for b in block_size) if block_size is not None else None
-    if block is None or block == (N, K):  # per tensor (transformers may give the whole shape as the block)
-        return w.float() * s.float().reshape(-1, 1).expand(N, 1) if s.numel() in (1, N) else _grid(w, s, N, K), \
-            K8.A8_BLOCK
+    if block is None or block == (N, K):  # per tensor or channel (transformers may give the whole shape as block)
+        if s.numel() not in (1, N):
+            raise ValueError(f"the aten stand-in reads per-tensor or per-channel scales here, not {tuple(s.shape)}")
+        return w.float() * s.float().reshape(-1, 1), K8.A8_BLOCK
     bn, bk = block
     if s.shape[0] != K8.cdiv(N, bn) and N % 2 == 0 and s.shape[0] == 2 * K8.cdiv(N // 2, bn):
         half = s.shape[0] // 2  # an expert's gate and up, quantized apart then stacked
