@@ -28,6 +28,9 @@ the Triton backward with its weight gradients by grouped_mm; on the CPU the aten
 ``experts-save`` (the experts switch with ``config.moe_backward = "save"``: the forward keeps gate/up's output, T·k·2I
 elements a layer, and the backward reads it instead of recomputing that grouped GEMM). ``patch-save`` on an MoE model
 keeps the experts' gate/up output too (``patch(backward="save")`` reaches them); ``patch-recompute`` does not.
+``experts-free`` and ``compile-free`` (on request): the experts replaced by one multiply (x times its routing weights'
+sum, differentiable in both), eager and under torch.compile: the step as if the experts cost nothing, so eager ÷
+``experts-free`` is the most any experts implementation can gain on that step.
 
 ``--model gptoss-small``: GPT-OSS with GPT-OSS-20B's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of
 intermediate 2880, top 4, interleaved clamped SwiGLU with biases, sliding and full attention alternating, eager
@@ -73,6 +76,13 @@ MOE_FAMILIES = {  # --model: (config class, model class, attention, dims, tiny d
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
 MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
 EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "experts-save", "compile-experts")  # the experts switch
+FREE = ("experts-free", "compile-free")  # the experts as one multiply: the ceiling of any experts implementation
+FREE_NAME = "bench_free"
+
+
+def free_experts(self, hidden_states, top_k_index, top_k_weights):
+    """Experts that cost one multiply: x scaled by its routing weights' sum (so the router still gets gradients)."""
+    return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
 EXTRA = ["patch-whole"]  # on request only: patch(per_module=False), the whole forward through Dynamo (recompute)
 
 
@@ -188,6 +198,10 @@ def run_variant(name, model, ids, args, counter):
     counter.fused = 0
     if name in EXPERTS_SWITCH:
         model.set_experts_implementation(experts.NAME)
+    if name in FREE:
+        from transformers.integrations.moe import ExpertsInterface
+        ExpertsInterface.register(FREE_NAME, free_experts)
+        model.set_experts_implementation(FREE_NAME)
     forced, moe_backward = config.force_impl, config.moe_backward
     if name == "experts-save":
         config.moe_backward = "save"
@@ -195,9 +209,9 @@ def run_variant(name, model, ids, args, counter):
         config.force_impl = "grouped_mm" if args.device == "cuda" else "reference"  # the aten rows: CUDA's, CPU's
     if name == "experts-gw":
         config.force_impl = "triton_moe_backward_grouped_wgrad" if args.device == "cuda" else "reference"
-    if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-save"):
+    if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-save", "experts-free"):
         forward = model
-    elif name in ("compile", "compile-experts"):
+    elif name in ("compile", "compile-experts", "compile-free"):
         forward = torch.compile(model)
     elif name.startswith("backend-"):
         forward = torch.compile(model, backend=mlp_fuser.make_backend(backward=name.split("-")[1]))
@@ -219,7 +233,7 @@ def run_variant(name, model, ids, args, counter):
     finally:
         if name.startswith("patch-"):
             mlp_fuser.unpatch(model)
-        if name in EXPERTS_SWITCH:
+        if name in EXPERTS_SWITCH + FREE:
             model.set_experts_implementation("grouped_mm")
         config.force_impl, config.moe_backward = forced, moe_backward
         if saved is not None:
@@ -271,7 +285,7 @@ def main(argv=None):
     moe = args.model in MOE_FAMILIES
     args.shapes = args.shapes or ("1x1024,4x1024" if moe else "4x1024,1x4096")
     variants = (args.variants or ",".join(MOE_VARIANTS if moe else VARIANTS)).split(",")
-    known = VARIANTS + EXTRA + (list(EXPERTS_SWITCH) if moe else [])
+    known = VARIANTS + EXTRA + (list(EXPERTS_SWITCH + FREE) if moe else [])
     if set(variants) - set(known):
         ap.error(f"unknown variant(s) {sorted(set(variants) - set(known))}; known: {', '.join(known)}")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
