@@ -12,6 +12,9 @@
   stages); µs and % of the
   floor (w_down once at the measured copy bandwidth). Which config, if any, beats cuBLAS where the MLP's rows are
   furthest from the floor.
+- fp8_small: the FP8 W8A8 split-K kernel at M = 1 and 16 (x quantized in the GEMM), LLaMA-3-8B's gate/up (gated,
+  one launch) and down, 128 × 128 block scales: the default config against a grid of (BLOCK_N, SPLIT_K, warps,
+  stages); µs and % of the floor (the float8 weights, scales, x and y once at the measured copy bandwidth).
 CUDA-graph medians (``triton.testing.do_bench_cudagraph``) unless said; every output is checked.
 """
 
@@ -351,13 +354,77 @@ def down_sweep(shapes=((4096, 11008), (3584, 18944), (8192, 3584)), ms=(1, 16, 3
     return rows
 
 
+def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
+    """The FP8 decode kernels' configs (see the module doc): the default against the grid, per launch and M."""
+    from mlp_fuser.kernels import fp8
+    from mlp_fuser.reference import rel_err
+    from mlp_fuser.tools.bench_fp8 import copy_bandwidth
+
+    tbps = copy_bandwidth(device) / 1e12
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def weight(n, k):
+        q, sc = fp8.quantize_blocks(torch.randn(n, k, device=device, generator=g) / k ** 0.5)
+        return fp8.fp8_weight(q, sc, (128, 128))
+
+    wg, wu, wd = weight(I, H), weight(I, H), weight(H, I)
+    launches = {"gate_up": (H, wg, wu, "silu"), "down": (I, wd, None, None)}
+    grid = {"gate_up": [(bn, split, warps, stages) for bn in (32, 64, 128) for split in (1, 2, 3)
+                        for warps in (4, 8) for stages in (3, 4, 6) if not (bn == 128 and stages == 6)],
+            "down": [(bn, split, warps, stages) for bn in (32, 64, 128) for split in (2, 4, 6, 8, 12, 16)
+                     for warps in (4,) for stages in (3, 4, 6) if not (bn == 128 and stages == 6)]}
+    rows = [f"FP8 W8A8 decode kernels (LLaMA-3-8B MLP, 128 x 128 blocks), CUDA-graph µs (% of the floor at "
+            f"{tbps:.2f} TB/s); configs (BLOCK_N, SPLIT_K, warps, stages)",
+            "| launch | M | floor | default (config) | best (config) | best / default | 2nd, 3rd |", "|---|---|---|---|---|---|---|"]
+    for name, (K, w, up, act) in launches.items():
+        N = w.w.shape[0]
+        for M in ms:
+            x = torch.randn(M, K, device=device, generator=g, dtype=torch.bfloat16)
+            xq, xs = fp8.quantize_rows_reference(x)
+            xd = (xq.double().view(M, -1, 128) * xs.double()[..., None]).view(M, K)
+            ref = xd @ fp8.dequantize(w, torch.float64).t()
+            if up is not None:
+                ref = torch.nn.functional.silu(ref) * (xd @ fp8.dequantize(up, torch.float64).t())
+            nbytes = (1 + (up is not None)) * (N * K + w.scale.numel() * 4) + M * K * 2 + M * N * 2
+            floor = nbytes / (tbps * 1e12) * 1e6
+            default = fp8.default_config(M, N, K, up is not None, True, x.device)
+
+            def timed(cfg):
+                plan = fp8.linear_plan(x, w, up, None, act, True, cfg)
+                fn = functools.partial(plan, x, w, up, None)  # a fresh output each call
+                if not (err := rel_err(fn(), ref)) <= 2e-2:
+                    print(f"  {name} M={M} {cfg}: error {err:.2e}", file=sys.stderr)
+                    return None
+                return _us(fn)
+            d_us = timed(default)
+            got = []
+            for bn, split, warps, stages in grid[name][:limit]:
+                cfg = default._replace(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
+                try:
+                    us = timed(cfg)
+                except Exception as e:  # out of shared memory, ...: skip the config
+                    print(f"  {name} M={M} {(bn, split, warps, stages)}: {type(e).__name__}", file=sys.stderr)
+                    continue
+                if us is not None:
+                    got.append((us, (bn, split, warps, stages)))
+            got.sort()
+            dflt = (default.block_n, default.split_k, default.num_warps, default.num_stages)
+            cell = "-" if d_us is None else f"{d_us:.1f} ({100 * floor / d_us:.0f}%) {dflt}"
+            best = "-" if not got else f"{got[0][0]:.1f} ({100 * floor / got[0][0]:.0f}%) {got[0][1]}"
+            ratio = "-" if not got or d_us is None else f"{d_us / got[0][0]:.3f}x"
+            more = ", ".join(f"{u:.1f} {c}" for u, c in got[1:3])
+            rows.append(f"| {name} | {M} | {floor:.1f} | {cell} | {best} | {ratio} | {more} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     steps = sys.argv[1:] or ["act_mul", "small_m", "overhead"]
     out = []
     for step in steps:
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
-                             "overhead": overhead, "down": down_sweep}
+                             "overhead": overhead, "down": down_sweep, "fp8_small": fp8_small_sweep}
             name, _, arg = step.partition(":")  # overhead:SmolLM2 times that shape alone
             out += steps_by_name[name](arg) if arg else steps_by_name[name]()
         except Exception:  # report, keep the other steps' numbers
