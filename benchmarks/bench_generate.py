@@ -394,6 +394,11 @@ def _without_sites(model, ids):
         mlp_fuser.config.sites = True
 
 
+def is_static(path: str) -> bool:
+    """A path decoding with the static cache and CUDA graphs (``fp8_static`` too)."""
+    return path.startswith("static") or path == "fp8_static"
+
+
 def generate_fn(model, path, ids):
     """``n -> tokens`` for one path, and a cleanup to run after it."""
     import mlp_fuser
@@ -660,14 +665,14 @@ def run(args, results):
                                                        args.rounds, mem)
                     for path, (gen, _, m, out, warm_s) in live.items():
                         if (batch, path) in args.profiled:
-                            profile_decode(f"{label} b={batch} {path}", gen, device, not path.startswith("static"))
-                        if args.host_split and not path.startswith("static"):
+                            profile_decode(f"{label} b={batch} {path}", gen, device, not is_static(path))
+                        if args.host_split and not is_static(path):
                             host_split(f"{label} b={batch} {path}", m, gen, device)
                         if args.time_modules and path in ("eager", "patch", "patch_noplan", "fp8_patch"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
                         step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens,
                                   profile=args.step_profile)
-                                if args.step and path.startswith("static") else {})
+                                if args.step and is_static(path) else {})
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                             ms=times[path], round_ms=per_round[path], warmup_s=warm_s,
                                             tokens=out[:, prompt:].tolist(), **step, **mem.row(path, m)))
