@@ -4,9 +4,9 @@ The Triton paths (``kernels/moe.py``) on CUDA, timed once per bucket of T on the
 time (``wall``: between syncs) for plain calls and on the GPU alone for CUDA-graph captures; ``grouped_mm`` and the
 aten path (``reference_experts``) elsewhere or where nothing else runs. The op's backward (``moe_mlp_backward``)
 chooses from a table of its own (``BACKWARD``): the Triton backward (``kernels/moe_backward.py``), that backward with
-its weight gradients by torch's grouped GEMM (``kernels/moe_grouped_wgrad.py``), or autograd through the aten path
-recomputed from the inputs, each row timed as the backward alone (the forward is the same for all); calls whose
-forward kept gate/up's output (``moe_mlp_save``) are problems of their own, the Triton rows reading it.
+its weight gradients (and dx) by torch's grouped GEMM (``kernels/moe_grouped_wgrad.py``), or autograd through the
+aten path recomputed from the inputs, each row timed as the backward alone (the forward is the same for all); calls
+whose forward kept gate/up's output (``moe_mlp_save``) are problems of their own, the Triton rows reading it.
 """
 
 from __future__ import annotations
@@ -191,19 +191,20 @@ def problem(x2: Tensor, ids2: Tensor, wgu: Tensor, wd: Tensor, bgu, bd, gate: Ga
 
 
 def triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate: Gate, dy, need_dx: bool, need_weights: bool,
-                    wgrad: str = "triton", gu: Tensor | None = None) -> tuple:
+                    wgrad: str = "triton", gu: Tensor | None = None, dgrad: str = "triton") -> tuple:
     """(dx, dwts, dwgu, dbgu, dwd, dbd) from dy (T, H) by ``kernels.moe_backward`` (None where not asked), the
-    weight gradients by its Triton kernel or by grouped_mm (``wgrad``); ``gu``: the forward's gate/up output."""
+    weight gradients and dx by its Triton kernels or by grouped_mm (``wgrad``, ``dgrad``); ``gu``: the forward's
+    gate/up output."""
     return kbwd.moe_backward(x, ids, wts, wgu, bgu, wd, bd, expert_act(gate), gate.interleaved, dy, need_dx=need_dx,
-                             need_weights=need_weights, wgrad=wgrad, gu=gu)
+                             need_weights=need_weights, wgrad=wgrad, gu=gu, dgrad=dgrad)
 
 
 # The rows' functions are the backward op's work, (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy) ->
 # (dx, dwts, dwgu, dbgu, dwd, dbd), None where not asked: what is timed, the op's forward being the same for all.
-def _triton_step(wgrad: str):
+def _triton_step(wgrad: str, dgrad: str = "triton"):
     def make(need_dx: bool, need_weights: bool, gu: Tensor | None = None):
         def step(x, ids, wts, wgu, bgu, wd, bd, gate, dy):
-            return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights, wgrad, gu)
+            return triton_backward(x, ids, wts, wgu, bgu, wd, bd, gate, dy, need_dx, need_weights, wgrad, gu, dgrad)
         return step
     return make
 
@@ -237,6 +238,12 @@ def _weights_asked(p: StepProblem) -> str | None:
     return "frozen experts: no weight gradients, so triton_moe_backward's work"
 
 
+def _dx_asked(p: StepProblem) -> str | None:
+    if p.need_dx:
+        return None
+    return "no dx asked, so triton_moe_backward_grouped_wgrad's work"
+
+
 def _step(make) -> ImplFn:
     """A row's function: (x2, ids2, wts2, wgu, bgu, wd, bd, gate, dy, (need_dx, need_weights[, gu])) -> the
     gradients."""
@@ -251,6 +258,10 @@ BACKWARD_IMPLS: list[Impl] = [
          why=(_triton_grad, _grouped_wgrad_ok), worth=(_weights_asked,),
          notes="the Triton act and dx kernels; dW by torch._grouped_mm (CUTLASS) on expert-sorted copies of "
                "x, w·dy, h and [dg du]"),
+    Impl("triton_moe_backward_grouped", _step(_triton_step("grouped", "grouped")), frozenset({"cuda"}), triton=True,
+         why=(_triton_grad, _grouped_wgrad_ok), worth=(_dx_asked,),
+         notes="the Triton act kernel; dW and dx by torch._grouped_mm (CUTLASS) on expert-sorted copies, dx's k rows "
+               "per token summed by a small Triton kernel"),
     Impl("grouped_mm", _step(_aten_step), frozenset({"cuda"}), frozenset({torch.bfloat16}), why=(_grouped_mm_ok,),
          notes="the aten path (torch._grouped_mm) recomputed from the inputs, then autograd through it"),
     Impl("reference", _step(_aten_step), None, FLOAT, notes="the aten path recomputed, then autograd through it"),

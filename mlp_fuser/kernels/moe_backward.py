@@ -9,7 +9,8 @@ y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising wit
   stored in Wgu's row layout. Nothing of the forward is saved but its inputs; or (``gu``, backward "save") g and u as
   the forward's gate/up kernel stored them per pair, read in the epilogue instead of the two recomputed products.
 - dx: dx_p = [dg du]_p Wgu[e] is ``moe_down`` on the transposed weight view, summed over each token's k pairs by
-  ``moe_combine`` in j order.
+  ``moe_combine`` in j order. Or (``dgrad="grouped"``) torch's grouped GEMM on the act kernel's compact sorted copy
+  of [dg du] (``COPY``) and Wgu as stored, summed per token by ``moe_grouped_wgrad.grouped_dx``.
 - ``_moe_wgrad_kernel``, per (expert, BLOCK_N rows, BLOCK_K columns of dW[e]): loops over that expert's blocks,
   dWd[e] = Σ (w_p dy[t])ᵀ h_p and dWgu[e] = Σ [dg du]_pᵀ x[t], the bias gradient summed by the column-0 programs.
   Or (``wgrad="grouped"``) torch's grouped GEMM on expert-sorted copies of the operands, which the act kernel
@@ -135,7 +136,7 @@ def _fp8_act_loop(
 @triton.jit
 def _moe_bwd_act_kernel(
     x_ptr, dy_ptr, wgu_ptr, bgu_ptr, wd_ptr, bd_ptr, wts_ptr, h_ptr, dgu_ptr, dw_ptr,
-    sorted_ptr, block_expert_ptr, num_blocks_ptr, dgus_ptr, shift_ptr, dbgu_ptr,
+    sorted_ptr, block_expert_ptr, num_blocks_ptr, dgus_ptr, shift_ptr, dbgu_ptr, crow_ptr,
     S, K_TOP, I, H, N_GU, UP_ROW, N_TILES,
     stride_xm, stride_xk, stride_dym, stride_dyk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_de, stride_dn, stride_dk, stride_bde, stride_bdn, stride_wt, stride_wj,
@@ -146,6 +147,7 @@ def _moe_bwd_act_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SORTED: tl.constexpr,
     FP8: tl.constexpr, GU_K_SCALED: tl.constexpr, GU_SBN: tl.constexpr, GU_SBK: tl.constexpr,
     D_K_SCALED: tl.constexpr, D_SBN: tl.constexpr, D_SBK: tl.constexpr, SAVED: tl.constexpr,
+    COPY: tl.constexpr, PAIR_DGU: tl.constexpr,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h -------------------------
     pid_b = tl.program_id(0)
@@ -223,11 +225,15 @@ def _moe_bwd_act_kernel(
     tl.store(dw_ptr + rows * N_TILES + pid_n, dw, mask=mask_m)
     dg = dg.to(dgu_ptr.dtype.element_ty)
     du = du.to(dgu_ptr.dtype.element_ty)
-    _store_gu(dgu_ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP)  # per pair: dx reads it so
-    if SORTED:  # grouped_mm's operands in compact sorted order: h, a copy of [dg du], its bias sums per block
+    if PAIR_DGU:  # per pair: the Triton dx and wgrad kernels read it so
+        _store_gu(dgu_ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP)
+    if COPY:  # grouped_mm's [dg du] in compact sorted order, and each pair's row there (grouped dx sums them)
+        srows = compact_rows(pid_b, e, shift_ptr, BLOCK_M)
+        _store_gu(dgus_ptr, srows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP)
+        tl.store(crow_ptr + rows, srows.to(tl.int32), mask=mask_m & (pid_n == 0))
+    if SORTED:  # the weight gradients' grouped_mm operands in compact sorted order: h, [dg du]'s bias sums per block
         srows = compact_rows(pid_b, e, shift_ptr, BLOCK_M)
         tl.store(h_ptr + srows[:, None] * I + offs_n[None, :], h, mask=mask)
-        _store_gu(dgus_ptr, srows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP)
         if HAS_BGU:
             sums = dbgu_ptr + pid_b.to(tl.int64) * N_GU + offs_n * GATE_STEP
             tl.store(sums, tl.sum(tl.where(mask, dg.to(tl.float32), 0.0), axis=0), mask=mask_n)
@@ -513,13 +519,15 @@ def _fp8_dx(dgu: Tensor, routing: Routing, fgu, H: int, up_row: int, config: dic
 def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor | None, w_d: Tensor,
                  b_d: Tensor | None, act: ExpertAct, interleaved: bool, dy: Tensor, routing: Routing | None = None,
                  configs: dict | None = None, need_dx: bool = True, need_weights: bool = True,
-                 wgrad: str = "triton", scales: tuple | None = None, gu: Tensor | None = None,
+                 wgrad: str = "triton", scales: tuple | None = None, gu: Tensor | None = None, dgrad: str = "triton",
                  ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dwts, dw_gu, db_gu, dw_d, db_d) of ``moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved)``
     given dy (T, H), each in its input's dtype (bias gradients None without biases). ``routing``: the forward's
     (any BLOCK_M), else built here. ``configs``: "act", "wgrad" (``backward_config``'s keys) and "dx" (a
     ``moe_down`` config), else the defaults. ``wgrad``: the weight gradients by the Triton kernel ("triton") or by
-    torch's grouped GEMM on expert-sorted copies of the operands ("grouped", ``moe_grouped_wgrad``). Raises
+    torch's grouped GEMM on expert-sorted copies of the operands ("grouped", ``moe_grouped_wgrad``); ``dgrad``: dx
+    by the down kernel ("triton") or by grouped_mm on the sorted copy of [dg du] and Wgu as stored ("grouped",
+    float weights only), each token's k rows then summed in j order. Raises
     NotImplementedError for what it does not run (the caller falls back to the aten reference). Without
     ``need_dx`` / ``need_weights`` (frozen experts, LoRA) dx / the four weight and bias gradients are not computed
     and come back None. ``scales``: (gate/up's, down's) ``fp8.Fp8Experts`` of float8 weights w_gu and w_d, frozen
@@ -538,11 +546,15 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
                            or not gu.is_contiguous()):
         raise ValueError(f"moe_backward: gu must be the forward's contiguous ({S}, {w_gu.shape[1]}) {x.dtype} "
                          f"pre-activations, of float weights; got {gu.dtype} {tuple(gu.shape)}")
-    if wgrad not in ("triton", "grouped"):
-        raise ValueError(f"moe_backward: wgrad must be 'triton' or 'grouped', not {wgrad!r}")
+    for name, mode in (("wgrad", wgrad), ("dgrad", dgrad)):
+        if mode not in ("triton", "grouped"):
+            raise ValueError(f"moe_backward: {name} must be 'triton' or 'grouped', not {mode!r}")
+    if dgrad == "grouped" and scales is not None:
+        raise ValueError("moe_backward: float8 experts take dx by their own kernel (dgrad='triton')")
     grouped = wgrad == "grouped" and need_weights
-    if grouped and (reason := gw.why_not(x.device, x.dtype, E, H, I)) is not None:
-        raise NotImplementedError(f"moe_backward: no grouped_mm weight gradients: {reason}")
+    grouped_dx = dgrad == "grouped" and need_dx
+    if (grouped or grouped_dx) and (reason := gw.why_not(x.device, x.dtype, E, H, I, w_gu if grouped_dx else None)):
+        raise NotImplementedError(f"moe_backward: no grouped_mm {'weight gradients' if grouped else 'dx'}: {reason}")
     gated, step, up_row = _gate_up_layout(w_gu, I, interleaved)
     if routing is None:
         routing = moe_align(ids, E, default_config("gate_up", T, k, E, H, I, x.dtype, x.device)["BLOCK_M"])
@@ -563,36 +575,40 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     n_gu = w_gu.shape[1]
     n_blocks = routing.block_expert.shape[0]
     h = torch.empty((S, I), dtype=x.dtype, device=dev)
-    dgu = torch.empty((S, n_gu), dtype=x.dtype, device=dev)
+    pair_dgu = (need_dx and not grouped_dx) or (need_weights and not grouped)  # a Triton dx or wgrad reads it
+    dgu = torch.empty((S, n_gu), dtype=x.dtype, device=dev) if pair_dgu else None
     dw_part = torch.zeros((S, n_tiles), dtype=torch.float32, device=dev)  # dropped pairs: no gradient
     bgu = b_gu if b_gu is not None else w_gu
     bd = b_d if b_d is not None else w_d
-    dgu_s = dbgu_part = shift = None
-    if grouped:
-        expert_start = _expert_start(routing, E)
-        offs, shift = gw.compact_offsets(ids, routing, expert_start, E)
+    dgu_s = dbgu_part = shift = crow = None
+    if grouped or grouped_dx:
+        offs, shift = gw.compact_offsets(ids, routing, _expert_start(routing, E), E)
         dgu_s = torch.empty((S, n_gu), dtype=x.dtype, device=dev)
-        if b_gu is not None:
-            dbgu_part = torch.empty((n_blocks, n_gu), dtype=torch.float32, device=dev)
+        crow = torch.empty((S,), dtype=torch.int32, device=dev)  # each pair's compact row (S int32: kept simple)
+    if grouped and b_gu is not None:
+        dbgu_part = torch.empty((n_blocks, n_gu), dtype=torch.float32, device=dev)
     launch(
         _moe_bwd_act_kernel, (n_blocks, n_tiles),
-        x, dy, w_gu, bgu, w_d, bd, wts, h, dgu, dw_part,
+        x, dy, w_gu, bgu, w_d, bd, wts, h, dgu if pair_dgu else dgu_s, dw_part,
         routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        dgu_s if grouped else dgu, shift if grouped else routing.num_blocks,
-        dbgu_part if dbgu_part is not None else dw_part,
+        dgu_s if dgu_s is not None else dgu, shift if shift is not None else routing.num_blocks,
+        dbgu_part if dbgu_part is not None else dw_part, crow,
         S, k, I, H, n_gu, up_row, n_tiles,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
         *w_d.stride(), bd.stride(0), bd.stride(-1), wts.stride(0), wts.stride(1), *fp8_ints, gu,
         GATED=gated, HAS_BGU=b_gu is not None, HAS_BD=b_d is not None, GATE_STEP=step,
         ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SORTED=grouped, **fp8_flags, SAVED=gu is not None, **_launch_opts(cfg),
+        SORTED=grouped, **fp8_flags, SAVED=gu is not None, COPY=dgu_s is not None, PAIR_DGU=pair_dgu,
+        **_launch_opts(cfg),
     )
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
     # -- dx: [dg du]_p Wgu[e] per pair (the forward's down kernel on the transposed view), summed per token -----
     dx = None
-    if need_dx and scales is not None:
+    if grouped_dx:  # or grouped_mm on the compact copy, each token's rows found through crow
+        dx = gw.grouped_dx(dgu_s, w_gu, offs, crow, ids, E)
+    elif need_dx and scales is not None:
         dx = moe_combine(_fp8_dx(dgu, routing, scales[0], H, up_row, cfgs.get("dx")), ids, E, x.dtype)
     elif need_dx:
         ones = torch.ones((), dtype=torch.float32, device=dev).expand(T, k)

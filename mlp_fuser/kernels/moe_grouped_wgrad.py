@@ -1,5 +1,5 @@
-"""The experts' weight gradients by torch's grouped GEMM (``torch._grouped_mm``, CUTLASS on sm90) in place of
-``moe_backward``'s Triton wgrad kernel; the rest of that backward (the act kernel, dx) is unchanged.
+"""The experts' weight gradients, and dx, by torch's grouped GEMM (``torch._grouped_mm``, CUTLASS on sm90) in place of
+``moe_backward``'s Triton wgrad kernel and its dx by the down kernel; the act kernel is unchanged.
 
 grouped_mm reads each expert's rows as one contiguous run (int32 ends ``offs``) and gathers nothing, so its operands
 are stored in the *compact* sorted order: the routing's order (``Routing``: runs padded to BLOCK_M) with the padding
@@ -9,6 +9,13 @@ dWd[e] = Σ_p (w_p dy_p)ᵀ h_p and dWgu[e] = Σ_p [dg du]_pᵀ x_p as grouped_m
 row-major: the one layout torch's kernel takes empty experts in (an offset repeated) and checks no run's alignment.
 Rows past offs[-1] (dropped pairs) are never read. Bias gradients are summed as the Triton wgrad sums them (fp32;
 w·dy unrounded, [dg du] as stored): per-block column sums by the kernels, added per expert.
+
+dx (``grouped_dx``): dx_p = [dg du]_p Wgu[e] as grouped_mm(A, B), A the compact copy (S, 2I) row-major and B Wgu
+(E, 2I, H) as stored (rows or columns contiguous), the 2-D x 3-D form autograd of grouped_mm uses: an empty expert is
+an offset repeated, no run's alignment is checked, rows past offs[-1] are never read. Each pair's
+product comes back in x's dtype (grouped_mm's output is its inputs'), each token's k rows are summed in fp32 in j
+order as ``moe_combine`` sums them, found through the act kernel's map of each pair's compact row; a dropped pair's
+row is never read.
 """
 
 from __future__ import annotations
@@ -22,19 +29,23 @@ from .. import compat
 from .common import INTERPRET, cdiv, launch
 from .moe_routing import Routing
 
-__all__ = ["why_not", "compact_offsets", "sorted_rows", "grouped_wgrad", "per_expert"]
+__all__ = ["why_not", "compact_offsets", "sorted_rows", "grouped_wgrad", "per_expert", "grouped_dx"]
 
 MAX_GROUPS = 1024  # torch's CUTLASS grouped GEMM takes fewer groups than this
 ROWS_CONFIG = {"BLOCK_N": 32, "num_warps": 4} if INTERPRET else {"BLOCK_N": 128, "num_warps": 4}
 
 
-def why_not(device: torch.device, dtype: torch.dtype, E: int, H: int, I: int) -> str | None:
-    """Why the weight gradients cannot go through grouped_mm here (None: they can, without a host sync)."""
+def why_not(device: torch.device, dtype: torch.dtype, E: int, H: int, I: int, w_gu: Tensor | None = None
+            ) -> str | None:
+    """Why the weight gradients (or, given the weight ``w_gu`` it reads, dx) cannot go through grouped_mm here
+    (None: they can, without a host sync)."""
     if compat.grouped_mm is None:
         return "torch has no grouped_mm"
     itemsize = torch.empty((), dtype=dtype).element_size()
     if (H * itemsize) % 16 or (I * itemsize) % 16:
         return f"H {H} and I {I} must be multiples of {16 // itemsize} (grouped_mm's strides: 16 bytes)"
+    if w_gu is not None and (w_gu.data_ptr() % 16 or 1 not in w_gu.stride()[1:]):
+        return f"w_gate_up (strides {w_gu.stride()}) is not 16-byte aligned with its rows or columns contiguous"
     if device.type != "cuda":
         return None
     if torch.version.hip is not None:
@@ -127,3 +138,36 @@ def per_expert(part: Tensor, routing: Routing, E: int, like: Tensor) -> Tensor:
     unwritten rows, go to a bin that is dropped)."""
     out = torch.zeros((E + 1, part.shape[1]), dtype=torch.float32, device=part.device)
     return out.index_add_(0, routing.block_expert, part)[:E].to(like.dtype).reshape(like.shape)
+
+
+@triton.jit
+def _compact_combine_kernel(
+    out_ptr, crow_ptr, ids_ptr, y_ptr, E, N, stride_it, stride_ij, stride_yt,
+    K_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # -- y[t, n-block] = Σ_j out[crow[t·k + j]] over the valid j, in j order (``moe_combine``'s sum) -----------
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(K_TOP):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ij)
+        ok = (e >= 0) & (e < E)  # a dropped pair has no row
+        row = tl.load(crow_ptr + t * K_TOP + j, mask=ok, other=0).to(tl.int64)
+        acc += tl.load(out_ptr + row * N + offs_n, mask=mask_n & ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def grouped_dx(dgu_s: Tensor, w_gu: Tensor, offs: Tensor, crow: Tensor, ids: Tensor, E: int) -> Tensor:
+    """dx (T, H) in dgu_s's dtype: dx[t] = Σ_j [dg du]_p Wgu[e] over token t's valid pairs p = t·k + j, from the
+    compact sorted copy ``dgu_s`` (S, 2I or I), its runs' ends ``offs`` and each pair's row there ``crow`` (S,)."""
+    T, k = ids.shape
+    out = compat.grouped_mm(dgu_s, w_gu, offs=offs)  # (S, H): rows past offs[-1] unwritten, never read
+    H = out.shape[1]
+    dx = torch.empty((T, H), dtype=dgu_s.dtype, device=dgu_s.device)
+    if T == 0 or H == 0:
+        return dx
+    block_n = min(1024, triton.next_power_of_2(H))
+    launch(_compact_combine_kernel, (T, cdiv(H, block_n)), out, crow, ids, dx, E, H, ids.stride(0), ids.stride(1),
+           dx.stride(0), K_TOP=k, BLOCK_N=block_n, num_warps=4)
+    return dx
