@@ -7,14 +7,16 @@ Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8, silu, gate|up concatenated),
 For each T: ours = ``moe_experts_autograd`` (the sorted Triton forward, ``moe_backward``); theirs = autograd through
 ``mlp_fuser.ops.moe.reference`` (torch._grouped_mm both ways). Timed as CUDA-graph medians: the training step of the
 experts (forward + backward) and, with ``--backward``, the backward alone as well, and ours with its weight
-gradients by grouped_mm (``moe_backward(wgrad="grouped")``, the row ``triton_moe_backward_grouped_wgrad``; its
-gradients checked too); ``--profile``: each backward once under torch.profiler, GPU time per kernel; peak memory of
-one step above what the inputs hold; with ``--sweep``, the backward alone over a few tile configs of each of its
-kernels (the others at their defaults), the fastest printed. ``--save``: the backward "save" mode too (the
-forward's gate/up kernel keeps g and u, (T·k, 2I), and the backward reads them instead of recomputing that GEMM):
-its step, its forward alone against the recomputing one's (the cost of the extra store), its peak, and with
-``--backward`` / ``--profile`` its backward alone both ways (dW by our kernel or by grouped_mm). Every gradient
-checked against float64 autograd (‖out − ref‖ / ‖ref‖, both sides' errors).
+gradients by grouped_mm (``moe_backward(wgrad="grouped")``, the row ``triton_moe_backward_grouped_wgrad``), with dx
+by grouped_mm too (``dgrad="grouped"``, the row ``triton_moe_backward_grouped``; both modes' gradients checked too),
+and frozen experts' (dx and dwts only) with dx by our down kernel or by grouped_mm; ``--profile``: each backward
+once under torch.profiler, GPU time per kernel; peak memory of one step above what the inputs hold; with
+``--sweep``, the backward alone over a few tile configs of each of its kernels (the others at their defaults), the
+fastest printed. ``--save``: the backward "save" mode too (the forward's gate/up kernel keeps g and u, (T·k, 2I),
+and the backward reads them instead of recomputing that GEMM): its step, its forward alone against the recomputing
+one's (the cost of the extra store), its peak, and with ``--backward`` / ``--profile`` its backward alone three ways
+(dW by our kernel, by grouped_mm, dW and dx by it). Every gradient checked against float64 autograd
+(‖out − ref‖ / ‖ref‖, both sides' errors).
 Results go to $OUT/moe_backward.json when OUT is set; a short table is printed last.
 ``--fp8``: frozen float8 experts (the same weights quantized in 128 × 128 blocks, LoRA on an FP8 base): the
 training step of ``quant_moe_mlp`` with x and topk_weights needing gradients (FP8 forward kernels, the Triton
@@ -192,7 +194,9 @@ def run_save(row, leaves, ids, dy, act, ref, backward_alone, profile) -> None:
                                                                       "sorted", gu=keep))
     bwds = {"save": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, gu=gu),
             "save_gw": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, wgrad="grouped",
-                                            gu=gu)}
+                                            gu=gu),
+            "save_gx": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, wgrad="grouped",
+                                            dgrad="grouped", gu=gu)}
     for name, fn in bwds.items():
         if backward_alone:
             row[f"{name}_bwd_us"], row[f"{name}_bwd_how"] = timed(fn)
@@ -236,11 +240,18 @@ def run(T: int, backward_alone: bool, do_sweep: bool = False, profile: bool = Fa
         y = reference(leaves[0], ids, leaves[1], leaves[2], None, leaves[3], None, gate)
         bwds = {"ours": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy),
                 "ours_gw": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, wgrad="grouped"),
+                "ours_gx": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, wgrad="grouped",
+                                                dgrad="grouped"),
+                "frozen": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy, need_weights=False),
+                "frozen_gx": lambda: moe_backward(xd, ids, wd_, wgud, None, wdd, None, act, False, dy,
+                                                  need_weights=False, dgrad="grouped"),
                 "grouped_mm": lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)}
-        gw = bwds["ours_gw"]()
-        row["ours_gw_err"] = {n: rel_err(o, r) for n, o, r in zip(NAMES, (gw[0], gw[1], gw[2], gw[4]), ref)}
-        if not all(row["ours_gw_err"][n] <= 3 * row["grouped_mm_err"][n] + 1e-2 for n in NAMES):
-            print(f"  WRONG T={T} grouped wgrad: {row['ours_gw_err']}", flush=True)
+        for mode in ("ours_gw", "ours_gx", "frozen_gx"):
+            got = bwds[mode]()
+            row[f"{mode}_err"] = {n: rel_err(o, r) for n, o, r in zip(NAMES, (got[0], got[1], got[2], got[4]), ref)
+                                  if o is not None}
+            if not all(row[f"{mode}_err"][n] <= 3 * row["grouped_mm_err"][n] + 1e-2 for n in row[f"{mode}_err"]):
+                print(f"  WRONG T={T} {mode}: {row[f'{mode}_err']}", flush=True)
         for name, fn in bwds.items():
             if backward_alone:
                 row[f"{name}_bwd_us"], row[f"{name}_bwd_how"] = timed(fn)
@@ -353,25 +364,30 @@ def main():
     H, I, E, k = SIZE
     print(f"\nexperts H {H}, I {I}, E {E}, k {k}, {DTYPE}, µs ({rows[0]['ours_how']}); peak MiB above the inputs; "
           "errors: max over (dx, dwts, dw_gu, dw_d) of ‖out − ref‖/‖ref‖ against float64")
-    print("| T | step ours | step grouped_mm | speedup | bwd ours | bwd ours, dW by grouped_mm | bwd grouped_mm "
-          "| peak ours | peak grouped_mm | err ours | err ours, dW by grouped_mm | err grouped_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| T | step ours | step grouped_mm | speedup | bwd ours | bwd ours, dW by grouped_mm | bwd ours, dW and dx "
+          "by grouped_mm | bwd grouped_mm | bwd frozen ours | bwd frozen, dx by grouped_mm | peak ours "
+          "| peak grouped_mm | err ours | err ours, dW by grouped_mm | err ours, dW and dx by grouped_mm "
+          "| err grouped_mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    bwd_modes = ("ours", "ours_gw", "ours_gx", "grouped_mm", "frozen", "frozen_gx")
     for r in rows:
-        bwd = (" | ".join(f"{r[n + '_bwd_us']:.0f} ({r[n + '_bwd_how']})" for n in ("ours", "ours_gw", "grouped_mm"))
-               if "ours_bwd_us" in r else "– | – | –")
+        bwd = (" | ".join(f"{r[n + '_bwd_us']:.0f} ({r[n + '_bwd_how']})" for n in bwd_modes)
+               if "ours_bwd_us" in r else " | ".join("–" * len(bwd_modes)))
         print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['grouped_mm_step_us']:.0f} | "
               f"{r['grouped_mm_step_us'] / r['ours_step_us']:.2f}x | {bwd} | {r['ours_peak_mib']:.0f} | "
               f"{r['grouped_mm_peak_mib']:.0f} | {max(r['ours_err'].values()):.2e} | "
               f"{max(r['ours_gw_err'].values()) if 'ours_gw_err' in r else math.nan:.2e} | "
+              f"{max(r['ours_gx_err'].values()) if 'ours_gx_err' in r else math.nan:.2e} | "
               f"{max(r['grouped_mm_err'].values()):.2e} |")
     if args.save:
         print("\nbackward 'save' (gate/up kept) against recompute, µs, peak MiB above the inputs")
         print("| T | step recompute | step save | fwd recompute | fwd save | bwd recompute | bwd save "
-              "| bwd save, dW by grouped_mm | peak recompute | peak save | err save |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| bwd save, dW by grouped_mm | bwd save, dW and dx by grouped_mm | peak recompute | peak save "
+              "| err save |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            bwd = (f"{r['ours_bwd_us']:.0f} | {r['save_bwd_us']:.0f} | {r['save_gw_bwd_us']:.0f}"
-                   if "save_bwd_us" in r else "– | – | –")
+            bwd = (f"{r['ours_bwd_us']:.0f} | {r['save_bwd_us']:.0f} | {r['save_gw_bwd_us']:.0f} | "
+                   f"{r['save_gx_bwd_us']:.0f}" if "save_bwd_us" in r else "– | – | – | –")
             print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['save_step_us']:.0f} | {r['fwd_us']:.0f} | "
                   f"{r['fwd_save_us']:.0f} | {bwd} | {r['ours_peak_mib']:.0f} | {r['save_peak_mib']:.0f} | "
                   f"{max(r['save_err'].values()):.2e} |")

@@ -24,7 +24,8 @@ backward and autograd through grouped_mm, logged with both steps' times), ``patc
 (which leaves training graphs' experts to Inductor: near miss "training"); on request ``experts-aten``
 (the experts switch with its grouped_mm rows forced, ``MLP_FUSER_IMPL=grouped_mm``: the op's path before its Triton
 backward), ``experts-gw`` (the experts switch with the backward row ``triton_moe_backward_grouped_wgrad`` forced:
-the Triton backward with its weight gradients by grouped_mm; on the CPU the aten rows, as ``experts-aten``) and
+the Triton backward with its weight gradients by grouped_mm; on the CPU the aten rows, as ``experts-aten``),
+``experts-gx`` (the same with ``triton_moe_backward_grouped`` forced: dx by grouped_mm too) and
 ``experts-save`` (the experts switch with ``config.moe_backward = "save"``: the forward keeps gate/up's output, T·k·2I
 elements a layer, and the backward reads it instead of recomputing that grouped GEMM). ``patch-save`` on an MoE model
 keeps the experts' gate/up output too (``patch(backward="save")`` reaches them); ``patch-recompute`` does not.
@@ -75,7 +76,8 @@ MOE_FAMILIES = {  # --model: (config class, model class, attention, dims, tiny d
 }
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
 MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
-EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "experts-save", "compile-experts")  # the experts switch
+# the experts switch
+EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "experts-gx", "experts-save", "compile-experts")
 FREE = ("experts-free", "compile-free")  # the experts as one multiply: the ceiling of any experts implementation
 FREE_NAME = "bench_free"
 
@@ -207,9 +209,10 @@ def run_variant(name, model, ids, args, counter):
         config.moe_backward = "save"
     if name == "experts-aten":
         config.force_impl = "grouped_mm" if args.device == "cuda" else "reference"  # the aten rows: CUDA's, CPU's
-    if name == "experts-gw":
-        config.force_impl = "triton_moe_backward_grouped_wgrad" if args.device == "cuda" else "reference"
-    if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-save", "experts-free"):
+    grouped_rows = {"experts-gw": "triton_moe_backward_grouped_wgrad", "experts-gx": "triton_moe_backward_grouped"}
+    if name in grouped_rows:
+        config.force_impl = grouped_rows[name] if args.device == "cuda" else "reference"
+    if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-gx", "experts-save", "experts-free"):
         forward = model
     elif name in ("compile", "compile-experts", "compile-free"):
         forward = torch.compile(model)

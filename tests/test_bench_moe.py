@@ -173,20 +173,21 @@ def test_train_moe_tiny(tmp_path, family):
     from mlp_fuser import config
 
     assert bench_train.main(["--model", family, "--tiny", "--device", "cpu", "--variants",
-                             "eager,experts,experts-aten,experts-gw,experts-save,experts-free", "--shapes", "1x16",
+                             "eager,experts,experts-aten,experts-gw,experts-gx,experts-save,experts-free", "--shapes",
+                             "1x16",
                              "--steps", "1",
                              "--warmup",
                              "1", "--adamw", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "train.json").read_text())
-    eager, experts, aten, gw, save, free = data["rows"]
-    assert [r["variant"] for r in data["rows"]] == ["eager", "experts", "experts-aten", "experts-gw", "experts-save",
-                                                    "experts-free"]
+    eager, experts, aten, gw, gx, save, free = data["rows"]
+    assert [r["variant"] for r in data["rows"]] == ["eager", "experts", "experts-aten", "experts-gw", "experts-gx",
+                                                    "experts-save", "experts-free"]
     assert abs(eager["loss"] - free["loss"]) > 1e-4  # the free experts did replace the experts
     assert data["env"]["adamw"] and config.force_impl is None  # the forced rows undone
     assert config.moe_backward == "recompute"
-    for r in (experts, aten, gw, save):
+    for r in (experts, aten, gw, gx, save):
         assert abs(eager["loss"] - r["loss"]) < 1e-5  # the same weights at each variant's start
-    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 6
+    assert (tmp_path / "train.md").read_text().count("| 1×16 |") == 7
 
 
 def test_moe_row_where_ours_failed_says_so():
