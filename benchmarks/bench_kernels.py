@@ -354,10 +354,22 @@ def down_sweep(shapes=((4096, 11008), (3584, 18944), (8192, 3584)), ms=(1, 16, 3
     return rows
 
 
+def _fp8_cfg_us(x, w, up, act, ref, label, cfg):
+    """µs of one FP8 W8A8 plan with ``cfg``, or None when its output is not within 2e-2 of ``ref`` (float64)."""
+    from mlp_fuser.kernels import fp8
+    from mlp_fuser.reference import rel_err
+
+    plan = fp8.linear_plan(x, w, up, None, act, True, cfg)
+    fn = functools.partial(plan, x, w, up, None)  # a fresh output each call
+    if not (err := rel_err(fn(), ref)) <= 2e-2:
+        print(f"  {label} {cfg}: error {err:.2e}", file=sys.stderr)
+        return None
+    return _us(fn)
+
+
 def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
     """The FP8 decode kernels' configs (see the module doc): the default against the grid, per launch and M."""
     from mlp_fuser.kernels import fp8
-    from mlp_fuser.reference import rel_err
     from mlp_fuser.tools.bench_fp8 import copy_bandwidth
 
     tbps = copy_bandwidth(device) / 1e12
@@ -375,7 +387,8 @@ def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
                      for warps in (4,) for stages in (3, 4, 6) if not (bn == 128 and stages == 6)]}
     rows = [f"FP8 W8A8 decode kernels (LLaMA-3-8B MLP, 128 x 128 blocks), CUDA-graph µs (% of the floor at "
             f"{tbps:.2f} TB/s); configs (BLOCK_N, SPLIT_K, warps, stages)",
-            "| launch | M | floor | default (config) | best (config) | best / default | 2nd, 3rd |", "|---|---|---|---|---|---|---|"]
+            "| launch | M | floor | default (config) | best (config) | best / default | 2nd, 3rd |",
+            "|---|---|---|---|---|---|---|"]
     for name, (K, w, up, act) in launches.items():
         N = w.w.shape[0]
         for M in ms:
@@ -389,13 +402,7 @@ def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
             floor = nbytes / (tbps * 1e12) * 1e6
             default = fp8.default_config(M, N, K, up is not None, True, x.device)
 
-            def timed(cfg):
-                plan = fp8.linear_plan(x, w, up, None, act, True, cfg)
-                fn = functools.partial(plan, x, w, up, None)  # a fresh output each call
-                if not (err := rel_err(fn(), ref)) <= 2e-2:
-                    print(f"  {name} M={M} {cfg}: error {err:.2e}", file=sys.stderr)
-                    return None
-                return _us(fn)
+            timed = functools.partial(_fp8_cfg_us, x, w, up, act, ref, f"{name} M={M}")
             d_us = timed(default)
             got = []
             for bn, split, warps, stages in grid[name][:limit]:
