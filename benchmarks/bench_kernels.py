@@ -383,7 +383,7 @@ def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
     launches = {"gate_up": (H, wg, wu, "silu"), "down": (I, wd, None, None)}
     grid = {"gate_up": [(bn, split, warps, stages) for bn in (32, 64, 128) for split in (1, 2, 3)
                         for warps in (4, 8) for stages in (3, 4, 6) if not (bn == 128 and stages == 6)],
-            "down": [(bn, split, warps, stages) for bn in (32, 64, 128) for split in (2, 4, 6, 8, 12, 16)
+            "down": [(bn, split, warps, stages) for bn in (16, 32, 64, 128) for split in (2, 4, 6, 8, 12, 16)
                      for warps in (4,) for stages in (3, 4, 6) if not (bn == 128 and stages == 6)]}
     rows = [f"FP8 W8A8 decode kernels (LLaMA-3-8B MLP, 128 x 128 blocks), CUDA-graph µs (% of the floor at "
             f"{tbps:.2f} TB/s); configs (BLOCK_N, SPLIT_K, warps, stages)",
