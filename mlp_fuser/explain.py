@@ -16,7 +16,7 @@ from . import compat
 from .activations import get_activation
 from .graph._dynamo_utils import fresh_code
 from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
-from .patch import compressed, experts
+from .patch import compressed, experts, quantized
 from .patch.api import fused_forwards_aside, original_forward
 from .patch.fp8 import fp8_site, fuse_fp8_linear, transformers_fp8_kernel_loads, weight_near_miss
 
@@ -264,7 +264,9 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
                 seen |= {path, *(f"{path}.{name}" for name, _ in module.named_children())}
             elif path not in seen and fuse_fp8_linear(module) is not None:
                 report.fp8_linears.append(path)
-            elif path not in seen and (m := weight_near_miss(module, path, options, memo)) is not None:
+            elif ((path not in seen or fused_here and any(quantized.describe(c) for c in module.children()))
+                  and (m := weight_near_miss(module, path, options, memo)) is not None):
+                report.fused = [s for s in report.fused if s.path != path]  # dequantized in forward: patch leaves it
                 report.near_misses.append(m)
             elif (path not in seen or _float8(module)) and (why := experts.unfused_reason(module)) is not None:
                 report.near_misses = [m for m in report.near_misses if m.path != path]  # its weights' reason first

@@ -30,6 +30,7 @@ from ..graph import fx_pass, sharding
 from ..graph._dynamo_utils import fresh_code
 from ..ops.dense import EAGER
 from ..patterns.common import dependents, dropout_active, is_dropout, is_fn, is_method
+from . import quantized
 from .site import EagerSite
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
@@ -118,10 +119,12 @@ def _plain_forward(module: nn.Module):
     return types.MethodType(type(module).forward, module)
 
 
-def _projections(module: nn.Module) -> list[nn.Module]:
-    """Children holding a 2-D weight (Linear, Conv1D); empty unless every parameter belongs to them."""
-    projs = [c for c in module.children() if isinstance(getattr(c, "weight", None), Tensor) and c.weight.dim() == 2
-             and not isinstance(c, nn.Embedding)]
+def _projections(module: nn.Module, quantized_too: bool = False) -> list[nn.Module]:
+    """Children holding a 2-D weight (Linear, Conv1D), and with ``quantized_too`` integer-quantized layers of known
+    width (GPTQ's, HQQ's: no ``weight``); empty unless every parameter belongs to them."""
+    projs = [c for c in module.children() if (isinstance(getattr(c, "weight", None), Tensor) and c.weight.dim() == 2
+                                              and not isinstance(c, nn.Embedding))
+             or (quantized_too and quantized.describe(c) is not None and quantized.dims(c) is not None)]
     owned = {id(p) for c in projs for p in c.parameters()}
     if len(projs) not in (2, 3) or any(id(p) not in owned for p in module.parameters()):
         return []
@@ -298,6 +301,8 @@ def _stand_in(child: nn.Module) -> nn.Module:
     projection a shallow copy with meta tensors of the same shapes. Nothing of ``child`` is changed."""
     if isinstance(child, nn.Linear):
         return nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+    if quantized.describe(child) is not None and (dims := quantized.dims(child)) is not None:
+        return nn.Linear(*dims, bias=isinstance(getattr(child, "bias", None), Tensor), device="meta")
     twin = copy.copy(child)
     twin._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, device="meta"))
                         for k, p in child._parameters.items()}
@@ -311,15 +316,21 @@ def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict,
     Linears on the meta device, so no weight is read, converted or changed. ``memo`` keeps the proofs by the
     module's structure (a model's identical layers are proven once). ``lacks(projection)``: a reason in place of
     the weight's type where it has one (patch/fp8.py: what a float8 format lacks)."""
-    projs = _projections(module)
+    projs = _projections(module, quantized_too=True)
     if not projs or "forward" in module.__dict__:
         return None
     names = {id(c): name for name, c in module.named_children()}
-    bad = [(f"{names[id(c)]}.{k}", why) for c in projs for k, t in c.named_parameters(recurse=False)
-           if k in ("weight", "bias") and (why := _unreadable(t)) is not None]
+    bad = []
+    for c in projs:
+        if (what := quantized.describe(c)) is not None:
+            bad.append((names[id(c)], f"{what}: {quantized.READS}"))
+        else:
+            bad += [(f"{names[id(c)]}.{k}", why) for k, t in c.named_parameters(recurse=False)
+                    if k in ("weight", "bias") and (why := _unreadable(t)) is not None]
     if not bad:
         return None
-    key = (type(module), module.training, tuple((names[id(c)], type(c), tuple(c.weight.shape)) for c in projs))
+    key = (type(module), module.training, tuple((names[id(c)], type(c), quantized.dims(c) if quantized.describe(c)
+                                                 else tuple(c.weight.shape)) for c in projs))
     if key not in memo:
         twin = copy.copy(module)
         twin._modules = {k: _stand_in(c) if any(c is p for p in projs) else c for k, c in module._modules.items()}
@@ -334,7 +345,7 @@ def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict,
         return None
     name, why = bad[0]
     child = name.split(".")[0]
-    if lacks is not None and (reason := lacks(module.get_submodule(child))):
+    if "." in name and lacks is not None and (reason := lacks(module.get_submodule(child))):
         where = ".".join(p for p in (path, child) if p)
         return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{where}: {reason}")
     return fx_pass.NearMiss(path, memo[key], "plain_tensors", f"{'.'.join(p for p in (path, name) if p)} is {why}")
