@@ -187,11 +187,12 @@ def explain(model, *example_inputs, activations=None, patterns=None, verbose: bo
 
     Nothing is rewritten or compiled; the model runs once (eagerly, graph by graph). ``model`` may be an
     ``nn.Module`` (patched or not, or what ``torch.compile`` returned for one) or a function. MLP modules whose
-    weights the op cannot read (integer, a tensor subclass, a float8 format the FP8 op does not take) are near
-    misses, whatever their forward does with them; FP8 MLP modules and FP8 experts ``patch`` fuses are reported
-    fused, their pattern naming the weight format. On a patched model the report is of the modules as patch found
-    them (what runs fused, what does not and why). Where the forward raises under Dynamo, the report says what it
-    raised instead of raising it. ``verbose=True``: ``str(report)`` is ``report.details()``, one row per block.
+    weights the op cannot read (integer, a GPTQ / AWQ / bitsandbytes / HQQ layer, a tensor subclass, a float8 format
+    the FP8 op does not take) are near misses, whatever their forward does with them; FP8 MLP modules and FP8
+    experts ``patch`` fuses are reported fused, their pattern naming the weight format. On a patched model the report
+    is of the modules as patch found them (what runs fused, what does not and why). Where the forward raises under
+    Dynamo, the report says what it raised instead of raising it. ``verbose=True``: ``str(report)`` is
+    ``report.details()``, one row per block.
     """
     model = compat.uncompiled(model)
     if not isinstance(model, torch.nn.Module):
