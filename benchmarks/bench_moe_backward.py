@@ -391,7 +391,39 @@ def main():
             print(f"| {r['T']} | {r['ours_step_us']:.0f} | {r['save_step_us']:.0f} | {r['fwd_us']:.0f} | "
                   f"{r['fwd_save_us']:.0f} | {bwd} | {r['ours_peak_mib']:.0f} | {r['save_peak_mib']:.0f} | "
                   f"{max(r['save_err'].values()):.2e} |")
+    if not TINY:
+        print_peak(rows)
     print(f"({time.time() - t0:.0f} s)")
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """The bf16 matmul peak measured now: TFLOP/s of an n × n × n torch.mm (cuBLAS), CUDA-graph median."""
+    from triton.testing import do_bench_cudagraph
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n ** 3 / (do_bench_cudagraph(lambda: a @ b, rep=200) * 1e-3) / 1e12
+
+
+def print_peak(rows) -> None:
+    """The experts' forward + backward against the bf16 matmul peak: model FLOPs 18·T·k·H·I (six GEMMs: the
+    forward's two, the backward's four), the fastest step of the modes timed (a step, or a forward plus a backward
+    timed apart)."""
+    H, I, E, k = SIZE
+    peak = matmul_tflops()
+    print(f"\nexperts forward + backward against the bf16 matmul peak measured now ({peak:.0f} TFLOP/s, 8192³ mm)")
+    print("| T | fastest step µs (how) | TFLOP/s | % of peak |")
+    print("|---|---|---|---|")
+    for r in rows:
+        ways = {"step ours": r["ours_step_us"]}
+        if "save_step_us" in r:
+            ways["step save"] = r["save_step_us"]
+        for fwd, name in (("fwd_us", "ours"), ("fwd_save_us", "save")):
+            for bwd in ("", "_gw", "_gx"):
+                if fwd in r and f"{name}{bwd}_bwd_us" in r:
+                    ways[f"fwd {name} + bwd {name}{bwd}"] = r[fwd] + r[f"{name}{bwd}_bwd_us"]
+        how, us = min(ways.items(), key=lambda kv: kv[1])
+        tflops = 18 * r["T"] * k * H * I / (us * 1e-6) / 1e12
+        print(f"| {r['T']} | {us:.0f} ({how}) | {tflops:.0f} | {100 * tflops / peak:.0f}% |")
 
 
 if __name__ == "__main__":
