@@ -587,11 +587,13 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         crow = torch.empty((S,), dtype=torch.int32, device=dev)  # each pair's compact row (S int32: kept simple)
     if grouped and b_gu is not None:
         dbgu_part = torch.empty((n_blocks, n_gu), dtype=torch.float32, device=dev)
+    # no [dg du] stored (dwts alone: frozen experts, no dx): h stands in for their pointers, never written
+    dgu_pair = dgu if pair_dgu else dgu_s if dgu_s is not None else h
     launch(
         _moe_bwd_act_kernel, (n_blocks, n_tiles),
-        x, dy, w_gu, bgu, w_d, bd, wts, h, dgu if pair_dgu else dgu_s, dw_part,
+        x, dy, w_gu, bgu, w_d, bd, wts, h, dgu_pair, dw_part,
         routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-        dgu_s if dgu_s is not None else dgu, shift if shift is not None else routing.num_blocks,
+        dgu_s if dgu_s is not None else dgu_pair, shift if shift is not None else routing.num_blocks,
         dbgu_part if dbgu_part is not None else dw_part, crow,
         S, k, I, H, n_gu, up_row, n_tiles,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *w_gu.stride(), bgu.stride(0), bgu.stride(-1),
