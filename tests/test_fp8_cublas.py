@@ -60,14 +60,15 @@ def test_why_not_format_and_the_weight_it_names():
     assert fp8.cublas_format(weights).startswith("w_down: ")
 
 
-def test_the_table_takes_cublas_from_512_rows_where_it_reads_the_weights(monkeypatch):
+def test_the_table_takes_cublas_from_128_rows_where_it_reads_the_weights(monkeypatch):
     monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)  # as on an sm90 GPU
     monkeypatch.setattr(fp8_cublas, "why_not_device", lambda index: None)
     p = fp8.Problem("cuda", torch.bfloat16, 2048, 0, None)
     assert fp8.choose(p).name == "fp8_cublas_blockwise"
-    small = p._replace(M=256)
+    assert fp8.choose(p._replace(M=128)).name == "fp8_cublas_blockwise"
+    small = p._replace(M=64)
     assert fp8.choose(small).name == "fp8_w8a8"
-    assert "fp8_cublas_blockwise: M = 256 < 512" in fp8.describe(small)
+    assert "fp8_cublas_blockwise: M = 64 < 128" in fp8.describe(small)
     assert fp8.choose(p._replace(cublas_format="w: scales in 1 x 384 blocks")).name == "fp8_w8a8"
     assert fp8.choose(p._replace(dtype=torch.float32)).name == "fp8_w8a8"
     assert "the weights not given" in fp8.describe(fp8.Problem("cuda", torch.bfloat16, 2048, 0))

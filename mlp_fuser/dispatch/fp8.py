@@ -107,7 +107,7 @@ def dequantized(x: Tensor, weights, activation, gated: bool) -> Tensor:
     return reference_mlp(x, w1, b1, None, None, wd, bd, activation)
 
 
-CUBLAS_FROM_M = 512  # rows from which cuBLAS' blockwise GEMMs beat the fused kernels (H100: benchmarks/NOTES.md)
+CUBLAS_FROM_M = 128  # rows from which cuBLAS' blockwise GEMMs beat the fused kernels (H200: benchmarks/NOTES.md)
 
 
 def _cublas_m(p: Problem) -> str | None:

@@ -438,9 +438,9 @@ QUANT_X_MAX_M = 16  # above, quantizing x again in every N tile costs more than 
 @cache
 def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.device) -> Config:
     """Small M: the split-K swap-AB kernel, 16-64 weight rows a program; gate/up (two weights a step) unsplit, down
-    split to about two programs per SM. Larger M, W8A8: the TMA kernel, 64 tokens by 64 (to 256 tokens) or 128
-    columns on 4 warps. W8A16 above 64 tokens: the split-K kernel's 64- then 128-row tiles. From an H100 sweep
-    (benchmarks/NOTES.md, FP8 weights)."""
+    split to about two programs per SM (W8A8 to 16 tokens: 4 stages, down 128 rows a program). Larger M, W8A8: the
+    TMA kernel, 64 tokens by 64 (to 256 tokens) or 128 columns on 4 warps. W8A16 above 64 tokens: the split-K
+    kernel's 64- then 128-row tiles. From an H100 sweep and an H200 one (benchmarks/NOTES.md, FP8 weights)."""
     if INTERPRET:
         return Config(16, 32, 32, min(3, cdiv(K, 32)), 4, 1)
     sms = num_sms(device)
@@ -448,8 +448,12 @@ def default_config(M: int, N: int, K: int, gated: bool, a8: bool, device: torch.
         bm = max(16, triton.next_power_of_2(M))
         qx = M <= QUANT_X_MAX_M
         if gated:
-            return Config(bm, 64, 128, 1 if a8 else max(1, min(cdiv(4 * sms, cdiv(N, 64)), cdiv(K, 256), 8)), 4, 3,
-                          quant_x=qx)
+            return Config(bm, 64, 128, 1 if a8 else max(1, min(cdiv(4 * sms, cdiv(N, 64)), cdiv(K, 256), 8)), 4,
+                          4 if a8 and bm == 16 else 3, quant_x=qx)
+        if a8 and bm == 16 and K >= 8192 and 2 * sms // cdiv(N, 128) <= 16:
+            # a down projection's long K: 128-row tiles, two programs per SM (rounded down), 4 stages (an H200 sweep
+            # of LLaMA-3-8B's down; shorter K not yet swept)
+            return Config(bm, 128, 128, max(1, 2 * sms // cdiv(N, 128)), 4, 4, quant_x=qx)
         tiles = cdiv(M, bm) * cdiv(N, 64)
         return Config(bm, 64, 128, max(1, min(cdiv(2 * sms, tiles), cdiv(K, 2 * 128), 16)), 4, 3, quant_x=qx)
     if a8:
