@@ -222,19 +222,20 @@ def test_experts_kernels_read_float8_weights(path, fmt, block):
     assert rel_err(y.cpu(), expected, math.inf) < BAR
 
 
+@pytest.mark.parametrize("path", ["sorted", "sorted_fused_nomemset", "unsorted", "unsorted_pdl"])
 @pytest.mark.parametrize("a8", [False, True])
 @pytest.mark.parametrize("fmt,block", [("block", (32, 64)), ("channel", None)])
-def test_fp8_sorted_plan_replays_moe_experts(a8, fmt, block):
-    """The sorted path's plan (launches worked out once) gives moe_experts' output bit for bit, on another call's
+def test_fp8_grouped_plan_replays_moe_experts(path, a8, fmt, block):
+    """The grouped paths' plans (launches worked out once) give moe_experts' output bit for bit, on another call's
     inputs and scales of the same signature too (another layer's)."""
     (x, ids, wts, fgu, fd), _ = kernel_case(fmt, block, seed=13)
-    plan = kmoe.experts_plan(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, "sorted",
+    plan = kmoe.experts_plan(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, path,
                              scales=(fgu, fd), a8=a8)
     (x2, ids2, wts2, fgu2, fd2), _ = kernel_case(fmt, block, seed=14)
     for xx, ii, ww, gu, d in ((x, ids, wts, fgu, fd), (x2, ids2, wts2, fgu2, fd2)):
         with poisoned_empty():
             y = plan(xx, ii, ww, gu.w, None, d.w, None, (gu, d))
-        want = kmoe.moe_experts(xx, ii, ww, gu.w, None, d.w, None, kmoe.ExpertAct(), False, "sorted",
+        want = kmoe.moe_experts(xx, ii, ww, gu.w, None, d.w, None, kmoe.ExpertAct(), False, path,
                                 scales=(gu, d), a8=a8)
         assert torch.equal(y, want)
     assert not torch.equal(y, plan(x, ids, wts, fgu.w, None, fd.w, None, (fgu, fd)))

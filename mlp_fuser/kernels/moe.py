@@ -1109,12 +1109,13 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
 
 def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, interleaved: bool,
               path: str, configs: dict | None, scales: tuple, a8: bool):
-    """``experts_plan`` on float8 weights: the pairs GEMVs' launches worked out once (the scales, the calls' own, in
-    the slot ``_scale_args`` gives them); the other paths through ``moe_experts``."""
+    """``experts_plan`` on float8 weights: the grouped paths' and the pairs GEMVs' launches worked out once (the
+    scales, the calls' own, in the slot ``_scale_args`` gives them); sorted_tma (sorted on float8 weights) and empty
+    problems through ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    if path == "sorted" and T * k and I and H and E:
-        return _fp8_sorted_plan(x, ids, wts, w_gu, w_d, act, interleaved, configs, scales, a8)
+    if path in _GROUPED and T * k and I and H and E:
+        return _fp8_grouped_plan(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, scales, a8)
     if path != "pairs" or T * k == 0 or I == 0 or H == 0 or E == 0:
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d, scales: moe_experts(
             x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs, scales, a8)
@@ -1136,27 +1137,32 @@ def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, ac
     return pairs
 
 
-def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
-                     interleaved: bool, configs: dict | None, scales: tuple, a8: bool):
-    """``experts_plan`` for the sorted path on float8 weights: the four launches' grids, integers and constexprs
-    worked out once; a call passes its routing, its activations' quantization (``a8``: launches of their own, or
-    in the GEMMs where ``quant_in_gemm``) and its own scales (views like these ones') into the slots kept for them."""
+def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
+                      interleaved: bool, path: str, configs: dict | None, scales: tuple, a8: bool):
+    """``experts_plan`` for the sorted, sorted_fused and unsorted paths on float8 weights: the launches' grids,
+    integers and constexprs worked out once; a call passes its routing (none unsorted), its activations'
+    quantization (``a8``: launches of their own, or in the GEMMs where ``quant_in_gemm``) and its own scales (views
+    like these ones') into the slots kept for them."""
     T, k = ids.shape
     E, H, I = w_d.shape
     S, dtype, device = T * k, x.dtype, x.device
     up, down = (_fp8_config(kind, configs, a8, T, k, E, H, I, x) for kind in ("gate_up", "down"))
     qx, qh = (a8 and quant_in_gemm(fe, cfg, S) for fe, cfg in ((scales[0], up), (scales[1], down)))
-    blocks = (max_blocks(S, E, up["BLOCK_M"]), up["BLOCK_M"])
-    align = align_plan(ids, E, up["BLOCK_M"])
+    no_memset, pdl = _FUSED.get(path, (False, False))
+    unsorted, combine = path.startswith("unsorted"), path in _FUSED
+    blocks = None if unsorted else (max_blocks(S, E, up["BLOCK_M"]), up["BLOCK_M"])
+    align = None if unsorted else align_plan(ids, E, up["BLOCK_M"])
+    counts_shape = (T, cdiv(H, down["BLOCK_N"]))
     # stand-ins with the strides and dtypes of the call's operands (quantize_rows' are contiguous)
     xq = torch.empty((T, H), dtype=FP8, device=device) if a8 and not qx else x
     hq = torch.empty((S, I), dtype=FP8 if a8 and not qh else dtype, device=device)
     xs, hs = (torch.empty((n, cdiv(w, A8_BLOCK)), dtype=torch.float32, device=device) if a8 and not q else None
               for n, w, q in ((T, H, qx), (S, I, qh)))
-    grid_gu, ints_gu, ids_gu, n_counts, const_gu = _gate_up_args(xq, ids, k, blocks, w_gu, None, act, I, interleaved,
-                                                                 up, None, False, scales[0], xs, qx)
-    grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, hq.dtype, ids, wts, w_d, None, down, False, False,
-                                                scales[1], hs, qh)
+    grid_gu, ints_gu, ids_gu, n_counts, const_gu = _gate_up_args(
+        xq, ids, k, blocks, w_gu, None, act, I, interleaved, up, math.prod(counts_shape) if no_memset else None, pdl,
+        scales[0], xs, qx)
+    grid_d, ints_d, ids_d, const_d = _down_args(S, k, blocks, hq.dtype, ids, wts, w_d, None, down, combine,
+                                                pdl and has_pdl(device), scales[1], hs, qh)
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
     gu, dn, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
                     Prepared(_moe_combine_kernel, grid_c, **const_c))
@@ -1169,21 +1175,29 @@ def _fp8_sorted_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Ten
 
     quant_x = _quantize_plan(T, H) if a8 and not qx else None
     quant_h = _quantize_plan(S, I) if a8 and not qh else None
+    f32, i32 = torch.float32, torch.int32
 
-    def sorted_fp8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
-        routing = align(ids)[:3]
+    def grouped_fp8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
+        routing = (None,) * 3 if unsorted else align(ids)[:3]
+        counts = torch.empty(counts_shape, dtype=i32, device=device) if no_memset else None
         xq, xs = quant_x(x) if quant_x is not None else (x, None)
         h = torch.empty((S, I), dtype=dtype, device=device)
-        gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride, None, *ids_gu, None,
-           n_counts, None)
+        gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride,
+           ids if unsorted else None, *ids_gu, counts, n_counts, None)
         hq, hs = quant_h(h) if quant_h is not None else (h, None)
-        out = torch.empty((S, H), dtype=torch.float32, device=device)
-        dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
-           *ids_d)
+        out = torch.empty((S, H), dtype=f32, device=device)
         y = torch.empty((T, H), dtype=dtype, device=device)
-        comb(out, ids, y, *ints_c)
+        if combine:
+            if counts is None:
+                counts = torch.zeros(counts_shape, dtype=i32, device=device)
+            dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, ids, y, counts,
+               *ids_d)
+        else:
+            dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
+               *ids_d)
+            comb(out, ids, y, *ints_c)
         return y
-    return sorted_fp8
+    return grouped_fp8
 
 
 def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, cfgs: dict):
