@@ -3,10 +3,12 @@ against an emulation of the GEMM's scale recipes."""
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from mlp_fuser import compat
+from mlp_fuser import compat, config
+from mlp_fuser.dispatch import fp8_experts
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.tools import bench_fp8
 
@@ -29,6 +31,29 @@ def test_bench_fp8_tiny_through_the_cli(tmp_path, capsys):
     assert rows[2]["impl"] == "aten_dequantize" and "aten_fp8" not in rows[2]["errors"]
     assert out.count("| tiny MLP |") == 2 and out.count("| tiny experts |") == 2
     assert (tmp_path / "fp8.md").read_text().count("| tiny ") == 4
+    assert all(line.count("|") == bench_fp8.HEADER.split("\n")[0].count("|") for line in out.splitlines()
+               if line.startswith("| tiny"))  # every row fills the header's columns
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_bench_fp8_times_each_one_token_experts_row(monkeypatch):
+    """At one token the experts rows the FP8 table times (sorted and unsorted) are each timed forced, beside the op,
+    in a column of their own; from two tokens the one row runs alone; the op's row is named."""
+    monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernels under the interpreter
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
+    case = bench_fp8.TINY_CASES["tiny_experts"]
+    setup = bench_fp8.Experts(case.dims, "cpu", torch.float32, torch.Generator().manual_seed(0))
+    rows = ["fp8_moe_sorted_w8a8", "fp8_moe_unsorted_w8a8", "fp8_moe_unsorted_pdl_w8a8"]
+    one = bench_fp8.bench_row(case, setup, 1, None, "cpu")
+    assert set(one["us"]) == {"bf16_op", "fp8_op", *rows} and one["impl"] == rows[0]
+    assert all(one["errors"][n] == one["errors"]["fp8_op"] < 0.05 for n in rows)  # the same bits, W8A8's error
+    at = [c.strip() for c in bench_fp8.HEADER.split("\n")[0].split("|")].index("FP8 rows µs")
+    assert bench_fp8.format_row(one).split("|")[at].strip() == ", ".join(
+        f"{n.removeprefix('fp8_moe_')} {one['us'][n]:.1f}" for n in rows)
+    assert config.force_impl is None  # each forced call restored it
+    five = bench_fp8.bench_row(case, setup, 5, None, "cpu")
+    assert set(five["us"]) == {"bf16_op", "fp8_op"} and five["impl"] == rows[0]
+    assert bench_fp8.format_row(five).split("|")[at].strip() == "–"
 
 
 def _emulated_scaled_mm(a, b, scale_a, scale_b, recipe, out_dtype):

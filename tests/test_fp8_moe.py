@@ -370,7 +370,7 @@ def test_a_seen_signature_reads_each_calls_own_scales(fmt, block, kernels, monke
     assert torch.equal(y, quant_moe.quant_moe_mlp(*two, "silu", block=block))
 
 
-def reference64_a8(x, ids, wts, wgu, wd, dtype):
+def reference64_a8(x, ids, wts, wgu, wd, dtype, act="silu", gated=True):
     """What W8A8 computes, in float64: x quantized per row and 128 columns, h rounded to x's dtype and quantized
     likewise (transformers' dynamic scheme), the weights as their scales describe them."""
     def deq(t):
@@ -385,8 +385,10 @@ def reference64_a8(x, ids, wts, wgu, wd, dtype):
         for j in range(k):
             e = int(ids[t, j])
             if e < E:
-                g, u = (wgu[e] @ xq[t]).chunk(2)
-                h = deq((F.silu(g) * u).to(dtype)[None])[0]
+                fn = {"silu": F.silu, "gelu": F.gelu}[act]
+                gu = wgu[e] @ xq[t]
+                g, u = gu.chunk(2) if gated else (gu, 1.0)
+                h = deq((fn(g) * u).to(dtype)[None])[0]
                 y[t] += float(wts[t, j]) * (wd[e] @ h)
     return y
 

@@ -1,9 +1,12 @@
 """The FP8 routed experts' paths (``quant_moe_mlp``: ``ops/quant_moe.py``) and those of its backward
 (``quant_moe_mlp_backward``: dx and d topk_weights, ``BACKWARD_IMPLS``) as rows of the one dispatcher's tables
-(``core``). Not timed: from the top down, the first row that runs a call runs it (or the one ``config.force_impl``
-names). A row's ``fn(x2, ids2, wts2, fgu, fd, gate)`` takes the call flattened to (T, H) and (T, k), the checked
-weights (``kernels.fp8.Fp8Experts``) and the ``Gate``; the kernels' rows run through a launch plan
-(``kernels.moe.experts_plan``) built on a signature's first call and kept with the choice (``run``).
+(``core``). The forward's rows are timed where more than one is a candidate (one token: the sorted and the unsorted
+paths), as the bf16 experts' are: once per key, GPU time for calls being captured in CUDA graphs, wall time for plain
+calls; elsewhere (one candidate, the CPU, ``config.autotune`` off) the first candidate runs, or the one
+``config.force_impl`` names. A row's ``fn(x2, ids2, wts2, fgu, fd, gate)`` takes the call flattened to (T, H) and
+(T, k), the checked weights (``kernels.fp8.Fp8Experts``) and the ``Gate``; the kernels' rows run through a launch plan
+(``kernels.moe.experts_plan``) built when a signature's row is chosen and kept with the choice (``run``). The backward
+is not timed: from the top down, the first row that runs a call runs it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from ..activations import get_activation
 from ..kernels import fp8 as fp8_kernels
 from ..kernels import moe as kmoe
 from ..kernels import moe_backward as kbwd
+from ..kernels.common import next_power_of_2
 from ..reference import Gate, reference_experts
 from . import core
 from .core import Impl
@@ -29,16 +33,19 @@ class Problem(NamedTuple):
     index: int | None  # x's CUDA device (its capability decides)
     pairs: int  # token-expert pairs, T * k
     k_blocks: tuple  # each weight's (gate/up's, down's) scale block along K; None where not scaled along K
+    tokens: int = 1  # T
+    shapes: tuple = ()  # what else a timed choice depends on: x's dtype, k, the gate, each weight's layout
 
     @property
     def rows(self) -> int:
         return self.pairs
 
 
-def problem(x2: Tensor, ids2: Tensor, fgu, fd) -> Problem:
+def problem(x2: Tensor, ids2: Tensor, fgu, fd, gate: Gate | None = None) -> Problem:
     T, k = ids2.shape
-    return Problem(x2.device.type, x2.device.index, T * k,
-                   tuple(fe.block_k if fe.k_scaled else None for fe in (fgu, fd)))
+    layouts = ((tuple(fe.w.shape), tuple(fe.scale.shape), fe.block_n, fe.up_soff) for fe in (fgu, fd))
+    k_blocks = tuple(fe.block_k if fe.k_scaled else None for fe in (fgu, fd))
+    return Problem(x2.device.type, x2.device.index, T * k, k_blocks, T, (x2.dtype, k, gate, *layouts))
 
 
 def _kernels_run(p: Problem) -> str | None:
@@ -54,6 +61,20 @@ def _scale_blocks(p: Problem) -> str | None:
 
 def _a8_on(p: Problem) -> str | None:
     return None if config.fp8_w8a8 else "mlp_fuser.config.fp8_w8a8 is off: the activations keep their dtype"
+
+
+def _a8_off(p: Problem) -> str | None:  # a worth check: the W8A8 rows compute what the config asks (forcing runs it)
+    return "mlp_fuser.config.fp8_w8a8 is on: the W8A8 rows run" if config.fp8_w8a8 else None
+
+
+def _one_token(p: Problem) -> str | None:
+    if p.tokens == 1:
+        return None
+    return f"{p.tokens} tokens > 1 (every pair its own block would read an expert shared by tokens again)"
+
+
+def _no_kernels(p: Problem) -> str | None:  # the dequantized copy only where no kernel row runs (forcing runs it)
+    return None if _kernels_run(p) or _scale_blocks(p) else "the kernels run it"
 
 
 def _kernels(path: str, a8: bool) -> tuple:
@@ -77,48 +98,123 @@ def dequantized(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> 
     return reference_experts(x2, ids2, wts2, wgu, None, wd, None, gate)
 
 
-def _row(name: str, path: str, a8: bool, *why) -> Impl:
+def _row(name: str, path: str, a8: bool, why=(), worth=()) -> Impl:
     fn, plan = _kernels(path, a8)
-    return Impl(name, fn, None, None, why=(_kernels_run, _scale_blocks, *why), plan=plan)
+    return Impl(name, fn, None, None, why=(_kernels_run, _scale_blocks, *why), worth=worth, plan=plan)
 
 
-IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
+IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (else the first runs); sorted first
     # the sorted grouped GEMMs on the fp8 tensor cores, x and h quantized (transformers' dynamic scheme); from one
     # token up: faster than a GEMV per pair on FP8 weights (benchmarks/NOTES.md, "FP8 routed experts")
-    _row("fp8_moe_sorted_w8a8", "sorted", True, _a8_on),
-    _row("fp8_moe_sorted_w8a16", "sorted", False),  # the sorted GEMMs, the weights cast on chip
-    Impl("aten_dequantize", dequantized, None, None),  # each expert's weights dequantized to x's dtype, then aten
+    _row("fp8_moe_sorted_w8a8", "sorted", True, (_a8_on,)),
+    _row("fp8_moe_sorted_w8a16", "sorted", False, worth=(_a8_off,)),  # the sorted GEMMs, the weights cast on chip
+    # one token: every pair its own block, no routing sort, down+combine in one launch (PDL: down overlaps, Hopper)
+    _row("fp8_moe_unsorted_w8a8", "unsorted", True, (_a8_on,), (_one_token,)),
+    _row("fp8_moe_unsorted_pdl_w8a8", "unsorted_pdl", True, (_a8_on,), (_one_token,)),
+    _row("fp8_moe_unsorted_w8a16", "unsorted", False, worth=(_one_token, _a8_off)),
+    _row("fp8_moe_unsorted_pdl_w8a16", "unsorted_pdl", False, worth=(_one_token, _a8_off)),
+    # each expert's weights dequantized to x's dtype, then aten: where no kernel row runs
+    Impl("aten_dequantize", dequantized, None, None, worth=(_no_kernels,)),
 ]
-FP8_EXPERTS = core.Registry("fp8_experts", IMPLS, None)
 
 
-def choose(p: Problem) -> Impl:
-    return core.first(FP8_EXPERTS, p)
+def _planned(impl: Impl, args: tuple):
+    """What a timed sample calls: the row through its launch plan, as ``run`` calls it."""
+    if impl.plan is None:
+        return impl.fn
+    plan = impl.plan(args)
+    return lambda x2, ids2, wts2, fgu, fd, gate: plan(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
 
 
-_PLANS: dict[tuple, tuple] = {}  # (the op's signature of a call, the settings) -> (the row chosen, its plan or None)
+# The experts' rules (dispatch/experts.py): the least GPU time for graphs, the least wall time for plain calls.
+FP8_EXPERTS = core.Registry("fp8_experts", IMPLS, core.Rules(sleep_cycles=10_000_000, wall=True),
+                            fallback="aten_dequantize", timed=_planned,
+                            describe=lambda p: f"quant_moe_mlp (T={p.tokens}, {p.shapes})")
+
+
+def _choice_key(p: Problem) -> tuple:
+    return (p.device, p.index, next_power_of_2(p.tokens), p.k_blocks, p.shapes, config.fp8_w8a8)
+
+
+def eligible(p: Problem) -> list[Impl]:
+    """The rows timed for ``p`` (one: no timing), or the forced one."""
+    return core.candidates(FP8_EXPERTS, p)
+
+
+_warned: set = set()
+
+
+def choose(p: Problem, args: tuple | None = None) -> Impl:
+    """The row for ``p``: the only candidate, or on CUDA the fastest of them, timed once per key on ``args`` (the
+    call's own; None: the choice kept so far, else the first candidate, nothing timed). The first call of a key
+    being captured in a CUDA graph cannot time: the first candidate runs it, and nothing is kept."""
+    capturing = p.device == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = _choice_key(p)
+    if capturing and args is not None and core.cached(FP8_EXPERTS, key) is None and len(eligible(p)) > 1 \
+            and key not in _warned:
+        _warned.add(key)
+        core.log.warning("mlp_fuser: first call of %s inside a CUDA-graph capture: %s runs it untimed; call the model "
+                         "once before capturing so the fastest row can be chosen", FP8_EXPERTS.describe(p),
+                         eligible(p)[0].name)
+    found = core.choose(FP8_EXPERTS, p, None if capturing else args, key)
+    return found.graph if capturing else found.eager
+
+
+def chosen(p: Problem) -> str | None:
+    """The name of the row chosen for ``p``'s key so far (for plain calls, and for CUDA graphs where that differs),
+    or None."""
+    found = core.cached(FP8_EXPERTS, _choice_key(p))
+    return found.name if found is not None else None
+
+
+_PLANS: dict[tuple, tuple] = {}  # (the op's signature, the settings) -> (eager row, its plan, graph row, its plan)
 _MAX_PLANS = 4096  # a process that sees endless new shapes starts afresh rather than growing the dict
+
+
+def _plan(impl: Impl, args: tuple):
+    return impl.plan(args) if impl.plan is not None else None
 
 
 def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate, signature: tuple | None = None) -> Tensor:
     """One checked call (T > 0): the row chosen for its signature (the op's key of everything the call's checks and
-    plans read, ``ops/quant_moe.py``), through the plan kept with that choice; None: chosen and planned for this
-    call alone."""
+    plans read, ``ops/quant_moe.py``), through the plan kept with that choice (the one for CUDA graphs while
+    capturing, where it differs); None: chosen and planned for this call alone."""
     args = (x2, ids2, wts2, fgu, fd, gate)
-    if signature is None:
-        impl = choose(problem(x2, ids2, fgu, fd))
-        plan = impl.plan(args) if impl.plan is not None else None
+    hit = None
+    if signature is not None:
+        key = (signature, config.fp8_w8a8, config.triton_on_cpu, config.force_impl, config.autotune)
+        hit = _PLANS.get(key)
+    if hit is None:
+        p = problem(x2, ids2, fgu, fd, gate)
+        impl = choose(p, args)
+        plan = _plan(impl, args)
+        kept = core.cached(FP8_EXPERTS, _choice_key(p)) if signature is not None else None
+        if kept is not None:  # a choice that stands (timed, or the only one): kept with its plans
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            plans = {impl: plan}
+            for other in (kept.eager, kept.graph):
+                if other not in plans:
+                    plans[other] = _plan(other, args)
+            _PLANS[key] = (kept.eager, plans[kept.eager], kept.graph, plans[kept.graph])
     else:
-        impl, plan = core.kept_plan(_PLANS, (signature, config.fp8_w8a8, config.triton_on_cpu, config.force_impl),
-                                    lambda: choose(problem(x2, ids2, fgu, fd)), args, _MAX_PLANS)
+        impl, plan = hit[:2]
+        if hit[2] is not impl and x2.is_cuda and torch.cuda.is_current_stream_capturing():
+            impl, plan = hit[2:]
     if plan is None:
         return impl.fn(x2, ids2, wts2, fgu, fd, gate)
     return plan(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
 
 
 def describe(p: Problem) -> str:
-    """Which row runs ``p``, and why each one above it does not."""
-    return core.describe_first(FP8_EXPERTS, p)
+    """Each row: why it cannot run ``p``, why it is not timed there, or that it is a candidate (several: timed on
+    CUDA, else the first runs)."""
+    lines = []
+    for impl in IMPLS:
+        why = impl.why_not(p)
+        worth = impl.not_worth(p) if why is None else None
+        lines.append(f"{impl.name}: " + (why or (f"not timed: {worth}" if worth else "candidate")))
+    return "\n".join(lines)
 
 
 # ---- calls with gradients: dx and d topk_weights (the float8 weights are frozen) ----------------------------------
@@ -133,7 +229,8 @@ class BackwardProblem(NamedTuple):
 
 
 def backward_problem(x2: Tensor, ids2: Tensor, fgu, fd, gate: Gate) -> BackwardProblem:
-    return BackwardProblem(*problem(x2, ids2, fgu, fd), gate.activation)
+    p = problem(x2, ids2, fgu, fd)
+    return BackwardProblem(p.device, p.index, p.pairs, p.k_blocks, gate.activation)
 
 
 def _triton_grad(p: BackwardProblem) -> str | None:

@@ -16,7 +16,9 @@ dequantized. One ``CASES`` entry per shape, of a ``KINDS`` kind:
     transformers  three transformers FP8Linear layers, where transformers' FP8 kernel loads (never offline)
   experts (routed, silu, random top-k routing as a router makes it):
     bf16_op       mlp_fuser::moe_mlp on the dequantized weights
-    fp8_op        mlp_fuser::quant_moe_mlp
+    fp8_op        mlp_fuser::quant_moe_mlp (the row its table chose is named: eager, and for CUDA graphs where
+                  that differs)
+    fp8_moe_*     where the table times several rows (one token: sorted and unsorted), each forced in turn
 Each output's error against float64 on the dequantized weights (x as given); for dense also that of transformers' FP8
 semantics computed in aten (x and h quantized per token and 128 columns, then the dequantized weights): ``aten_fp8``.
 Times: CUDA-graph medians (``do_bench_cudagraph``). Floor: FP8 weight bytes (1 a weight, the experts the routing
@@ -37,11 +39,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import compat
+from .. import compat, config
 from ..dispatch import fp8_experts
 from ..kernels import fp8 as K8
 from ..kernels import fp8_cublas
 from ..ops import moe, quant, quant_moe
+from ..reference import Gate
 from .bench_moe import reference64, routing, time_us
 
 BLOCK = (128, 128)
@@ -184,7 +187,7 @@ class Dense:
         gt, up = ((xq @ w.T).to(x.dtype).double() for w in (wg, wu))
         return q_tokens64((F.silu(gt) * up).to(x.dtype)) @ wd.T
 
-    def variants(self):
+    def variants(self, *args):
         (qg, sg), (qu, su), (qd, sd) = self.q
         wg, wu, wd = self.deq
         out = {
@@ -232,17 +235,37 @@ class Experts:
     def reference(self, x, ids, wts):
         return reference64(x, ids, wts, *self.deq32)
 
-    def variants(self):
+    def fp8_op(self, x, ids, wts):
+        return quant_moe.quant_moe_mlp(x, ids, wts, self.wgu, self.sgu, self.wd, self.sd, "silu", block=BLOCK)
+
+    def forced(self, name):
+        """The op with its table's row ``name`` forced (``config.force_impl``), the setting restored after."""
+        def fn(x, ids, wts):
+            old, config.force_impl = config.force_impl, name
+            try:
+                return self.fp8_op(x, ids, wts)
+            finally:
+                config.force_impl = old
+        return fn
+
+    def problem(self, x, ids):
+        fgu = K8.fp8_experts(self.wgu, self.sgu, BLOCK, gated=True)
+        return fp8_experts.problem(x, ids, fgu, K8.fp8_experts(self.wd, self.sd, BLOCK), Gate("silu"))
+
+    def variants(self, x, ids, wts):
         wgu, wd = self.deq
-        return {
+        out = {
             "bf16_op": lambda x, ids, wts: moe.moe_mlp(x, ids, wts, wgu, None, wd, None, "silu"),
-            "fp8_op": lambda x, ids, wts: quant_moe.quant_moe_mlp(x, ids, wts, self.wgu, self.sgu, self.wd, self.sd,
-                                                                  "silu", block=BLOCK),
+            "fp8_op": self.fp8_op,
         }
+        rows = fp8_experts.eligible(self.problem(x, ids))
+        if len(rows) > 1:  # the table times them (one token: sorted and unsorted): each row's own time too
+            out.update({i.name: self.forced(i.name) for i in rows})
+        return out
 
     def impl(self, x, ids, wts):
-        fgu = K8.fp8_experts(self.wgu, self.sgu, BLOCK, gated=True)
-        return fp8_experts.choose(fp8_experts.problem(x, ids, fgu, K8.fp8_experts(self.wd, self.sd, BLOCK))).name
+        p = self.problem(x, ids)
+        return fp8_experts.chosen(p) or fp8_experts.choose(p).name
 
     def floor_bytes(self, args):
         x, ids, _ = args
@@ -268,11 +291,11 @@ def bench_row(case: Case, setup, M: int, bw: float | None, device) -> dict:
     g = torch.Generator(device=device).manual_seed(1000 + M)
     args = setup.inputs(M, g)
     ref = setup.reference(*args)
-    row = dict(case=case.label, M=M, us={}, errors={}, skipped={}, impl=setup.impl(*args))
+    row = dict(case=case.label, M=M, us={}, errors={}, skipped={})
     row["floor_us"] = setup.floor_bytes(args) / bw * 1e6 if bw else None
     if hasattr(setup, "aten_fp8"):
         row["errors"]["aten_fp8"] = rel_err(setup.aten_fp8(*args), ref)
-    for name, fn in setup.variants().items():
+    for name, fn in setup.variants(*args).items():
         if isinstance(fn, str):
             row["skipped"][name] = fn
             continue
@@ -285,6 +308,7 @@ def bench_row(case: Case, setup, M: int, bw: float | None, device) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
+    row["impl"] = setup.impl(*args)  # after the op's first call: the choice it made (timed where several rows run)
     us = row["us"]
     if "fp8_op" in us:
         for other in ("bf16_op", "scaled_mm", "transformers"):
@@ -295,9 +319,10 @@ def bench_row(case: Case, setup, M: int, bw: float | None, device) -> dict:
     return row
 
 
-HEADER = ("| case | M | FP8 floor µs | bf16 op µs | FP8 op µs | FP8 op impl | w8a16 µs | w8a8 µs | scaled_mm µs | "
-          "transformers µs | FP8 op vs bf16 op | vs scaled_mm | % of FP8 floor | rel. err FP8 op / aten FP8 / "
-          "bf16 op |\n" + "|---" * 14 + "|")
+HEADER = ("| case | M | FP8 floor µs | bf16 op µs | FP8 op µs | FP8 op impl | FP8 rows µs | w8a16 µs | w8a8 µs | "
+          "scaled_mm µs | transformers µs | FP8 op vs bf16 op | vs scaled_mm | % of FP8 floor | rel. err FP8 op / "
+          "aten FP8 / bf16 op |\n" + "|---" * 15 + "|")
+ROW_PREFIX = "fp8_moe_"  # the experts table's rows timed one by one (Experts.variants)
 
 
 def format_row(r: dict) -> str:
@@ -310,9 +335,11 @@ def format_row(r: dict) -> str:
     e = r["errors"]
     errs = " / ".join(f"{e[n]:.1e}" if n in e else "–" for n in ("fp8_op", "aten_fp8", "bf16_op"))
     floor = f"{r['floor_us']:.1f}" if r["floor_us"] else "–"
-    return (f"| {r['case']} | {r['M']} | {floor} | {us('bf16_op')} | {us('fp8_op')} | {r['impl']} | {us('w8a16')} | "
-            f"{us('w8a8')} | {us('scaled_mm')} | {us('transformers')} | {x('vs_bf16_op')} | {x('vs_scaled_mm')} | "
-            f"{x('pct_floor', '{:.0f}%')} | {errs} |")
+    rows = ", ".join(f"{n.removeprefix(ROW_PREFIX)} {us(n)}" for n in (*r["us"], *r["skipped"])
+                     if n.startswith(ROW_PREFIX)) or "–"
+    return (f"| {r['case']} | {r['M']} | {floor} | {us('bf16_op')} | {us('fp8_op')} | {r['impl']} | {rows} | "
+            f"{us('w8a16')} | {us('w8a8')} | {us('scaled_mm')} | {us('transformers')} | {x('vs_bf16_op')} | "
+            f"{x('vs_scaled_mm')} | {x('pct_floor', '{:.0f}%')} | {errs} |")
 
 
 def write(out: str, meta: dict, rows: list[dict]) -> list[str]:
