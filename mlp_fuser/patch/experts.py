@@ -48,6 +48,9 @@ class Spec:
     biases: bool = False
     reason: str | None = None
     fp8: tuple | None = None  # FP8 experts: (weight_format, block) of quant_moe_mlp
+    # (gated, activation, interleaved, limit, clamp_after, up_offset): what a traced forward reads, as constants (the
+    # Gate object is shared by every layer: Dynamo guards each second path to one object with a Python lambda)
+    consts: tuple = ()
 
     @property
     def ok(self) -> bool:
@@ -175,7 +178,8 @@ def _spec(module: nn.Module) -> Spec:
     if fp8 is not None and (transposed or getattr(module, "has_bias", False)):
         return Spec(reason=f"{name}: FP8 experts stored transposed or with biases (the FP8 op reads FP8Experts' "
                            "layout: (E, 2I, H) and (E, H, I), no biases)")
-    return Spec(gate, transposed, bool(getattr(module, "has_bias", False)), fp8=fp8)
+    consts = (gate.gated, gate.activation, gate.interleaved, gate.limit, gate.clamp_after, gate.up_offset)
+    return Spec(gate, transposed, bool(getattr(module, "has_bias", False)), fp8=fp8, consts=consts)
 
 
 def fp8_scales(module: nn.Module, gated: bool) -> tuple[Tensor, Tensor] | None:
@@ -217,13 +221,13 @@ def _stash_spec(ctx) -> None:
 
 def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """(w_gate_up, b_gate_up, w_down, b_down) in the op's logical shapes: views, never copies."""
-    w = module.gate_up_proj if s.gate.gated else module.up_proj
+    w = module.gate_up_proj if s.consts[0] else module.up_proj
     wd = module.down_proj
     if s.transposed:
         w, wd = w.transpose(1, 2), wd.transpose(1, 2)
     bias = None
     if s.biases:
-        bias = module.gate_up_proj_bias if s.gate.gated else module.up_proj_bias
+        bias = module.gate_up_proj_bias if s.consts[0] else module.up_proj_bias
     return w, bias, wd, module.down_proj_bias if s.biases else None
 
 
@@ -236,10 +240,8 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     if s.fp8 is not None:
         return _fp8_forward(self, s, hidden_states, top_k_index, top_k_weights, compiling)
     w, b, wd, bd = weights(self, s)
-    g = s.gate
     x = hidden_states if hidden_states.dtype == w.dtype else hidden_states.to(w.dtype)
-    args = (x, top_k_index, top_k_weights, w, b, wd, bd, g.activation, g.interleaved, g.limit, g.clamp_after,
-            g.up_offset)
+    args = (x, top_k_index, top_k_weights, w, b, wd, bd, *s.consts[1:])
     save = saves(self)
     if not compiling:
         y = eager_moe_mlp(*args, save_preact=save)
@@ -275,11 +277,12 @@ def _fallback(module: nn.Module):
 def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                  compiling: bool) -> Tensor:
     """FP8 experts through ``quant_moe_mlp``: the float8 weights and their scales as stored, y in x's dtype."""
-    g, (fmt, block) = s.gate, s.fp8
-    w, sc = (self.gate_up_proj, self.gate_up_proj_scale_inv) if g.gated else (self.up_proj, self.up_proj_scale_inv)
+    gated, activation, interleaved, limit, clamp_after, up_offset = s.consts
+    fmt, block = s.fp8
+    w, sc = (self.gate_up_proj, self.gate_up_proj_scale_inv) if gated else (self.up_proj, self.up_proj_scale_inv)
     op = torch.ops.mlp_fuser.quant_moe_mlp.default if compiling else quant_moe.eager_quant_moe_mlp
-    return op(hidden_states, top_k_index, top_k_weights, w, sc, self.down_proj, self.down_proj_scale_inv, g.activation,
-              fmt, list(block) if block is not None else None, g.interleaved, g.limit, g.clamp_after, g.up_offset)
+    return op(hidden_states, top_k_index, top_k_weights, w, sc, self.down_proj, self.down_proj_scale_inv, activation,
+              fmt, list(block) if block is not None else None, interleaved, limit, clamp_after, up_offset)
 
 
 class FusedExpertsForward:

@@ -192,21 +192,27 @@ def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
 
 class FusedFp8Linear:
     """The forward ``patch`` installs on a lone FP8 linear layer (attention's, a shared expert's) where transformers'
-    own FP8 kernel does not load: ``quant_linear`` with the layer's weight, scales and bias as stored."""
+    own FP8 kernel does not load: ``quant_linear`` with the layer's weight, scales and bias as stored.
+
+    A call reads the module's ``__dict__`` (kept here; a deepcopy's twin fills its own in place), never the module:
+    Dynamo guards a second path to the module it traces (``forward.module``) with a Python lambda on every call of a
+    compiled model. The block is a tuple of ints: one guard, not a list's four."""
 
     def __init__(self, module: nn.Module, block):
-        self.module = module
-        self.block = list(block) if block is not None else None
+        self.module, self.state = module, module.__dict__
+        self.block = tuple(int(b) for b in block) if block is not None else None
 
     def __call__(self, x, *args, **kwargs):
-        m = self.module
         if args or kwargs or not isinstance(x, Tensor):
-            return type(m).forward(m, x, *args, **kwargs)
-        w, s = _read(m, "transformers")
-        b = m._parameters.get("bias")
+            return type(self.module).forward(self.module, x, *args, **kwargs)
+        p = self.state["_parameters"]
+        w, s, b = p["weight"], p.get("weight_scale_inv"), p.get("bias")
+        if s is None:
+            s = self.state["_buffers"]["weight_scale_inv"]
+        block = list(self.block) if self.block is not None else None
         if compat.plain_call(x, (b,)):
-            return quant.compute_linear(x, w, s, b, "fp8_e4m3", self.block)
-        return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", self.block)
+            return quant.compute_linear(x, w, s, b, "fp8_e4m3", block)
+        return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", block)
 
     def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
         return _plain_forward, (self.module,)

@@ -23,16 +23,21 @@ _PLAIN_ATTRS = (bool, int, float, str, type(None))
 
 
 class FusedRouterForward:
-    def __init__(self, module: nn.Module, graph, names: list[str | None]):
-        self.module, self.graph, self.names = module, graph, names  # names[i]: the placeholder's tensor, None for x
+    """A call reads the module's ``__dict__`` (kept here; a deepcopy's twin fills its own in place), never the module,
+    and the proof's graph as a plain function and names as a tuple: each object Dynamo reaches by a second path (the
+    module through ``forward.module``, one graph or list shared by every layer) costs a Python guard on every call of
+    a compiled model."""
+
+    def __init__(self, module: nn.Module, graph, names):
+        self.module, self.graph, self.names = module, graph, tuple(names)  # names[i]: the placeholder's tensor, None: x
+        self.state = module.__dict__
 
     def original(self, *args, **kwargs):
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        m = self.module
-        params = m._parameters
-        if (len(args) != 1 or kwargs or type(args[0]) is not Tensor or m.training
+        params = self.state["_parameters"]
+        if (len(args) != 1 or kwargs or type(args[0]) is not Tensor or self.state["training"]
                 or (torch.is_grad_enabled() and (args[0].requires_grad or params["weight"].requires_grad))):
             return self.original(*args, **kwargs)
         x = args[0]
@@ -83,7 +88,7 @@ def _prove(module: nn.Module):
         return None
     gm, inputs = found[0]
     chains = [c for c in router_topk.find(gm.graph) if not c.needs_grad]
-    if len(chains) != 1 or any(n.op == "get_attr" for n in gm.graph.nodes):
+    if len(chains) != 1 or any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         return None
     params = {id(t): n for n, t in module._parameters.items() if t is not None}
     names = [None if t is x else params.get(id(t), False) for t in inputs]
@@ -104,7 +109,18 @@ def _prove(module: nn.Module):
     if (type(ref) is not tuple or len(ref) != len(ours) or not all(isinstance(r, Tensor) for r in ref)
             or any((a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(ours, ref))):
         return None
-    return gm.forward, names
+    return _plain(gm), names
+
+
+def _plain(gm: torch.fx.GraphModule):
+    """The graph's forward as a plain function (its code reads no attribute of the module: no get_attr or
+    call_module), so that Dynamo, tracing it for every layer, meets no shared module object."""
+    code = gm.forward.__func__
+
+    def graph(*args):
+        return code(None, *args)
+
+    return graph
 
 
 _PROOFS: dict = {}  # (_key, _signature) -> proof or None: a few entries per process (most of them: not a router)
