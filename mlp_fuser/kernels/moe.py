@@ -382,10 +382,11 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_combine_kernel(
-    out_ptr, ids_ptr, y_ptr, E, N, stride_it, stride_ij, stride_yt,
-    K_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
+    out_ptr, rows_ptr, ids_ptr, y_ptr, E, N, stride_it, stride_ij, stride_yt,
+    K_TOP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
-    # -- y[t, n-block] = Σ_j out[t·k + j] over the valid j, in j order -------------------------------
+    # -- y[t, n-block] = Σ_j out[row of pair t·k + j] over the valid j, in j order ------------------------
+    # (the row is t·k + j, or with HAS_ROWS rows[t·k + j]: a compact sorted order's)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -393,8 +394,11 @@ def _moe_combine_kernel(
     for j in tl.static_range(K_TOP):
         e = tl.load(ids_ptr + t * stride_it + j * stride_ij)
         ok = (e >= 0) & (e < E)  # the rows of dropped pairs were never written
-        row = out_ptr + (t * K_TOP + j).to(tl.int64) * N
-        acc += tl.load(row + offs_n, mask=mask_n & ok, other=0.0)
+        if HAS_ROWS:
+            pair = tl.load(rows_ptr + t * K_TOP + j, mask=ok, other=0).to(tl.int64)
+        else:
+            pair = (t * K_TOP + j).to(tl.int64)
+        acc += tl.load(out_ptr + pair * N + offs_n, mask=mask_n & ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -816,15 +820,16 @@ def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tenso
     return y
 
 
-def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype) -> Tensor:
-    """y (T, H) in ``dtype``: y[t] = Σ_j out[t·k + j] over the j with ids[t, j] in [0, E), in j order."""
+def moe_combine(out: Tensor, ids: Tensor, E: int, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    """y (T, H) in ``dtype``: y[t] = Σ_j out[t·k + j] over the j with ids[t, j] in [0, E), in j order; with ``rows``
+    (T·k,) out[rows[t·k + j]] instead (out in another order of the pairs)."""
     T, k = ids.shape
     H = out.shape[1]
     y = torch.empty((T, H), dtype=dtype, device=out.device)
     if T == 0 or H == 0:
         return y
     grid, ints, constexprs = _combine_args(ids, E, H)
-    launch(_moe_combine_kernel, grid, out, ids, y, *ints, **constexprs)
+    launch(_moe_combine_kernel, grid, out, rows, ids, y, *ints, **constexprs, HAS_ROWS=rows is not None)
     return y
 
 
@@ -1165,7 +1170,7 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
                                                 pdl and has_pdl(device), scales[1], hs, qh)
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
     gu, dn, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
-                    Prepared(_moe_combine_kernel, grid_c, **const_c))
+                    Prepared(_moe_combine_kernel, grid_c, **const_c, HAS_ROWS=False))
     # the slots of the call's own tensors among the integers: each weight's scales, the activations' scales
     at_gu, at_d = (next(i for i, a in enumerate(ints) if a is fe.scale)
                    for ints, fe in ((ints_gu, scales[0]), (ints_d, scales[1])))
@@ -1195,7 +1200,7 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
         else:
             dn(hq, w_d, w_d, wts, out, *routing, *head_d, scales[1].scale, *mid_d, hs, hs_stride, None, None, None,
                *ids_d)
-            comb(out, ids, y, *ints_c)
+            comb(out, None, ids, y, *ints_c)
         return y
     return grouped_fp8
 
@@ -1239,7 +1244,7 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
                                                 pdl and has_pdl(device))
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
     gu, down, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
-                      Prepared(_moe_combine_kernel, grid_c, **const_c))
+                      Prepared(_moe_combine_kernel, grid_c, **const_c, HAS_ROWS=False))
     f32, i32, n_gu = torch.float32, torch.int32, w_gu.shape[1]
 
     def grouped(x, ids, wts, w_gu, b_gu, w_d, b_d):
@@ -1257,7 +1262,7 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
             down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, ids, y, counts, *ids_d)
         else:
             down(h, w_d, w_d if b_d is None else b_d, wts, out, *routing, *ints_d, None, None, None, *ids_d)
-            comb(out, ids, y, *ints_c)
+            comb(out, None, ids, y, *ints_c)
         return (y, kept) if save_gu else y
     return grouped
 

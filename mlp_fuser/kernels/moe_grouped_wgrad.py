@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .. import compat
 from .common import INTERPRET, cdiv, launch
+from .moe import moe_combine
 from .moe_routing import Routing
 
 __all__ = ["why_not", "compact_offsets", "sorted_rows", "grouped_wgrad", "per_expert", "grouped_dx"]
@@ -140,34 +141,8 @@ def per_expert(part: Tensor, routing: Routing, E: int, like: Tensor) -> Tensor:
     return out.index_add_(0, routing.block_expert, part)[:E].to(like.dtype).reshape(like.shape)
 
 
-@triton.jit
-def _compact_combine_kernel(
-    out_ptr, crow_ptr, ids_ptr, y_ptr, E, N, stride_it, stride_ij, stride_yt,
-    K_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # -- y[t, n-block] = Σ_j out[crow[t·k + j]] over the valid j, in j order (``moe_combine``'s sum) -----------
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(K_TOP):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ij)
-        ok = (e >= 0) & (e < E)  # a dropped pair has no row
-        row = tl.load(crow_ptr + t * K_TOP + j, mask=ok, other=0).to(tl.int64)
-        acc += tl.load(out_ptr + row * N + offs_n, mask=mask_n & ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-
 def grouped_dx(dgu_s: Tensor, w_gu: Tensor, offs: Tensor, crow: Tensor, ids: Tensor, E: int) -> Tensor:
     """dx (T, H) in dgu_s's dtype: dx[t] = Σ_j [dg du]_p Wgu[e] over token t's valid pairs p = t·k + j, from the
     compact sorted copy ``dgu_s`` (S, 2I or I), its runs' ends ``offs`` and each pair's row there ``crow`` (S,)."""
-    T, k = ids.shape
     out = compat.grouped_mm(dgu_s, w_gu, offs=offs)  # (S, H): rows past offs[-1] unwritten, never read
-    H = out.shape[1]
-    dx = torch.empty((T, H), dtype=dgu_s.dtype, device=dgu_s.device)
-    if T == 0 or H == 0:
-        return dx
-    block_n = min(1024, triton.next_power_of_2(H))
-    launch(_compact_combine_kernel, (T, cdiv(H, block_n)), out, crow, ids, dx, E, H, ids.stride(0), ids.stride(1),
-           dx.stride(0), K_TOP=k, BLOCK_N=block_n, num_warps=4)
-    return dx
+    return moe_combine(out, ids, E, dgu_s.dtype, rows=crow)
