@@ -1,25 +1,14 @@
 """What a patched model adds to the Dynamo guards of a compiled call: every call of a compiled model (a CUDA-graph
 replay included) evaluates them on the host first. A Python ``LAMBDA_GUARD`` is what Dynamo installs where one object
 is reached by two paths (a patched forward holding its module, one object shared by every layer): tens of them per
-layer doubled the host time of the FP8 Qwen3-MoE's static decode step (benchmarks/NOTES.md, FP8 weights)."""
+layer added to the host time of the FP8 Qwen3-MoE's static decode step (benchmarks/NOTES.md, FP8 weights)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from test_bench import _bench_generate
 
 import mlp_fuser
-
-
-def _bench_generate():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import bench_generate
-    finally:
-        sys.path.pop(0)
-    return bench_generate
 
 
 def _guards(model) -> str:
