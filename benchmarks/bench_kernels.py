@@ -1,6 +1,6 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
-    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down]
+    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down] [fp8_small] [fp8_experts[:T,...]]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
@@ -12,6 +12,10 @@
   stages); µs and % of the
   floor (w_down once at the measured copy bandwidth). Which config, if any, beats cuBLAS where the MLP's rows are
   furthest from the floor.
+- fp8_experts[:T,...]: the FP8 routed experts' sorted grouped GEMMs (Qwen3-30B-A3B: H 2048, I 768, 128 experts,
+  top 8, 128 × 128 block scales) at T = 8, 512, 2048 tokens, W8A8 and W8A16: the default configs against a grid of
+  (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for gate/up (down at its default) and for down (gate/up at its
+  default); µs of the whole op (routing sort, both GEMMs, combine), each output checked against float64.
 - fp8_small: the FP8 W8A8 split-K kernel at M = 1 and 16 (x quantized in the GEMM), LLaMA-3-8B's gate/up (gated,
   one launch) and down, 128 × 128 block scales: the default config against a grid of (BLOCK_N, SPLIT_K, warps,
   stages); µs and % of the floor (the float8 weights, scales, x and y once at the measured copy bandwidth).
@@ -425,13 +429,93 @@ def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
     return rows
 
 
+def _experts_grid(bucket: int, kind: str, a8: bool) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried for a launch at a rows-per-expert bucket."""
+    bms = {16: (16,), 64: (32, 64), 128: (64, 128)}[bucket]
+    bns = (32, 64, 128) if kind == "gate_up" else (64, 128, 256)
+    bks = (128,) if a8 else (64, 128)
+    return [(bm, bn, bk, w, st) for bm in bms for bn in bns for bk in bks for w in (4, 8) for st in (3, 4, 5)
+            if not (bm * bn >= 128 * 256 and st > 3) and not (bm <= 32 and w == 8)
+            and not (bk == 128 and bn == 256 and st > 3)]
+
+
+def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 128, 8), limit=None):
+    """The FP8 experts' grouped GEMM configs (see the module doc): the default against the grid, per launch, T, a8."""
+    from mlp_fuser.dispatch.experts import expert_act
+    from mlp_fuser.kernels import fp8 as K8
+    from mlp_fuser.kernels import moe as kmoe
+    from mlp_fuser.reference import Gate, rel_err
+    from mlp_fuser.tools.bench_fp8 import BLOCK, Experts
+
+    H, I, E, k = dims
+    g = torch.Generator(device=device).manual_seed(0)
+    setup = Experts(dims, device, torch.bfloat16 if device == "cuda" else torch.float16, g)
+    fgu = K8.fp8_experts(setup.wgu, setup.sgu, BLOCK, gated=True)
+    fd = K8.fp8_experts(setup.wd, setup.sd, BLOCK)
+    act = expert_act(Gate("silu"))
+    rows = ["FP8 routed experts, sorted grouped GEMMs (Qwen3-30B-A3B dims, 128 x 128 blocks), CUDA-graph µs of the "
+            "whole op; configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)",
+            "| T | a8 | launch | default µs (config) | best µs (config) | best / default | 2nd, 3rd |",
+            "|---|---|---|---|---|---|---|"]
+
+    tol = {}  # per (T, a8): 1.2 x the default configs' error against float64 (x's quantization dominates it)
+
+    def timed(x, ids, wts, ref, configs, a8, label):
+        key = (x.shape[0], a8)
+        try:
+            plan = kmoe.experts_plan(x, ids, wts, fgu.w, None, fd.w, None, act, False, "sorted", configs,
+                                     scales=(fgu, fd), a8=a8)
+            fn = functools.partial(plan, x, ids, wts, fgu.w, None, fd.w, None, (fgu, fd))
+            err = rel_err(fn(), ref)
+            tol.setdefault(key, min(1.2 * err, 0.1))
+            if not err <= tol[key]:
+                print(f"  {label}: error {err:.2e} > {tol[key]:.2e}", file=sys.stderr)
+                return None
+            return _us(fn, rep=30)
+        except Exception as e:  # out of shared memory, a shape the kernel refuses: skip the config
+            print(f"  {label}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+            return None
+
+    for T in (int(t) for t in ts.split(",")):
+        x, ids, wts = setup.inputs(T, g)
+        ref = setup.reference(x, ids, wts)
+        bucket = kmoe.rows_bucket(T, k, E)
+        for a8 in (True, False):
+            defaults = {kind: kmoe._fp8_config(kind, None, a8, T, k, E, H, I, x) for kind in ("gate_up", "down")}
+            d_us = timed(x, ids, wts, ref, defaults, a8, f"T={T} a8={a8} default")
+            for kind in ("gate_up", "down"):
+                got = []
+                for bm, bn, bk, warps, stages in _experts_grid(bucket, kind, a8)[:limit]:
+                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+                    other = "down" if kind == "gate_up" else "gate_up"
+                    if kind == "down" and bm != defaults["gate_up"]["BLOCK_M"]:
+                        continue  # the sort's blocks are gate/up's BLOCK_M: down shares them
+                    configs = {kind: cfg, other: defaults[other]}
+                    if kind == "gate_up":  # down reads gate/up's blocks: same BLOCK_M
+                        configs[other] = {**defaults[other], "BLOCK_M": bm}
+                    us = timed(x, ids, wts, ref, configs, a8, f"T={T} a8={a8} {kind} {cfg}")
+                    if us is not None:
+                        got.append((us, (bm, bn, bk, warps, stages)))
+                got.sort()
+                dc = defaults[kind]
+                dflt = (dc["BLOCK_M"], dc["BLOCK_N"], dc["BLOCK_K"], dc["num_warps"], dc["num_stages"])
+                cell = "-" if d_us is None else f"{d_us:.1f} {dflt}"
+                best = "-" if not got else f"{got[0][0]:.1f} {got[0][1]}"
+                ratio = "-" if not got or d_us is None else f"{d_us / got[0][0]:.3f}x"
+                more = ", ".join(f"{u:.1f} {c}" for u, c in got[1:3])
+                rows.append(f"| {T} | {a8} | {kind} | {cell} | {best} | {ratio} | {more} |")
+                print(rows[-1], flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     steps = sys.argv[1:] or ["act_mul", "small_m", "overhead"]
     out = []
     for step in steps:
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
-                             "overhead": overhead, "down": down_sweep, "fp8_small": fp8_small_sweep}
+                             "overhead": overhead, "down": down_sweep, "fp8_small": fp8_small_sweep,
+                             "fp8_experts": fp8_experts_sweep}
             name, _, arg = step.partition(":")  # overhead:SmolLM2 times that shape alone
             out += steps_by_name[name](arg) if arg else steps_by_name[name]()
         except Exception:  # report, keep the other steps' numbers
