@@ -162,7 +162,10 @@ def build(name, device, dtype, tiny, layers=None):
         return build_moe(name, device, dtype, tiny, layers)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(max_position_embeddings=4096, **(TINY if tiny else MODELS[name]))
+    dims = dict(TINY if tiny else MODELS[name])
+    if layers:
+        dims["num_hidden_layers"] = layers
+    cfg = LlamaConfig(max_position_embeddings=4096, **dims)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()

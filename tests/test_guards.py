@@ -5,6 +5,7 @@ layer added to the host time of the FP8 Qwen3-MoE's static decode step (benchmar
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_bench import _bench_generate
 
@@ -29,22 +30,53 @@ def _guards(model) -> str:
     return text
 
 
-def _per_layer(kind: str, fp8: bool, patched: bool) -> int:
-    """How many guards of ``kind`` a layer adds: a 2-layer model's count less a 1-layer one's."""
-    bg = _bench_generate()
+def _per_layer(kind: str, make, patched: bool) -> int:
+    """How many guards of ``kind`` a layer adds: a 2-layer model's count less a 1-layer one's (``make(layers)``)."""
     counts = []
     for layers in (1, 2):
-        model = bg.build("qwen3moe", "cpu", torch.float32, True, layers)
-        if fp8:
-            model = bg.fp8_twin(model)  # every nn.Linear but lm_head transformers' FP8Linear, experts FP8Experts
+        model = make(layers)
         if patched:
             mlp_fuser.patch(model)
         counts.append(_guards(model).count(kind))
     return counts[1] - counts[0]
 
 
+def _bench_model(name: str, fp8: bool = False):
+    """bench_generate's tiny ``name`` (fp32, CPU), or its FP8 twin: every nn.Linear but lm_head transformers'
+    FP8Linear, experts FP8Experts."""
+    bg = _bench_generate()
+
+    def make(layers):
+        model = bg.build(name, "cpu", torch.float32, True, layers)
+        return bg.fp8_twin(model) if fp8 else model
+
+    return make
+
+
+def _phi3(layers):
+    """A tiny Phi-3: one merged gate_up weight, whose halves the op reads as views (the proof's graph, no direct)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).eval()
+
+
 def test_patched_fp8_moe_adds_no_python_guard_per_layer():
     """Qwen3-MoE, attention's FP8Linear layers, the router and the FP8 experts patched: per layer, as many Python
     guards as the unpatched (fp32) model has (transformers' own config checks), none of ours."""
-    ours, theirs = _per_layer("LAMBDA_GUARD", fp8=True, patched=True), _per_layer("LAMBDA_GUARD", False, False)
+    ours = _per_layer("LAMBDA_GUARD", _bench_model("qwen3moe", fp8=True), True)
+    theirs = _per_layer("LAMBDA_GUARD", _bench_model("qwen3moe"), False)
     assert ours == theirs, f"patched FP8: {ours} Python guards a layer, unpatched: {theirs}"
+
+
+@pytest.mark.parametrize("model", ["llama", "llama_fp8", "phi3"])
+def test_patched_dense_mlps_add_no_python_guard_per_layer(model):
+    """Dense MLPs patched (``FusedModuleForward``): LLaMA's through the generated direct call (FP8: attention's
+    FP8Linear layers too), Phi-3's merged gate_up through the proof's graph. Per layer, as many Python guards as the
+    unpatched model has."""
+    make, plain = {"llama": (_bench_model("1b"), _bench_model("1b")),
+                   "llama_fp8": (_bench_model("1b", fp8=True), _bench_model("1b")),
+                   "phi3": (_phi3, _phi3)}[model]
+    ours, theirs = _per_layer("LAMBDA_GUARD", make, True), _per_layer("LAMBDA_GUARD", plain, False)
+    assert ours == theirs, f"patched {model}: {ours} Python guards a layer, unpatched: {theirs}"

@@ -159,21 +159,25 @@ def fp8_site(module: nn.Module, path: str, options: dict):
 
 
 def _direct(op_name: str, children: list[str], activation: str, block, maker: str):
-    """``(module, x) -> y``: the op on the children's weights, scales and biases as stored; computed right there
-    (no dispatcher hop, no autograd node) where ``compat.plain_call`` allows it, else through the registered op."""
+    """``(state, x) -> y`` (``state``: the module's ``__dict__``): the op on the children's weights, scales and biases
+    as stored; computed right there (no dispatcher hop, no autograd node) where ``compat.plain_call`` allows it, else
+    through the registered op. Children and block are tuples of this function's own (a list shared by every layer, the
+    proof's, costs a Python guard a layer in a compiled model; a tuple of ints one guard, not a list's)."""
     op, compute = _OPS[op_name], _COMPUTE[op_name]
-    block = list(block) if block is not None else None
+    children = tuple(children)
+    block = tuple(int(b) for b in block) if block is not None else None
 
     def direct(m, x):
         args, biases = [], []
         for name in children:
-            child = m._modules[name]
+            child = m["_modules"][name]
             b = child._parameters.get("bias")
             args += [*_read(child, maker), b]
             biases.append(b)
+        blocks = list(block) if block is not None else None
         if compat.plain_call(x, biases):
-            return compute(x, *args, activation, "fp8_e4m3", block)
-        return op(x, *args, activation, "fp8_e4m3", block)
+            return compute(x, *args, activation, "fp8_e4m3", blocks)
+        return op(x, *args, activation, "fp8_e4m3", blocks)
 
     return direct
 

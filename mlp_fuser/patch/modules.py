@@ -49,22 +49,33 @@ class FusedModuleForward:
     ``graphs[training]``: for each train/eval mode the module was proven an MLP in, the rewritten graph's forward
     (inputs in placeholder order, returns a tuple), per placeholder None for the input or a getter of the
     module's tensor (read on every call, so replaced or converted weights are the ones used), and where the op reads
-    the weights as they are (no view), ``direct(module, x)``: the same call in one generated function, without the
+    the weights as they are (no view), ``direct(state, x)``: the same call in one generated function, without the
     graph's frames (host time per call is what decides eager decoding). The proof holds for
-    the children it saw: once one is replaced (an adapter wrapped around a projection), the original forward runs."""
+    the children it saw: once one is replaced (an adapter wrapped around a projection), the original forward runs.
+
+    A call reads the module's ``__dict__`` (``state``, kept here; a deepcopy's twin fills its own in place) and, traced,
+    the children's ids, never the module or the children kept here; getters and ``direct`` take ``state``: Dynamo
+    guards each second path to one object (``forward.module``, ``forward.children[k]``) with a Python lambda on every
+    call of a compiled model."""
 
     def __init__(self, module: nn.Module, graphs: dict[bool, Proof], arg_name: str,
                  children: dict | None = None):
-        self.module = module
+        self.module, self.state = module, module.__dict__
         self.graphs = graphs
         self.arg_name = arg_name  # the forward's input parameter, for a call that names it
-        self.children = children  # the module's children when proven (a deepcopy's: taken at its first call)
+        self.children = self.ids = None  # the module's children when proven (a deepcopy's: taken at its first call)
+        if children is not None:
+            self._keep(children)
+
+    def _keep(self, children: dict) -> None:
+        self.children = children  # kept alive: no other object takes one of their ids meanwhile
+        self.ids = tuple((k, id(c)) for k, c in children.items())
 
     def original(self, *args, **kwargs):
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        module = self.module
+        state = self.state
         if len(args) == 1 and not kwargs:
             x = args[0]
         elif not args and len(kwargs) == 1 and self.arg_name in kwargs:
@@ -72,15 +83,15 @@ class FusedModuleForward:
         else:
             return self.original(*args, **kwargs)
         if self.children is None:
-            self.children = dict(module._modules)
-        graph = self.graphs.get(module.training)
-        if graph is None or not isinstance(x, Tensor) or module._modules != self.children:
+            self._keep(dict(state["_modules"]))
+        graph = self.graphs.get(state["training"])
+        if graph is None or not isinstance(x, Tensor) or self._replaced(state["_modules"]):
             return self.original(*args, **kwargs)
         forward, getters, direct = graph[:3]
         try:
             if direct is not None:
-                return direct(module, x)
-            return forward(*[x if g is None else g(module) for g in getters])[0]
+                return direct(state, x)
+            return forward(*[x if g is None else g(state) for g in getters])[0]
         except _PASS_THROUGH:
             raise  # control flow of the caller's, not a failure: checkpoint's recomputation stopping once done
         except Exception as e:
@@ -89,6 +100,12 @@ class FusedModuleForward:
         # mistake raises eager's own error; where the original succeeds, the failure was mlp_fuser's: raise it.
         self.original(*args, **kwargs)
         raise failure
+
+    def _replaced(self, children: dict) -> bool:
+        """Whether a child was replaced since the proof; traced, by the children's ids (Dynamo guards them in C++)."""
+        if torch.compiler.is_compiling():
+            return tuple((k, id(c)) for k, c in children.items()) != self.ids
+        return children != self.children
 
     def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
         return _plain_forward, (self.module,)
@@ -148,7 +165,9 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
             _PROOFS[key] = graphs
     if not graphs:
         return None
-    return fused_forward(module, {training: (g[0], g[1], _own_site(g[2]), *g[3:]) for training, g in graphs.items()})
+    # each module its own site and tuples: an object shared by every layer costs a Python guard each in a compiled model
+    return fused_forward(module, {training: (g[0], tuple(g[1]) if g[1] is not None else None, _own_site(g[2]), *g[3:])
+                                  for training, g in graphs.items()})
 
 
 def fused_forward(module: nn.Module, graphs: dict[bool, Proof]) -> FusedModuleForward:
@@ -397,14 +416,15 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Pr
         operands = None
     ops[0].target = EAGER[ops[0].target]  # the op minus the dispatcher's hop where nothing needs it
     gm.recompile()
-    return gm.forward, getters, _direct_call(ops[0], x_node, paths, buffers), gate_up, operands
+    return _plain(gm), getters, _direct_call(ops[0], x_node, paths, buffers), gate_up, operands
 
 
 _CONSTANT = (type(None), bool, int, float, str)
 
 
-def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, Tensor], Tensor] | None:
-    """``(module, x) -> op(x, weights...)`` as one generated function that reads each weight from the modules' dicts,
+def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[dict, Tensor], Tensor] | None:
+    """``(state, x) -> op(x, weights...)`` (``state``: the module's ``__dict__``) as one generated function that reads
+    each weight from the modules' dicts,
     when every argument of the op is the input, a weight placeholder or a constant; else None (a view of a weight,
     such as a merged gate/up weight's halves, needs the graph). ``op`` is called through an ``EagerSite`` (site.py)."""
     def source(a):
@@ -413,7 +433,8 @@ def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, 
         if a in paths:
             *path, leaf = paths[a].split(".")
             kind = "_buffers" if paths[a] in buffers else "_parameters"
-            return "m" + "".join(f"._modules[{p!r}]" for p in path) + f".{kind}[{leaf!r}]"
+            held = "".join(f"['_modules'][{p!r}]" if i == 0 else f"._modules[{p!r}]" for i, p in enumerate(path))
+            return f"m{held}" + (f".{kind}" if path else f"[{kind!r}]") + f"[{leaf!r}]"
         if isinstance(a, _CONSTANT):
             return repr(a)
         raise LookupError(a)
@@ -462,16 +483,36 @@ def _sharded_proof(module, x, gm, example_inputs: list, report) -> Proof | None:
     allowed = {src, x_local, ops[0], back, red, result, output}
     if any(u not in allowed for u in dependents(x_node)):
         return None  # the graph does more with the input than the MLP
-    return gm.forward, getters, None, None, None
+    return _plain(gm), getters, None, None, None
 
 
-def _getter(name: str) -> Callable[[nn.Module], Tensor]:
-    """``module -> module.<name>`` for a parameter or buffer name like ``gate_proj.weight``, read from the modules'
-    own dicts (``getattr`` would go through ``nn.Module.__getattr__`` twice per weight on every call)."""
+def _plain(gm: torch.fx.GraphModule):
+    """The graph's forward as a plain function where its code reads no attribute of the module (no get_attr or
+    call_module), so that Dynamo, tracing it for every layer, meets no shared module object; else ``gm.forward``."""
+    if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
+        return gm.forward
+    _ = gm.code  # reading the code generates a lazy graph module's forward: the one taken here, not the lazy one
+    code = type(gm).forward
+
+    def graph(*args):
+        return code(None, *args)
+
+    return graph
+
+
+def _getter(name: str) -> Callable[[dict], Tensor]:
+    """``state -> module.<name>`` (``state``: the module's ``__dict__``) for a parameter or buffer name like
+    ``gate_proj.weight``, read from the modules' own dicts (``getattr`` would go through ``nn.Module.__getattr__``
+    twice per weight on every call)."""
     *path, leaf = name.split(".")
+    path = tuple(path)
 
-    def get(module):
-        for child in path:
+    def get(state):
+        if not path:
+            t = state["_parameters"].get(leaf)
+            return t if t is not None else state["_buffers"][leaf]
+        module = state["_modules"][path[0]]
+        for child in path[1:]:
             module = module._modules[child]
         t = module._parameters.get(leaf)
         return t if t is not None else module._buffers[leaf]

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..graph._dynamo_utils import fresh_code
 from ..patterns import router_topk
 from .experts import _plain_forward
-from .modules import _signature
+from .modules import _plain, _signature
 
 _PLAIN_ATTRS = (bool, int, float, str, type(None))
 
@@ -110,17 +110,6 @@ def _prove(module: nn.Module):
             or any((a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(ours, ref))):
         return None
     return _plain(gm), names
-
-
-def _plain(gm: torch.fx.GraphModule):
-    """The graph's forward as a plain function (its code reads no attribute of the module: no get_attr or
-    call_module), so that Dynamo, tracing it for every layer, meets no shared module object."""
-    code = gm.forward.__func__
-
-    def graph(*args):
-        return code(None, *args)
-
-    return graph
 
 
 _PROOFS: dict = {}  # (_key, _signature) -> proof or None: a few entries per process (most of them: not a router)
