@@ -1,6 +1,7 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
-    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down] [fp8_small] [fp8_experts[:T,...]]
+    python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down] [fp8_small]
+        [fp8_experts[:T,...]]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
