@@ -6,8 +6,8 @@ it runs but is not worth timing (``worth``); ``config.force_impl`` forces a row 
 rows are eligible on CUDA, ``time_candidates`` times each once per choice key (a family's shape bucket): warm-up
 calls, GPU time with the calls queued behind a sleep kernel (so the host's cost does not decide), the host's time,
 then the family's ``Rules`` (tie, large-M baseline) pick one implementation for CUDA graphs and one for plain calls.
-The choices are kept in one cache (``_choices``). Under a caller's CUDA-graph capture nothing is timed: the family's
-fallback runs until a warm-up call outside the capture has chosen.
+The choices are kept in one cache (``_choices``). Under a caller's CUDA-graph capture nothing is timed: what the
+family's ``first_capture`` names runs until a warm-up call outside the capture has chosen (``pick``).
 """
 
 from __future__ import annotations
@@ -96,13 +96,17 @@ class Registry:
     kind: str  # part of every cache key
     impls: list[Impl]
     rules: Rules | None  # None: never timed, the first row that runs a problem runs it (``first``)
-    fallback: str = "reference"  # runs anywhere: taken when nothing can be timed, or nothing else runs
+    fallback: str = "reference"  # runs anywhere: taken where nothing else runs
+    # what runs a key's first call inside a CUDA-graph capture (untimed, not kept): "fallback", or the "first" candidate
+    first_capture: str = "fallback"
     what: str = ""  # how the logs name the op before the problem ("the backward of ")
     describe: Callable[[Any], str] = str  # one line for logs
     timed: Callable[[Impl, tuple], ImplFn] = field(default=lambda impl, args: impl.fn)  # what a sample calls
 
     def __post_init__(self):
         self.by_name = {i.name: i for i in self.impls}
+        if self.first_capture not in ("fallback", "first"):
+            raise ValueError(f"first_capture must be 'fallback' or 'first', not {self.first_capture!r}")
         _REGISTRIES.append(self)
 
 
@@ -192,7 +196,7 @@ def choose(reg: Registry, p, args: tuple | None, key: tuple) -> Choice | None:
     """The choice for ``p`` (``key``: the family's key of it, its shape bucket and the settings its rows read): the
     only eligible one, or on CUDA the timed one (``args``: the call's arguments; None: no call to time, the first
     eligible and nothing kept). None when the first call of a key is being captured in a CUDA graph, where nothing can
-    be timed: the caller runs ``reg.fallback`` and nothing is kept."""
+    be timed: the caller runs ``capture_row`` and nothing is kept."""
     full = _key(reg, key)
     choice = _choices.get(full)
     if choice is not None:
@@ -203,7 +207,7 @@ def choose(reg: Registry, p, args: tuple | None, key: tuple) -> Choice | None:
         if args is None and len(found) > 1 and p.device == "cuda" and config.autotune:
             return choice
     elif torch.cuda.is_current_stream_capturing():
-        _warn_capture(reg, p)
+        _warn_capture(reg, p, capture_row(reg, p))
         return None
     else:
         graph, eager = time_candidates(reg, found, args, p)
@@ -211,6 +215,20 @@ def choose(reg: Registry, p, args: tuple | None, key: tuple) -> Choice | None:
         choice = Choice(named[graph], named[eager])
     _choices[full] = choice
     return choice
+
+
+def capture_row(reg: Registry, p) -> Impl:
+    """The row that runs a key's first call inside a CUDA-graph capture, where nothing can be timed."""
+    return candidates(reg, p)[0] if reg.first_capture == "first" else reg.by_name[reg.fallback]
+
+
+def pick(reg: Registry, p, args: tuple | None, key: tuple) -> Impl:
+    """The row to run ``p`` now (``choose``): the choice's row for CUDA graphs while one is being captured, else its
+    row for plain calls; ``capture_row`` where the capture came first."""
+    choice = choose(reg, p, args, key)
+    if choice is None:
+        return capture_row(reg, p)
+    return choice.graph if p.device == "cuda" and torch.cuda.is_current_stream_capturing() else choice.eager
 
 
 def choices(reg: Registry) -> dict[tuple, Choice]:
@@ -227,12 +245,12 @@ def reset(reg: Registry | None = None) -> None:
 _warned: set = set()
 
 
-def _warn_capture(reg: Registry, p) -> None:
-    if p not in _warned:
-        _warned.add(p)
-        log.warning("mlp_fuser: first call for %s%s inside a CUDA-graph capture: running the unfused aten path; call "
-                    "the model once before capturing so the fastest implementation can be chosen", reg.what,
-                    reg.describe(p))
+def _warn_capture(reg: Registry, p, row: Impl) -> None:
+    if (reg.kind, p) not in _warned:  # the kind too: a forward's and a backward's problems can be equal tuples
+        _warned.add((reg.kind, p))
+        ran = "running the unfused aten path" if reg.first_capture == "fallback" else f"{row.name} runs it untimed"
+        log.warning("mlp_fuser: first call for %s%s inside a CUDA-graph capture: %s; call the model once before "
+                    "capturing so the fastest implementation can be chosen", reg.what, reg.describe(p), ran)
 
 
 # ---- timing -------------------------------------------------------------------------------------

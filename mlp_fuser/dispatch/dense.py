@@ -333,7 +333,7 @@ def _select(p: Problem, args: tuple | None, index: int | None, eager: bool = Fal
     """The implementation to run ``p`` and whether that choice is final (to be cached for the shape)."""
     choice = core.choose(reg, p, args, _choice_key(p, index))
     if choice is None:  # the first call of the shape is being captured: the aten path, chosen again later
-        return reg.by_name[reg.fallback], False
+        return core.capture_row(reg, p), False
     return choice[eager], True
 
 

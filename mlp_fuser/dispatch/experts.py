@@ -145,11 +145,6 @@ def _choice_key(p: Problem) -> tuple:
     return (p.device, p.dtype, p.bucket, p.k, p.E, p.H, p.I, p.gate, p.biases, config.moe_tma)
 
 
-def choice(p: Problem, args: tuple) -> core.Choice | None:
-    """The choice for ``p`` (``core.choose``): None while the first call of its bucket is being captured."""
-    return core.choose(EXPERTS, p, args, _choice_key(p))
-
-
 def cached(p: Problem) -> core.Choice | None:
     return core.cached(EXPERTS, _choice_key(p))
 
@@ -158,10 +153,7 @@ def choose(p: Problem, args: tuple) -> Impl:
     """The implementation for ``p``: the only eligible one, or on CUDA the fastest of them, timed once per bucket of
     T on the call's own routing, both with the host's time and on the GPU alone; a call being captured in a CUDA graph
     takes the latter (before any warm-up call chose: the aten path, as timing cannot run inside a capture)."""
-    found = choice(p, args)
-    if found is None:
-        return IMPLS_BY_NAME["reference"]
-    return found.graph if p.device == "cuda" and torch.cuda.is_current_stream_capturing() else found.eager
+    return core.pick(EXPERTS, p, args, _choice_key(p))
 
 
 def chosen(p: Problem) -> str | None:
@@ -288,5 +280,5 @@ def choose_backward(p: StepProblem, args: tuple, gu: Tensor | None = None) -> Im
         dy = torch.randn((p.T, p.H), generator=gen, device=args[0].device).to(p.dtype)
         found = core.choose(BACKWARD, p, (*args, dy, (p.need_dx, p.need_weights, gu)), _backward_key(p))
         if found is None:
-            return BACKWARD_BY_NAME["reference"]
+            return core.capture_row(BACKWARD, p)
     return found.eager

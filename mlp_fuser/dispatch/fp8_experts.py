@@ -129,6 +129,7 @@ def _planned(impl: Impl, args: tuple):
 # The experts' rules (dispatch/experts.py): the least GPU time for graphs, the least wall time for plain calls.
 FP8_EXPERTS = core.Registry("fp8_experts", IMPLS, core.Rules(sleep_cycles=10_000_000, wall=True),
                             fallback="aten_dequantize", timed=_planned,
+                            first_capture="first",  # not the fallback: that would dequantize every expert's weights
                             describe=lambda p: f"quant_moe_mlp (T={p.tokens}, {p.shapes})")
 
 
@@ -141,23 +142,11 @@ def eligible(p: Problem) -> list[Impl]:
     return core.candidates(FP8_EXPERTS, p)
 
 
-_warned: set = set()
-
-
 def choose(p: Problem, args: tuple | None = None) -> Impl:
-    """The row for ``p``: the only candidate, or on CUDA the fastest of them, timed once per key on ``args`` (the
-    call's own; None: the choice kept so far, else the first candidate, nothing timed). The first call of a key
-    being captured in a CUDA graph cannot time: the first candidate runs it, and nothing is kept."""
-    capturing = p.device == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = _choice_key(p)
-    if capturing and args is not None and core.cached(FP8_EXPERTS, key) is None and len(eligible(p)) > 1 \
-            and key not in _warned:
-        _warned.add(key)
-        core.log.warning("mlp_fuser: first call of %s inside a CUDA-graph capture: %s runs it untimed; call the model "
-                         "once before capturing so the fastest row can be chosen", FP8_EXPERTS.describe(p),
-                         eligible(p)[0].name)
-    found = core.choose(FP8_EXPERTS, p, None if capturing else args, key)
-    return found.graph if capturing else found.eager
+    """The row for ``p`` (``core.pick``): the only candidate, or on CUDA the fastest of them, timed once per key on
+    ``args`` (the call's own; None: the choice kept so far, else the first candidate, nothing timed). The first call of
+    a key being captured in a CUDA graph cannot time: the first candidate runs it, and nothing is kept."""
+    return core.pick(FP8_EXPERTS, p, args, _choice_key(p))
 
 
 def chosen(p: Problem) -> str | None:
