@@ -359,6 +359,19 @@ def down_sweep(shapes=((4096, 11008), (3584, 18944), (8192, 3584)), ms=(1, 16, 3
     return rows
 
 
+def _default_vs_best(d_us, dflt, got, floor=None) -> str:
+    """A sweep row's cells: the default's µs and config, the best of ``got`` [(µs, config)], their ratio, the next
+    two; with ``floor`` (µs) each time's % of it too."""
+    def us(t):
+        return f"{t:.1f}" if floor is None else f"{t:.1f} ({100 * floor / t:.0f}%)"
+    got = sorted(got)
+    cell = "-" if d_us is None else f"{us(d_us)} {dflt}"
+    best = "-" if not got else f"{us(got[0][0])} {got[0][1]}"
+    ratio = "-" if not got or d_us is None else f"{d_us / got[0][0]:.3f}x"
+    more = ", ".join(f"{u:.1f} {c}" for u, c in got[1:3])
+    return f"{cell} | {best} | {ratio} | {more}"
+
+
 def _fp8_cfg_us(x, w, up, act, ref, label, cfg):
     """µs of one FP8 W8A8 plan with ``cfg``, or None when its output is not within 2e-2 of ``ref`` (float64)."""
     from mlp_fuser.kernels import fp8
@@ -419,13 +432,8 @@ def fp8_small_sweep(H=4096, I=14336, ms=(1, 16), device="cuda", limit=None):
                     continue
                 if us is not None:
                     got.append((us, (bn, split, warps, stages)))
-            got.sort()
             dflt = (default.block_n, default.split_k, default.num_warps, default.num_stages)
-            cell = "-" if d_us is None else f"{d_us:.1f} ({100 * floor / d_us:.0f}%) {dflt}"
-            best = "-" if not got else f"{got[0][0]:.1f} ({100 * floor / got[0][0]:.0f}%) {got[0][1]}"
-            ratio = "-" if not got or d_us is None else f"{d_us / got[0][0]:.3f}x"
-            more = ", ".join(f"{u:.1f} {c}" for u, c in got[1:3])
-            rows.append(f"| {name} | {M} | {floor:.1f} | {cell} | {best} | {ratio} | {more} |")
+            rows.append(f"| {name} | {M} | {floor:.1f} | {_default_vs_best(d_us, dflt, got, floor)} |")
             print(rows[-1], flush=True)
     return rows
 
@@ -486,25 +494,19 @@ def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 12
             d_us = timed(x, ids, wts, ref, defaults, a8, f"T={T} a8={a8} default")
             for kind in ("gate_up", "down"):
                 got = []
-                for bm, bn, bk, warps, stages in _experts_grid(bucket, kind, a8)[:limit]:
+                grid = _experts_grid(bucket, kind, a8)[:limit]
+                if kind == "down":  # the sort's blocks are gate/up's BLOCK_M: down shares them
+                    grid = [c for c in grid if c[0] == defaults["gate_up"]["BLOCK_M"]]
+                for bm, bn, bk, warps, stages in grid:
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
                     other = "down" if kind == "gate_up" else "gate_up"
-                    if kind == "down" and bm != defaults["gate_up"]["BLOCK_M"]:
-                        continue  # the sort's blocks are gate/up's BLOCK_M: down shares them
-                    configs = {kind: cfg, other: defaults[other]}
-                    if kind == "gate_up":  # down reads gate/up's blocks: same BLOCK_M
-                        configs[other] = {**defaults[other], "BLOCK_M": bm}
+                    configs = {kind: cfg, other: {**defaults[other], "BLOCK_M": bm}}
                     us = timed(x, ids, wts, ref, configs, a8, f"T={T} a8={a8} {kind} {cfg}")
                     if us is not None:
                         got.append((us, (bm, bn, bk, warps, stages)))
-                got.sort()
                 dc = defaults[kind]
                 dflt = (dc["BLOCK_M"], dc["BLOCK_N"], dc["BLOCK_K"], dc["num_warps"], dc["num_stages"])
-                cell = "-" if d_us is None else f"{d_us:.1f} {dflt}"
-                best = "-" if not got else f"{got[0][0]:.1f} {got[0][1]}"
-                ratio = "-" if not got or d_us is None else f"{d_us / got[0][0]:.3f}x"
-                more = ", ".join(f"{u:.1f} {c}" for u, c in got[1:3])
-                rows.append(f"| {T} | {a8} | {kind} | {cell} | {best} | {ratio} | {more} |")
+                rows.append(f"| {T} | {a8} | {kind} | {_default_vs_best(d_us, dflt, got)} |")
                 print(rows[-1], flush=True)
     return rows
 
