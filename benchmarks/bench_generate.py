@@ -674,7 +674,7 @@ def run(args, results):
                         if args.time_modules and path in ("eager", "patch", "patch_noplan", "fp8_patch"):
                             time_modules(f"{label} b={batch} {path}", m, gen, device)
                         step = (time_step(f"{label} b={batch} {path}", m, gen, device, new_tokens,
-                                  profile=args.step_profile)
+                                  profile=args.step_profile and os.path.join(args.out, f"step_{path}_b{batch}.pstats"))
                                 if args.step and is_static(path) else {})
                         results.append(dict(model=label, phase=f"decode b={batch}", path=path, unit=unit,
                                             ms=times[path], round_ms=per_round[path], warmup_s=warm_s,
@@ -951,14 +951,15 @@ class _StepTimed(Exception):
     """Ends the generate ``time_step`` ran in, once the step is timed."""
 
 
-def time_step(label, model, gen, device, new_tokens, calls=20, profile=False):
+def time_step(label, model, gen, device, new_tokens, calls=20, profile=None):
     """The static-cache decode step alone, outside ``generate``'s own work: inside one generate, at its fourth
     decode step, the compiled call transformers made (``model._compiled_call``, a CUDA-graph replay under
     reduce-overhead) is run again ``2 * calls`` times with that step's arguments, then the generate is ended (each
     call moves the static cache on by one position, so fewer calls when the cache, ``new_tokens`` past the prompt,
     has no room). GPU ms per step (CUDA events around each call, queued behind a GPU sleep, so the host's time cannot
     show in them), host ms per call (its wall time while the GPU is still busy), and ms per step back to back
-    (synchronised once at the end; with ``profile``, under cProfile, whose top functions by own time are logged).
+    (synchronised once at the end; with ``profile``, a path, under cProfile: its top functions by own time logged,
+    the whole profile written there for pstats).
     Where a path's step is faster on the GPU but its generate is not, this says whether the step or what
     ``generate`` does around it holds it back."""
     compiled, seen, out = model._compiled_call, [0], {}
@@ -991,6 +992,8 @@ def time_step(label, model, gen, device, new_tokens, calls=20, profile=False):
         if prof is not None:
             prof.disable()
             log_profile(f"  step alone, {label}: Python by own time over {calls} calls (cProfile)", prof)
+            os.makedirs(os.path.dirname(profile) or ".", exist_ok=True)
+            prof.dump_stats(profile)
         out.update(step_gpu_ms=statistics.median(gpu) if gpu else float("nan"), step_host_ms=statistics.median(host),
                    step_back_ms=(time.perf_counter() - t0) / calls * 1e3)
 

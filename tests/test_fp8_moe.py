@@ -372,9 +372,11 @@ def test_a_seen_signature_reads_each_calls_own_scales(fmt, block, kernels, monke
 
 def reference64_a8(x, ids, wts, wgu, wd, dtype, act="silu", gated=True):
     """What W8A8 computes, in float64: x quantized per row and 128 columns, h rounded to x's dtype and quantized
-    likewise (transformers' dynamic scheme), the weights as their scales describe them."""
+    likewise (transformers' dynamic scheme), the weights as their scales describe them. The activations are
+    quantized by aten on the kernels' device: CUDA's aten takes amax / 448 as amax · (1 / 448), the CPU's divides,
+    and a scale an ulp apart moves float8 roundings at ties, which a float64 check then reads as error."""
     def deq(t):
-        q, s = K8.quantize_rows_reference(t)
+        q, s = (u.cpu() for u in K8.quantize_rows_reference(t.to(KERNEL_DEVICE)))
         return q.double() * s.double().repeat_interleave(K8.A8_BLOCK, 1)[:, :t.shape[1]]
 
     T, k = ids.shape

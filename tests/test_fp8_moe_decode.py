@@ -116,9 +116,9 @@ W8A8_ROWS = ["fp8_moe_sorted_w8a8", "fp8_moe_unsorted_w8a8", "fp8_moe_unsorted_p
 W8A16_ROWS = ["fp8_moe_sorted_w8a16", "fp8_moe_unsorted_w8a16", "fp8_moe_unsorted_pdl_w8a16"]
 
 
-def one_token(fmt, gated, seed):
-    """One token's op arguments (k = 4 of 6 experts, its last pair dropped by a sentinel id) and float64 weights:
-    128 x 128 scale blocks (H two blocks, I one) or a scale per channel."""
+def one_token(fmt, gated, seed, device=KERNEL_DEVICE):
+    """One token's op arguments on ``device`` (k = 4 of 6 experts, its last pair dropped by a sentinel id) and
+    float64 weights: 128 x 128 scale blocks (H two blocks, I one) or a scale per channel."""
     g = torch.Generator().manual_seed(seed)
     E, H, I, k = 6, 256, 128, 4
     block = (128, 128) if fmt == "block" else None
@@ -127,14 +127,14 @@ def one_token(fmt, gated, seed):
     x = torch.randn(1, H, generator=g) * 4
     ids, wts = routing(g, 1, k, E)
     ids[0, -1] = E + 1
-    dtype, dev = DTYPES[seed % len(DTYPES)], KERNEL_DEVICE
+    dtype, dev = DTYPES[seed % len(DTYPES)], device
     args = (x.to(dev, dtype), ids.to(dev), wts.to(dev), *(t.to(dev) for t in (wgu, sgu, wd, sd)))
     return args, block, (x.to(dtype), ids, wts, wgu64, wd64)
 
 
 @pytest.mark.parametrize("a8,in_gemm,fmt,gated", [
     (True, True, "block", True), (True, True, "channel", True), (True, True, "block", False),
-    (True, False, "block", True),  # x and h by quantize_rows: BLOCK_K 32
+    (True, False, "block", True),  # x and h by quantize_rows
     (False, False, "block", True), (False, False, "channel", False)])
 def test_one_token_unsorted_rows_give_the_sorted_rows_bits(monkeypatch, a8, in_gemm, fmt, gated):
     """At one token each unsorted row (every pair its own block, down+combine in one launch) gives the sorted row of
@@ -143,9 +143,10 @@ def test_one_token_unsorted_rows_give_the_sorted_rows_bits(monkeypatch, a8, in_g
     monkeypatch.setattr(config, "triton_on_cpu", True)
     monkeypatch.setattr(config, "fp8_w8a8", a8)
     monkeypatch.setattr(fp8_experts, "_PLANS", {})
-    if in_gemm:  # the GPU's decode tiles step K by 128: the GEMMs quantize their activations themselves
-        monkeypatch.setitem(kmoe._INTERPRET_CONFIG, "gate_up", cfg(32))
-        monkeypatch.setitem(kmoe._INTERPRET_CONFIG, "down", cfg(64))
+    # K steps of 128 columns: the GEMMs quantize their activations themselves; of 32: quantize_rows does
+    forced = {"gate_up": cfg(32, 128 if in_gemm else 32), "down": cfg(64, 128 if in_gemm else 32)}
+    real = kmoe.default_config
+    monkeypatch.setattr(kmoe, "default_config", lambda kind, *a: dict(forced.get(kind) or real(kind, *a)))
     args, block, ref = one_token(fmt, gated, seed=31 + 2 * gated + in_gemm)
     act = "silu" if gated else "gelu"
     made = counting(monkeypatch)
@@ -163,9 +164,9 @@ def test_one_token_unsorted_rows_give_the_sorted_rows_bits(monkeypatch, a8, in_g
     assert rel_err(first.cpu(), expected, math.inf) < BAR
 
 
-def _problem(T, monkeypatch, on_cpu=True):
+def _problem(T, monkeypatch, on_cpu=True, device=KERNEL_DEVICE):
     monkeypatch.setattr(config, "triton_on_cpu", on_cpu)
-    (x, ids, wts, wgu, sgu, wd, sd), block, _ = one_token("block", True, seed=40)
+    (x, ids, wts, wgu, sgu, wd, sd), block, _ = one_token("block", True, seed=40, device=device)
     x, ids = x.expand(T, -1), ids.expand(T, -1)
     fgu = K8.fp8_experts(wgu, sgu, block, gated=True)
     fd = K8.fp8_experts(wd, sd, block)
@@ -181,8 +182,8 @@ def test_one_token_rows_are_candidates_at_one_token_only(monkeypatch):
     """Which rows are timed: at T = 1 the sorted row and the unsorted ones of the config's scheme, from T = 2 the
     sorted row alone (nothing to time); where the kernels cannot run, the dequantized copy; a forced row runs
     wherever it can."""
-    p1, args = _problem(1, monkeypatch)
-    p2, _ = _problem(2, monkeypatch)
+    p1, args = _problem(1, monkeypatch, device="cpu")  # the CPU's rule for choosing: no timing, the first row
+    p2, _ = _problem(2, monkeypatch, device="cpu")
     assert names(fp8_experts.eligible(p1)) == W8A8_ROWS and names(fp8_experts.eligible(p2)) == W8A8_ROWS[:1]
     assert fp8_experts.choose(p1, args).name == "fp8_moe_sorted_w8a8"  # the CPU: no timing, the first
     assert "fp8_moe_unsorted_pdl_w8a8: not timed: 2 tokens > 1" in fp8_experts.describe(p2)
@@ -195,7 +196,7 @@ def test_one_token_rows_are_candidates_at_one_token_only(monkeypatch):
     with pytest.raises(ValueError, match="fp8_w8a8 is off"):
         fp8_experts.eligible(p1)
     monkeypatch.setattr(config, "force_impl", None)
-    off, _ = _problem(1, monkeypatch, on_cpu=False)
+    off, _ = _problem(1, monkeypatch, on_cpu=False, device="cpu")
     assert names(fp8_experts.eligible(off)) == ["aten_dequantize"]
 
 
