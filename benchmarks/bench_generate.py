@@ -82,9 +82,9 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
+from own_code import own_forward
 
 MODELS = {
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
@@ -403,16 +403,6 @@ def is_static(path: str) -> bool:
     return path.startswith("static") or path == "fp8_static"
 
 
-def own_cache(model):
-    """``model``'s forward on a code object of its own: transformers' forward decorators share one across models, so
-    Dynamo would keep every path's compiled step in one cache, and each step of a later path would first fail an
-    earlier path's guards (H100: an FP8 model's step 0.69 ms of host alone, 1.03 after a bf16 one; NOTES)."""
-    fn = type(model).forward
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    own.__kwdefaults__, own.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
-    model.forward = types.MethodType(own, model)
-
-
 def generate_fn(model, path, ids):
     """``n -> tokens`` for one path, and a cleanup to run after it."""
     import mlp_fuser
@@ -426,7 +416,7 @@ def generate_fn(model, path, ids):
     elif path in ("compile", "backend", "backend_nodirect"):
         # backend_nodirect: a backend of its own, so that Dynamo keeps its graphs apart from the backend path's
         backend = {"compile": "inductor", "backend": mlp_fuser.backend}.get(path) or mlp_fuser.make_backend()
-        own_cache(model)
+        own_forward(model)
         model.forward = torch.compile(model.forward, backend=backend)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
     elif path == "experts":
@@ -442,7 +432,7 @@ def generate_fn(model, path, ids):
                 ExpertsInterface.register(KEPT, grouped_mm_experts_forward)
             model.set_experts_implementation(KEPT if path == "static_kept" else experts.NAME)
             cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
-        own_cache(model)
+        own_forward(model)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
         cc = CompileConfig(fullgraph=True, backend=mlp_fuser.backend if path == "static_backend" else "inductor")
         cc._compile_all_devices = True  # transformers compiles on CUDA only unless told (for --tiny on the CPU)
@@ -740,7 +730,7 @@ def run(args, results):
                             if path == "backend_merged":
                                 log(f"{label} prefill backend_merged: {len(mlp_fuser.merge_gate_up(m))} MLPs' gate "
                                     "and up stored as one")
-                            compiled = torch.compile(m.forward, backend="inductor" if path == "compile"
+                            compiled = torch.compile(own_forward(m).forward, backend="inductor" if path == "compile"
                                                      else mlp_fuser.backend)
                             fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
                         try:

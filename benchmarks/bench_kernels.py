@@ -34,6 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from own_code import own_function
 from triton.testing import do_bench_cudagraph
 
 
@@ -46,7 +47,7 @@ def act_mul_sweep():
     from mlp_fuser.kernels.act_mul import act_mul
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    compiled = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
+    compiled = torch.compile(own_function(lambda a, b: F.silu(a) * b), dynamic=False)
     variants = [("tiled v1", None)] + [(f"flat {b}/{w}", dict(BLOCK=b, num_warps=w))
                                        for b in (1024, 2048, 4096) for w in (4, 8)]
     rows = ["act_mul (silu·mul, bf16): µs (GB/s); 'inductor' = torch.compile of silu(g) * u",
@@ -82,7 +83,7 @@ def small_m_sweep():
     rows = ["the dispatcher's candidates at small M (SwiGLU bf16): µs",
             f"{'K x I, M':>18}" + "".join(f"{n:>20}" for n in names)]
     unfused = lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
-    compiled = torch.compile(unfused)
+    compiled = torch.compile(own_function(unfused))
     for K, I in ((4096, 11008), (4096, 14336), (2048, 5632)):
         wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
         wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
@@ -118,7 +119,7 @@ def graph_gap():
     wg, wu = (torch.randn(I, K, device="cuda", generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(2))
     wd = torch.randn(K, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
     unfused = lambda x: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
-    compiled = torch.compile(unfused, dynamic=False)
+    compiled = torch.compile(own_function(unfused), dynamic=False)
     rows = ["graph vs plain at large M (SwiGLU 4096x11008 bf16): µs, graph / plain"]
     old = config.force_impl
     config.force_impl = "cublas_act_mul"
@@ -156,12 +157,12 @@ def _host_times(module, patched, w, x):
     def unfused(x):
         return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[2]), w[4])
 
-    compiled = torch.compile(unfused, dynamic=False)
+    compiled = torch.compile(own_function(unfused), dynamic=False)
     # the same function through mlp_fuser's backend: Inductor's code calls the op's entry directly, or (the direct
     # call off while it compiles, Inductor's cache off so the other graph's code cannot answer) the registered op;
-    # each its own backend object, so that Dynamo keeps their graphs apart
-    fused = torch.compile(unfused, backend=mlp_fuser.make_backend(), dynamic=False)
-    fused_dispatcher = torch.compile(unfused, backend=mlp_fuser.make_backend(), dynamic=False)
+    # each its own backend object and code object (own_code.py), so that Dynamo keeps their graphs apart
+    fused = torch.compile(own_function(unfused), backend=mlp_fuser.make_backend(), dynamic=False)
+    fused_dispatcher = torch.compile(own_function(unfused), backend=mlp_fuser.make_backend(), dynamic=False)
 
     def with_setting(name, value, fn):
         """``fn`` run with ``mlp_fuser.config.<name>`` set to ``value`` (restored after each call)."""

@@ -56,6 +56,7 @@ import sys
 import time
 
 import torch
+from own_code import own_forward
 
 MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
              num_key_value_heads=4, vocab_size=32000)
@@ -215,9 +216,9 @@ def run_variant(name, model, ids, args, counter):
     if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-gx", "experts-save", "experts-free"):
         forward = model
     elif name in ("compile", "compile-experts", "compile-free"):
-        forward = torch.compile(model)
+        forward = torch.compile(own_forward(model))
     elif name.startswith("backend-"):
-        forward = torch.compile(model, backend=mlp_fuser.make_backend(backward=name.split("-")[1]))
+        forward = torch.compile(own_forward(model), backend=mlp_fuser.make_backend(backward=name.split("-")[1]))
     elif name == "patch-whole":
         forward = mlp_fuser.patch(model, per_module=False)
     else:
