@@ -51,3 +51,38 @@ def test_first_call_inside_a_capture_then_timed_choice(family, monkeypatch, capl
 def test_registry_rejects_an_unknown_first_capture():
     with pytest.raises(ValueError, match="first_capture"):
         core.Registry("toy", [], None, first_capture="aten")
+
+
+@pytest.mark.parametrize("family", ["experts", "dense"])
+def test_backward_rows_follow_the_capture(family, monkeypatch):
+    """The backward tables take ``core.pick``'s rule as the forwards do: once timed, plain calls run the eager row and
+    calls being captured the graph row (the experts' backward ran the eager row in captures, the dense one the graph
+    row in plain calls)."""
+    from mlp_fuser.dispatch import dense
+
+    plain, graph = (core.Impl(name, lambda *a: None, None, None) for name in ("plain", "graph"))
+    monkeypatch.setattr(config, "force_impl", None)
+    monkeypatch.setattr(config, "autotune", True)
+    monkeypatch.setattr(core, "candidates", lambda reg, p: [plain, graph])
+    timed = []
+    monkeypatch.setattr(core, "time_candidates", lambda reg, found, args, p: timed.append(p) or ("graph", "plain"))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    x = torch.randn(3, 8)
+    if family == "experts":
+        reg = experts.BACKWARD
+        p = experts.StepProblem("cuda", torch.float16, 3, 2, 4, 8, 16, Gate("silu"), False, True, True)
+        row = lambda: experts.choose_backward(p, (x,)).name  # noqa: E731
+    else:
+        reg = dense.BACKWARD
+        monkeypatch.setattr(dense, "_resolved", {})
+        row = lambda: dense.resolve_backward(torch.device("cuda"), torch.float16, 3, 16, 8, True, (x,)).name  # noqa: E731
+    core.reset(reg)
+    try:
+        assert [row(), row()] == ["plain", "plain"] and len(timed) == 1
+        capturing[0] = True
+        assert [row(), row()] == ["graph", "graph"] and len(timed) == 1
+        capturing[0] = False
+        assert row() == "plain"
+    finally:
+        core.reset(reg)

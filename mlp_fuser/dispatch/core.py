@@ -228,7 +228,12 @@ def pick(reg: Registry, p, args: tuple | None, key: tuple) -> Impl:
     choice = choose(reg, p, args, key)
     if choice is None:
         return capture_row(reg, p)
-    return choice.graph if p.device == "cuda" and torch.cuda.is_current_stream_capturing() else choice.eager
+    return choice[not capturing(p.device)]
+
+
+def capturing(device: str) -> bool:
+    """Whether a call on ``device`` (its type) is being captured in a CUDA graph now: the choice's graph row runs."""
+    return device == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def choices(reg: Registry) -> dict[tuple, Choice]:

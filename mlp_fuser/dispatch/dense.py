@@ -233,8 +233,9 @@ def resolve(device: torch.device, dtype: torch.dtype, M: int, K: int, I: int, O:
 
 def resolve_backward(device: torch.device, dtype: torch.dtype, M: int, I: int, O: int, gated: bool,
                      args: tuple) -> Impl:
-    """The implementation of ops.mlp_backward for one call (``args``: its arguments)."""
-    return resolve(device, dtype, M, O, I, O, gated, args, False, BACKWARD)
+    """The implementation of ops.mlp_backward for one call (``args``: its arguments): the choice's graph row inside
+    a CUDA-graph capture, else its plain-call row (``core.pick``'s rule)."""
+    return resolve(device, dtype, M, O, I, O, gated, args, not core.capturing(device.type), BACKWARD)
 
 
 # ---- the op's one entry: after validation, a signature's plan, else the choice (recording its plan) ---------------

@@ -272,8 +272,8 @@ def _backward_key(p: StepProblem) -> tuple:
 def choose_backward(p: StepProblem, args: tuple, gu: Tensor | None = None) -> Impl:
     """The implementation of ``mlp_fuser::moe_mlp_backward`` (``args``: the forward's, x and ids 2-D; ``gu``: its
     kept gate/up output where ``p.saved``): on CUDA the faster backward of the eligible rows, timed once per bucket
-    of T on the call's own routing and a random dy; the aten path while the first call of a bucket is being captured
-    in a CUDA graph."""
+    of T on the call's own routing and a random dy, its graph row inside a CUDA-graph capture (``core.pick``'s
+    rule); the aten path while the first call of a bucket is being captured."""
     found = core.cached(BACKWARD, _backward_key(p))
     if found is None:
         gen = torch.Generator(device=args[0].device).manual_seed(0)  # the caller's random stream left alone
@@ -281,4 +281,4 @@ def choose_backward(p: StepProblem, args: tuple, gu: Tensor | None = None) -> Im
         found = core.choose(BACKWARD, p, (*args, dy, (p.need_dx, p.need_weights, gu)), _backward_key(p))
         if found is None:
             return core.capture_row(BACKWARD, p)
-    return found.eager
+    return found[not core.capturing(p.device)]
