@@ -20,18 +20,25 @@ FAMILIES = {  # registry, choose, chosen, a CUDA problem, the row a first captur
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_first_call_inside_a_capture_then_timed_choice(family, monkeypatch, caplog):
-    reg, choose, chosen, p, first_row, says = FAMILIES[family]
+def stub_timing(monkeypatch, capturing: bool):
+    """Two rows, "plain" and "graph", that timing (recorded in the list returned) gives to plain calls and captures;
+    the capture flag a one-item list to flip."""
     plain, graph = (core.Impl(name, lambda *a: None, None, None) for name in ("plain", "graph"))
     monkeypatch.setattr(config, "force_impl", None)
     monkeypatch.setattr(config, "autotune", True)
     monkeypatch.setattr(core, "candidates", lambda reg, p: [plain, graph])
     timed = []
     monkeypatch.setattr(core, "time_candidates", lambda reg, found, args, p: timed.append(p) or ("graph", "plain"))
+    flag = [capturing]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: flag[0])
+    return timed, flag
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_call_inside_a_capture_then_timed_choice(family, monkeypatch, caplog):
+    reg, choose, chosen, p, first_row, says = FAMILIES[family]
+    timed, capturing = stub_timing(monkeypatch, True)
     monkeypatch.setattr(core, "_warned", set())
-    capturing = [True]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     core.reset(reg)
     try:
         with caplog.at_level("WARNING", logger="mlp_fuser"):
@@ -60,14 +67,7 @@ def test_backward_rows_follow_the_capture(family, monkeypatch):
     row in plain calls)."""
     from mlp_fuser.dispatch import dense
 
-    plain, graph = (core.Impl(name, lambda *a: None, None, None) for name in ("plain", "graph"))
-    monkeypatch.setattr(config, "force_impl", None)
-    monkeypatch.setattr(config, "autotune", True)
-    monkeypatch.setattr(core, "candidates", lambda reg, p: [plain, graph])
-    timed = []
-    monkeypatch.setattr(core, "time_candidates", lambda reg, found, args, p: timed.append(p) or ("graph", "plain"))
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    timed, capturing = stub_timing(monkeypatch, False)
     x = torch.randn(3, 8)
     if family == "experts":
         reg = experts.BACKWARD
