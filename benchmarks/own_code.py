@@ -19,6 +19,14 @@ def own_function(fn):
 
 
 def own_forward(model):
-    """``model.forward`` (the instance's) on a code object of its own; ``del model.forward`` undoes it."""
-    model.forward = types.MethodType(own_function(type(model).forward), model)
+    """``model.forward`` on a code object of its own (an instance attribute; ``del model.forward`` undoes it where
+    the class's was copied). A forward the instance already holds is copied if it is a method, else left as it is."""
+    fn = model.__dict__.get("forward")
+    if fn is None:
+        fn = type(model).forward
+    elif isinstance(fn, types.MethodType) and isinstance(fn.__func__, types.FunctionType):
+        fn = fn.__func__
+    else:
+        return model
+    model.forward = types.MethodType(own_function(fn), model)
     return model

@@ -493,3 +493,43 @@ def test_bench_weights_merged_store_gate_and_up_as_one_buffer():
         assert wg.shape == wu.shape == (24, 16) and wd.shape == (16, 24) and bg is bu is bd is None
         assert stored_as_one(wg, wu, wg.data_ptr(), wu.data_ptr()) == merged
         assert not torch.equal(wg, wu)
+
+
+def test_compiled_paths_keep_caches_of_their_own(monkeypatch):
+    """benchmarks/own_code.py: two models of one class compiled side by side get a Dynamo cache each (the shared
+    forward code made the second a recompile of the first, whose every call then checked the first's guards)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        from own_code import own_forward
+    finally:
+        sys.path.pop(0)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.k = k
+
+        def forward(self, x):
+            return x * self.k
+
+    def compiles(own):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        models = [Scaled(2), Scaled(3)]
+        if own:
+            for m in models:
+                own_forward(m)
+        x = torch.ones(2)
+        assert [torch.compile(m, backend=backend)(x)[0].item() for m in models] == [2.0, 3.0]
+        return len(graphs)
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second entry for one code: none compiled
+    try:
+        assert compiles(own=False) == 1 and compiles(own=True) == 2
+    finally:
+        torch._dynamo.reset()
