@@ -1248,7 +1248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step", action="store_true", help="static paths: time the compiled decode step alone (GPU, "
                     "host per call, back to back), inside a generate but without its own work")
     ap.add_argument("--step-profile", action="store_true", help="with --step: the back-to-back calls under cProfile "
-                    "(where a replay's host time goes; that column then includes the profiler's cost)")
+                    "(where a replay's host time goes; that column then includes the profiler's cost), the whole "
+                    "profile written to OUT/step_PATH_bBATCH.pstats")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model "
                          "(decode: one generate; prefill: one forward), and the host's time for the whole call")
