@@ -225,7 +225,12 @@ def capture_row(reg: Registry, p) -> Impl:
 def pick(reg: Registry, p, args: tuple | None, key: tuple) -> Impl:
     """The row to run ``p`` now (``choose``): the choice's row for CUDA graphs while one is being captured, else its
     row for plain calls; ``capture_row`` where the capture came first."""
-    choice = choose(reg, p, args, key)
+    return row_now(reg, p, choose(reg, p, args, key))
+
+
+def row_now(reg: Registry, p, choice: Choice | None) -> Impl:
+    """The row of ``choice`` for a call of ``p`` now: its graph row while a capture is under way, else its row for
+    plain calls; ``capture_row`` where there is no choice yet (a capture came first)."""
     if choice is None:
         return capture_row(reg, p)
     return choice[not capturing(p.device)]

@@ -279,6 +279,4 @@ def choose_backward(p: StepProblem, args: tuple, gu: Tensor | None = None) -> Im
         gen = torch.Generator(device=args[0].device).manual_seed(0)  # the caller's random stream left alone
         dy = torch.randn((p.T, p.H), generator=gen, device=args[0].device).to(p.dtype)
         found = core.choose(BACKWARD, p, (*args, dy, (p.need_dx, p.need_weights, gu)), _backward_key(p))
-        if found is None:
-            return core.capture_row(BACKWARD, p)
-    return found[not core.capturing(p.device)]
+    return core.row_now(BACKWARD, p, found)
