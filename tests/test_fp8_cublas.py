@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import KERNEL_DEVICE
 
 import mlp_fuser
 from mlp_fuser.dispatch import fp8
@@ -95,10 +96,11 @@ def test_cublas_mlp_glue_matches_the_recipe_in_float64(monkeypatch, gated, M, K)
     assert rel_err(fp8_cublas.linear(x, fws[0], b), lin64(x, fws[0]) + b.double()) < 1e-5
 
 
-def layer(kind, K, I, g):
+def layer(kind, K, I, g, device="cpu"):
     """[(name, Fp8Weight, bias)] of a linear (I, K), a plain or a gated MLP, every weight with a bias."""
     shapes = {"linear": [(I, K)], "plain": [(I, K), (K, I)], "gated": [(I, K), (I, K), (K, I)]}[kind]
-    return [(f"w{i}", weight(n, k, g), torch.randn(n, generator=g)) for i, (n, k) in enumerate(shapes)]
+    return [(f"w{i}", weight(n, k, g, device=device), torch.randn(n, generator=g).to(device))
+            for i, (n, k) in enumerate(shapes)]
 
 
 def unplanned(x, weights, kind):
@@ -113,15 +115,14 @@ def unplanned(x, weights, kind):
 def test_the_planned_cublas_row_equals_the_unplanned_bit_for_bit(monkeypatch, triton_quant, kind, M, K):
     """The plan (rows padded and x's scales written column-major by the quantize kernel, the weights' scales laid out
     per signature) gives the unplanned path's bits; quantized by aten's reference, or by the Triton kernel under the
-    interpreter on both paths (its fp8 rounding is the interpreter's, the same on both)."""
+    interpreter on both paths (its fp8 rounding is the interpreter's, the same on both), or on the GPU."""
     monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", fake_scaled_mm)
-    if triton_quant:
-        monkeypatch.setattr(K8, "INTERPRET", False)
-    else:
+    monkeypatch.setattr(K8, "INTERPRET", not triton_quant)  # the plan's quantization: aten's (True) or the kernel's
+    if not triton_quant:
         monkeypatch.setattr(fp8_cublas, "quantize_rows", K8.quantize_rows_reference)
     g = torch.Generator().manual_seed(M * K)
-    weights = layer(kind, K, 256, g)
-    x = torch.randn(2, M, K, generator=g, dtype=torch.float16) * 3
+    weights = layer(kind, K, 256, g, KERNEL_DEVICE)
+    x = (torch.randn(2, M, K, generator=g, dtype=torch.float16) * 3).to(KERNEL_DEVICE)
     args = (x, weights, "silu", kind == "gated")
     y = fp8._cublas_plan(args)(x, weights)
     want = unplanned(*args[:2], kind)
@@ -140,6 +141,7 @@ def test_a_later_call_of_the_signature_computes_with_its_own_weights(monkeypatch
     unplanned path's on its weights, not the first layer's."""
     monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", fake_scaled_mm)
     monkeypatch.setattr(fp8_cublas, "quantize_rows", K8.quantize_rows_reference)
+    monkeypatch.setattr(K8, "INTERPRET", True)  # the plan quantizes in aten too, on any device
     monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
     monkeypatch.setattr(fp8_cublas, "why_not_device", lambda index: None)
     monkeypatch.setattr(fp8, "CUBLAS_FROM_M", 1)
@@ -149,12 +151,12 @@ def test_a_later_call_of_the_signature_computes_with_its_own_weights(monkeypatch
         real = getattr(fp8_cublas, name)
         monkeypatch.setattr(fp8_cublas, name, lambda *a, real=real: planned.append(1) or real(*a))
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, K, generator=g, dtype=torch.float16)
+    x = torch.randn(7, K, generator=g, dtype=torch.float16).to(KERNEL_DEVICE)
     op = quant.quant_linear if kind == "linear" else quant.quant_gated_mlp
     tail = ("fp8_e4m3", [128, 128]) if kind == "linear" else ("silu", "fp8_e4m3", [128, 128])
     results = []
     for _ in range(2):
-        weights = layer(kind, K, 256, g)  # K 384: each weight's scales padded per call; 512: gate's as they are
+        weights = layer(kind, K, 256, g, KERNEL_DEVICE)  # K 384: scales padded per call; 512: as they are
         assert fp8.choose(fp8.Problem("cuda", x.dtype, 7, 0, None)).name == "fp8_cublas_blockwise"
         y = op(x, *[t for _, fw, b in weights for t in (fw.w, fw.scale, b)], *tail)
         assert torch.equal(y, unplanned(x, weights, kind))

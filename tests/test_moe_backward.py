@@ -15,7 +15,8 @@ from mlp_fuser.reference import rel_err
 NAMES = ("dx", "dwts", "dw_gu", "db_gu", "dw_d", "db_d")
 
 
-def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, empty_expert=True, seed=0):
+def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, empty_expert=True, seed=0,
+              device=KERNEL_DEVICE):
     """Fresh random inputs; about 15% sentinel ids (>= E, every kind); no tokens for the last expert with
     ``empty_expert``."""
     gen = torch.Generator().manual_seed(seed)
@@ -27,8 +28,7 @@ def make_case(T, k, E, H, I, dtype, gated=True, bias=False, transposed=False, em
     x, w_gu, b_gu, w_d, b_d, dy = (t.to(dtype) if t is not None else None for t in (x, w_gu, b_gu, w_d, b_d, dy))
     if transposed:
         w_gu, w_d = stored_transposed(w_gu, w_d)
-    dev = KERNEL_DEVICE
-    return [t.to(dev) if t is not None else None for t in (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d, dy)]
+    return [t.to(device) if t is not None else None for t in (x, ids, wts.to(dtype), w_gu, b_gu, w_d, b_d, dy)]
 
 
 def grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy):
@@ -292,6 +292,7 @@ def test_backward_table_reasons_and_fallbacks(triton_calls, monkeypatch):
     moe.reset()
     assert "device cpu" in experts.BACKWARD_BY_NAME["triton_moe_backward"].why_not(
         experts.StepProblem("cpu", torch.float32, 8, 2, 4, 16, 8, gate, False, True, True))
+    x, ids, wts, w_gu, w_d, dy = (t.cpu() for t in (x, ids, wts, w_gu, w_d, dy))  # CPU without the opt-in
     wf = wts.float().requires_grad_()
     mlp_fuser.moe_mlp(x.float(), ids, wf, w_gu.float(), None, w_d.float(), None, act).backward(dy.float())
     assert wf.grad is not None and not triton_calls
@@ -342,9 +343,11 @@ def test_backward_op_matches_float64_and_opcheck(monkeypatch, name, need_dx, nee
 
     monkeypatch.setattr(config, "triton_on_cpu", triton)
     monkeypatch.setattr(config, "force_impl", None)
+    monkeypatch.setattr(config, "autotune", False)  # on CUDA: the table's first eligible row, not the faster
     moe.reset()
     T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES[name]
-    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed, seed=5)
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed, seed=5,
+                                                      device=KERNEL_DEVICE if triton else "cpu")
     args = (dy, x, ids, wts, w_gu, b_gu, w_d, b_d, gate.activation, gate.interleaved, gate.limit, gate.clamp_after,
             gate.up_offset, need_dx, need_weights)
     op = torch.ops.mlp_fuser.moe_mlp_backward.default

@@ -44,6 +44,10 @@ def test_kept_gate_up_gives_the_recomputed_gradients(name, path, wgrad):
     as the recomputing ones (each against float64 too); sentinel ids and an expert without tokens included."""
     T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES[name]
     x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed, seed=9)
+    if wgrad == "grouped" and KERNEL_DEVICE == "cuda":  # fp32: torch's grouped GEMM is bf16-only on CUDA
+        with pytest.raises(NotImplementedError, match="bfloat16 only"):
+            kbwd.moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, dy, wgrad=wgrad)
+        return
     with poisoned_empty():
         y, gu = kept(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path)
         y0 = moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path)
@@ -226,6 +230,8 @@ def test_saved_bytes(triton_rows, monkeypatch, triton_on_cpu):
     the Triton backward cannot run (the aten path recomputes: gu is empty)."""
     monkeypatch.setattr(config, "triton_on_cpu", triton_on_cpu)
     ids, act, gate, tensors = op_case("gated_top2_bias", torch.float32, seed=6)
+    if not triton_on_cpu:  # the aten path: CPU tensors without the opt-in (on CUDA the Triton backward runs)
+        ids, tensors = ids.cpu(), [t.cpu() if t is not None else None for t in tensors]
     leaves = leaves_of(tensors[:-1])
     T, k = ids.shape
     extra = T * k * leaves[2].shape[1] * 4 if triton_on_cpu else 0
@@ -305,8 +311,9 @@ def test_patch_backward_save_and_the_config(monkeypatch):
         assert not any(experts.BACKWARD in m.__dict__ for m in model.modules())
     (loss, grads), (loss0, grads0) = results["save"], results["recompute"]
     assert grads.keys() == grads0.keys()
+    bar = 1e-6 if BITWISE else BAR[torch.float32]  # the GPU's tiles add gate/up in another order per mode
     for name in grads:
-        assert rel_err(grads[name], grads0[name]) <= 1e-6, name
+        assert rel_err(grads[name], grads0[name]) <= bar, name
         assert not BITWISE or torch.equal(grads[name], grads0[name]), name
     assert not BITWISE or torch.equal(loss, loss0)
 
