@@ -395,8 +395,23 @@ def reference64_a8(x, ids, wts, wgu, wd, dtype, act="silu", gated=True):
     return y
 
 
+def test_w8a8_needs_k_blocks_of_32(monkeypatch):
+    """Scale blocks 16 wide along K: a W8A8 K step would be 16, and float8 dots take 32 at least on the GPU. The
+    kernels raise, naming the blocks; the table passes its W8A8 rows over and takes W8A16, saying why."""
+    (x, ids, wts, fgu, fd), _ = kernel_case("block", (16, 16), seed=12, H=160)
+    with pytest.raises(ValueError, match="blocks 16 wide along K"):
+        kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, "sorted", scales=(fgu, fd),
+                         a8=True)
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    p = fp8_experts.problem(x, ids, fgu, fd)
+    assert [i.name for i in fp8_experts.eligible(p)] == ["fp8_moe_sorted_w8a16"]
+    assert "fp8_moe_sorted_w8a8: w_gate_up's scale blocks 16 wide along K" in fp8_experts.describe(p)
+    (x, ids, wts, fgu, fd), _ = kernel_case("block", (16, 32), seed=12, H=160)
+    assert fp8_experts.eligible(fp8_experts.problem(x, ids, fgu, fd))[0].name == "fp8_moe_sorted_w8a8"
+
+
 @pytest.mark.parametrize("path", ["sorted", "sorted_fused", "unsorted"])
-@pytest.mark.parametrize("fmt,block", [FORMATS[0], FORMATS[2], ("block", (16, 16))])
+@pytest.mark.parametrize("fmt,block", [FORMATS[0], FORMATS[2], ("block", (16, 32))])
 def test_experts_kernels_w8a8(path, fmt, block):
     """x and h quantized per row and 128 columns, both operands float8 on the tensor cores, x's scale and the
     weights' per K step (BLOCK_K cut to divide both), against float64 of the same semantics."""

@@ -27,6 +27,7 @@ class Problem(NamedTuple):
     M: int  # x's rows
     index: int | None = None  # x's CUDA device (its capability decides)
     cublas_format: str | None = "the weights not given"  # why cuBLAS' blockwise recipe cannot read them, or None
+    a8_format: str | None = None  # why the W8A8 kernels cannot read them, or None
 
     @property
     def rows(self) -> int:
@@ -177,6 +178,12 @@ def cublas_format(weights) -> str | None:
     return next((f"{name}: {why}" for name, fw, _ in weights if (why := fp8_cublas.why_not_format(fw))), None)
 
 
+def a8_format(weights) -> str | None:
+    """Why the W8A8 kernels cannot read these checked weights, or None."""
+    return next((f"{name}: {why}" for name, fw, _ in weights
+                 if (why := fp8_kernels.a8_why_not(fw.block_k if fw.k_scaled else None))), None)
+
+
 def _row(name: str, a8: bool, *why) -> Impl:
     fn, plan = _kernels(a8)
     return Impl(name, fn, None, None, why=why, plan=plan)
@@ -187,7 +194,7 @@ IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs i
     Impl("fp8_cublas_blockwise", _cublas, None, frozenset({torch.float16, torch.bfloat16}),
          why=(_kernels_run, _a8_on, _cublas_m, lambda p: p.cublas_format, _cublas_device), plan=_cublas_plan),
     # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
-    _row("fp8_w8a8", True, _kernels_run, _a8_on),
+    _row("fp8_w8a8", True, _kernels_run, _a8_on, lambda p: p.a8_format),
     _row("fp8_w8a16", False, _kernels_run),  # weights cast on chip, x as it is
     Impl("aten_dequantize", dequantized, None, None),  # each weight dequantized to x's dtype, then aten
 ]
@@ -209,7 +216,7 @@ def run(x: Tensor, weights, activation, gated: bool, signature: tuple | None) ->
 
     def choice():
         return choose(Problem(x.device.type, x.dtype, x.reshape(-1, x.shape[-1]).shape[0], x.device.index,
-                              cublas_format(weights)))
+                              cublas_format(weights), a8_format(weights)))
     if signature is None:
         impl = choice()
         plan = impl.plan(args) if impl.plan is not None else None

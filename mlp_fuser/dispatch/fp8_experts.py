@@ -63,8 +63,17 @@ def _a8_on(p: Problem) -> str | None:
     return None if config.fp8_w8a8 else "mlp_fuser.config.fp8_w8a8 is off: the activations keep their dtype"
 
 
+def _a8_blocks(p: Problem) -> str | None:
+    for name, block_k in zip(("w_gate_up", "w_down"), p.k_blocks):
+        if (why := fp8_kernels.a8_why_not(block_k)) is not None:
+            return f"{name}'s {why}"
+    return None
+
+
 def _a8_off(p: Problem) -> str | None:  # a worth check: the W8A8 rows compute what the config asks (forcing runs it)
-    return "mlp_fuser.config.fp8_w8a8 is on: the W8A8 rows run" if config.fp8_w8a8 else None
+    if config.fp8_w8a8 and _a8_blocks(p) is None:
+        return "mlp_fuser.config.fp8_w8a8 is on: the W8A8 rows run"
+    return None
 
 
 def _one_token(p: Problem) -> str | None:
@@ -106,11 +115,11 @@ def _row(name: str, path: str, a8: bool, why=(), worth=()) -> Impl:
 IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (else the first runs); sorted first
     # the sorted grouped GEMMs on the fp8 tensor cores, x and h quantized (transformers' dynamic scheme); from one
     # token up: faster than a GEMV per pair on FP8 weights (benchmarks/NOTES.md, "FP8 routed experts")
-    _row("fp8_moe_sorted_w8a8", "sorted", True, (_a8_on,)),
+    _row("fp8_moe_sorted_w8a8", "sorted", True, (_a8_on, _a8_blocks)),
     _row("fp8_moe_sorted_w8a16", "sorted", False, worth=(_a8_off,)),  # the sorted GEMMs, the weights cast on chip
     # one token: every pair its own block, no routing sort, down+combine in one launch (PDL: down overlaps, Hopper)
-    _row("fp8_moe_unsorted_w8a8", "unsorted", True, (_a8_on,), (_one_token,)),
-    _row("fp8_moe_unsorted_pdl_w8a8", "unsorted_pdl", True, (_a8_on,), (_one_token,)),
+    _row("fp8_moe_unsorted_w8a8", "unsorted", True, (_a8_on, _a8_blocks), (_one_token,)),
+    _row("fp8_moe_unsorted_pdl_w8a8", "unsorted_pdl", True, (_a8_on, _a8_blocks), (_one_token,)),
     _row("fp8_moe_unsorted_w8a16", "unsorted", False, worth=(_one_token, _a8_off)),
     _row("fp8_moe_unsorted_pdl_w8a16", "unsorted_pdl", False, worth=(_one_token, _a8_off)),
     # each expert's weights dequantized to x's dtype, then aten: where no kernel row runs

@@ -21,6 +21,7 @@ act(y); the bias last before the activation.
 
 from __future__ import annotations
 
+import math
 import threading
 from functools import cache
 from typing import NamedTuple
@@ -42,6 +43,23 @@ except ImportError:  # pragma: no cover
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 A8_BLOCK = 128  # the K width of one activation scale (transformers' dynamic per-token-block quantization)
+A8_MIN_K = 32  # the smallest K of a float8 tl.dot on NVIDIA GPUs
+
+
+def a8_why_not(block_k: int | None) -> str | None:
+    """Why W8A8 kernels cannot read weights scaled in blocks ``block_k`` wide along K (None: one scale along K), or
+    None: a K step lies within one weight block and one activation block, and float8 dots step K by 32 at least."""
+    if block_k is not None and math.gcd(block_k, A8_BLOCK) < A8_MIN_K:
+        return (f"scale blocks {block_k} wide along K: a W8A8 K step would be {math.gcd(block_k, A8_BLOCK)}, "
+                f"float8 dots take {A8_MIN_K} at least")
+    return None
+
+
+def check_a8(fw, a8: bool) -> None:
+    """Raise where W8A8 kernels cannot read ``fw``'s scale blocks (the dispatcher's W8A8 rows pass them over)."""
+    why = a8_why_not(fw.block_k if fw.k_scaled else None) if a8 and fw is not None else None
+    if why is not None:
+        raise ValueError(f"mlp_fuser: W8A8 kernels cannot run these FP8 weights: {why}")
 
 
 class Fp8Weight(NamedTuple):
@@ -490,6 +508,7 @@ def linear_plan(x: Tensor, w: Fp8Weight, up: Fp8Weight | None = None, bias: Tens
         raise ValueError("mlp_fuser: gate and up FP8 weights must share shape, strides and scale format")
     if M == 0 or N == 0:
         return lambda x, w, up, bias: torch.empty((M, N), device=device, dtype=dtype)
+    check_a8(w, a8)
     cfg = config or default_config(M, N, K, gated, a8, device)
     if w.k_scaled and (w.block_k % cfg.block_k or (a8 and A8_BLOCK % cfg.block_k)):
         cfg = cfg._replace(block_k=_divisor(min(w.block_k, A8_BLOCK if a8 else w.block_k), cfg.block_k))

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover (the tested Tritons have them)
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, kept_desc, launch, next_power_of_2, num_sms
-from .fp8 import A8_BLOCK, FP8, _quantize_plan, _x_step, quantize_rows
+from .fp8 import A8_BLOCK, FP8, _quantize_plan, _x_step, check_a8, quantize_rows
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 from .moe_tuning import _cfg
@@ -617,6 +617,7 @@ def _scale_constexprs(fe, block_k: int, a8: bool | None = None, quant_x: bool = 
     with ``a8``) for ``_scale_args``' weights; A8 and QUANT_X unless ``a8`` is None (the GEMV kernels have no such
     flags); ``quant_x`` as ``quant_in_gemm`` decided it."""
     a8_flag = {} if a8 is None else {"A8": a8, "QUANT_X": quant_x}
+    check_a8(fe, bool(a8))
     if fe is None:
         return {"FP8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k, **a8_flag}
     if a8:

@@ -85,7 +85,7 @@ def _problem(x: Tensor, M: int, weights) -> fp8.Problem:
     device = x.device
     if weights is None:
         return fp8.Problem(device.type, x.dtype, M, device.index)
-    return fp8.Problem(device.type, x.dtype, M, device.index, fp8.cublas_format(weights))
+    return fp8.Problem(device.type, x.dtype, M, device.index, fp8.cublas_format(weights), fp8.a8_format(weights))
 
 
 def choose(x: Tensor, M: int, weights=None) -> str:
