@@ -38,6 +38,23 @@ def dequant64(w, s, block):
     return K8.dequantize(K8.fp8_weight(w, s, block), torch.float64)
 
 
+def test_w8a8_needs_k_blocks_of_32(monkeypatch):
+    """Scale blocks 16 wide along K (a float8 dot takes K 32 at least on the GPU): the W8A8 kernels raise, naming the
+    blocks; the table passes its W8A8 row over for the W8A16 one and says why. 32 wide: W8A8 runs."""
+    g = torch.Generator().manual_seed(4)
+    monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)  # as on an sm90 GPU
+    for block, row in (((16, 16), "fp8_w8a16"), ((16, 32), "fp8_w8a8")):
+        fw = K8.fp8_weight(*quantized(64, 96, "block", block=block, g=g))
+        down = K8.fp8_weight(*quantized(96, 64, "block", g=g))
+        weights = [("w_gate", fw, None), ("w_up", fw, None), ("w_down", down, None)]
+        p = fp8.Problem("cuda", torch.bfloat16, 8, 0, "not read here", fp8.a8_format(weights))
+        assert fp8.choose(p).name == row, block
+    assert "fp8_w8a8: w_gate: scale blocks 16 wide along K" in fp8.describe(p._replace(a8_format=fp8.a8_format(
+        [("w_gate", K8.fp8_weight(*quantized(64, 96, "block", block=(16, 16), g=g)), None)])))
+    with pytest.raises(ValueError, match="blocks 16 wide along K"):
+        K8.linear_plan(torch.randn(8, 96), K8.fp8_weight(*quantized(64, 96, "block", block=(16, 16), g=g)), a8=True)
+
+
 # ---- the kernels ---------------------------------------------------------------------------------------------
 
 
