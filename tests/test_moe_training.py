@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from conftest import KERNEL_DEVICE
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mlp_fuser
 from mlp_fuser import config
@@ -180,4 +181,73 @@ def test_lora_on_expert_parameters_trains_through_the_op(monkeypatch):
         if p.requires_grad:
             assert rel_err(p.grad, trained[n]) < 1e-5, n
     assert abs(got.item() - want.item()) < 1e-5
+    moe.reset()
+
+
+AUTOCAST = torch.float16 if KERNEL_DEVICE == "cpu" else torch.bfloat16  # the interpreter's bf16 dot is wrong
+
+
+class OpCalls(TorchDispatchMode):
+    """Counts the calls of the experts op and of its backward op."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = {torch.ops.mlp_fuser.moe_mlp.default: "forward",
+                torch.ops.mlp_fuser.moe_mlp_backward.default: "backward"}.get(func)
+        if name is not None:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_grads(model, forward, ids, dtype=None):
+    """One forward + backward with labels (under autocast to ``dtype`` where given): the loss, every gradient, and
+    the experts op's calls."""
+    with OpCalls() as ops:
+        with torch.autocast(KERNEL_DEVICE, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().double(), grads, ops.calls
+
+
+@pytest.mark.parametrize("way", ["experts", "patch"])
+def test_checkpointing_under_autocast_matches_transformers(way, monkeypatch):
+    """HF gradient checkpointing (non-reentrant: each layer's forward runs again in the backward) under autocast with
+    fp32 master weights: the op runs its forward twice and its backward once a layer (the Triton backward), and the
+    loss and every gradient are as close to float64's (no autocast) as transformers' own experts in the same setting
+    (within 2x)."""
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    moe.reset()
+    base = tiny_qwen3_moe()
+    ids = torch.randint(1, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(6))
+    ids = ids.to(KERNEL_DEVICE)
+    exact = copy.deepcopy(base).double()
+    exact.set_experts_implementation("eager")  # transformers' per-expert loop: grouped_mm takes no float64
+    loss64, grads64, _ = step_grads(exact, exact, ids)
+    triton = []
+    real = moe_backward.moe_backward
+    monkeypatch.setattr(moe_backward, "moe_backward", lambda *a, **k: triton.append(1) or real(*a, **k))
+    runs = {}
+    for name in ("transformers", way):
+        model = copy.deepcopy(base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        forward = model
+        if name == "experts":
+            model.set_experts_implementation(experts.NAME)
+        elif name == "patch":
+            forward = mlp_fuser.patch(model)
+        runs[name] = step_grads(model, forward, ids, AUTOCAST)
+    layers = base.config.num_hidden_layers
+    assert runs["transformers"][2] == {"forward": 0, "backward": 0}
+    assert runs[way][2] == {"forward": 2 * layers, "backward": layers}, runs[way][2]
+    assert len(triton) == layers
+    (loss_t, grads_t, _), (loss_f, grads_f, _) = runs["transformers"], runs[way]
+    assert grads_f.keys() == grads_t.keys() == grads64.keys()
+    assert abs(loss_f - loss64) <= 2 * abs(loss_t - loss64) + 1e-6
+    for name, g64 in grads64.items():
+        err_t, err_f = rel_err(grads_t[name], g64), rel_err(grads_f[name], g64)
+        assert err_f <= 2 * err_t + 1e-6, f"{way}: {name} {err_f:.2e} from float64, transformers' {err_t:.2e}"
     moe.reset()
