@@ -27,7 +27,8 @@ backward), ``experts-gw`` (the experts switch with the backward row ``triton_moe
 the Triton backward with its weight gradients by grouped_mm; on the CPU the aten rows, as ``experts-aten``),
 ``experts-gx`` (the same with ``triton_moe_backward_grouped`` forced: dx by grouped_mm too) and
 ``experts-save`` (the experts switch with ``config.moe_backward = "save"``: the forward keeps gate/up's output, T·k·2I
-elements a layer, and the backward reads it instead of recomputing that grouped GEMM). ``patch-save`` on an MoE model
+elements a layer, and the backward reads it instead of recomputing that grouped GEMM), ``compile-experts-save`` (the
+same under torch.compile). ``patch-save`` on an MoE model
 keeps the experts' gate/up output too (``patch(backward="save")`` reaches them); ``patch-recompute`` does not.
 ``experts-free`` and ``compile-free`` (on request): the experts replaced by one multiply (x times its routing weights'
 sum, differentiable in both), eager and under torch.compile: the step as if the experts cost nothing, so eager ÷
@@ -78,7 +79,8 @@ MOE_FAMILIES = {  # --model: (config class, model class, attention, dims, tiny d
 VARIANTS = ["eager", "compile", "backend-recompute", "backend-save", "patch-recompute", "patch-save"]
 MOE_VARIANTS = ["eager", "experts", "patch-recompute", "compile", "compile-experts", "backend-recompute"]
 # the experts switch
-EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "experts-gx", "experts-save", "compile-experts")
+EXPERTS_SWITCH = ("experts", "experts-aten", "experts-gw", "experts-gx", "experts-save", "compile-experts",
+                  "compile-experts-save")
 FREE = ("experts-free", "compile-free")  # the experts as one multiply: the ceiling of any experts implementation
 FREE_NAME = "bench_free"
 
@@ -206,7 +208,7 @@ def run_variant(name, model, ids, args, counter):
         ExpertsInterface.register(FREE_NAME, free_experts)
         model.set_experts_implementation(FREE_NAME)
     forced, moe_backward = config.force_impl, config.moe_backward
-    if name == "experts-save":
+    if name in ("experts-save", "compile-experts-save"):  # gate/up's output kept: the backward reads no W_gu
         config.moe_backward = "save"
     if name == "experts-aten":
         config.force_impl = "grouped_mm" if args.device == "cuda" else "reference"  # the aten rows: CUDA's, CPU's
@@ -215,7 +217,7 @@ def run_variant(name, model, ids, args, counter):
         config.force_impl = grouped_rows[name] if args.device == "cuda" else "reference"
     if name in ("eager", "experts", "experts-aten", "experts-gw", "experts-gx", "experts-save", "experts-free"):
         forward = model
-    elif name in ("compile", "compile-experts", "compile-free"):
+    elif name in ("compile", "compile-experts", "compile-experts-save", "compile-free"):
         forward = torch.compile(own_forward(model))
     elif name.startswith("backend-"):
         forward = torch.compile(own_forward(model), backend=mlp_fuser.make_backend(backward=name.split("-")[1]))
