@@ -36,21 +36,21 @@ mlp_fuser where it applies:
   of a pair (eager and patch; compile and backend) taking turns call by call (``time_prefill``); on request
   ``eager_copy`` (``--prefill-paths eager,patch,eager_copy``), an untouched copy of the model timed with them.
 
-``--fp8``: an FP8 twin of the model (``fp8_twin``): every ``nn.Linear`` but lm_head becomes transformers'
-``FP8Linear`` with float8_e4m3fn weights in 128 x 128 blocks and fp32 scales (the released FP8 checkpoints' format),
-quantized from the bf16 weights on the GPU one layer at a time, everything else shared with the bf16 model, so an 8B
-model's twin fits beside it; routed experts become ``FP8Experts`` only where mlp_fuser runs them
-(``fp8_experts``: else they stay bf16 and the path column says so). Its paths (``FP8_GROUPS``), each timed in turns
-with the bf16 model's mlp_fuser path it is compared with: ``fp8_patch`` (``mlp_fuser.patch`` on the twin) with
-``patch``; ``fp8_static`` (the twin patched, then ``generate(cache_implementation="static",
-compile_config=CompileConfig(fullgraph=True))``: Dynamo traces the patched modules' quant ops) with
-``static_backend``; the prefill's ``fp8_patch`` with ``patch``; ``fp8_eager``, the twin as transformers runs it (the
-FP8 reference): on transformers' FP8 kernel where it loads (it is fetched from the Hub: never offline), else on
-``mlp_fuser.patch.hf_fp8``'s aten stand-in for it (its row says so: then its tokens and logits are the reference,
-its time is not transformers'). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8
-reference's. Memory (CUDA): each
-path's weights and its peak as if alone (``Memory``); a model cut to ``--layers`` also at its released depth
-(``full_depth``: the embeddings weigh less there).
+``--fp8``: an FP8 twin of the model (``fp8_twin``): every ``nn.Linear`` but lm_head becomes transformers' ``FP8Linear``
+with float8_e4m3fn weights in 128 x 128 blocks and fp32 scales (the released FP8 checkpoints' format), quantized from
+the bf16 weights on the GPU one layer at a time, everything else shared with the bf16 model, so an 8B model's twin fits
+beside it; routed experts become ``FP8Experts`` only where mlp_fuser runs them (``fp8_experts``: else they stay bf16 and
+the path column says so). Its paths (``FP8_GROUPS``), each timed in turns with the bf16 model's mlp_fuser path it is
+compared with: ``fp8_patch`` (``mlp_fuser.patch`` on the twin) with ``patch``; ``fp8_static`` (the twin patched, then
+``generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))``: Dynamo traces the patched
+modules' quant ops, Inductor compiles) with ``static_backend``; on request ``fp8_static_backend``, the same compiled
+with ``mlp_fuser.backend`` (as ``static_backend`` is: the two FP8 rows then differ only in the compiler); the prefill's
+``fp8_patch`` with ``patch``; ``fp8_eager``, the twin as transformers runs it (the FP8 reference): on transformers' FP8
+kernel where it loads (it is fetched from the Hub: never offline), else on ``mlp_fuser.patch.hf_fp8``'s aten stand-in
+for it (its row says so: then its tokens and logits are the reference, its time is not transformers'). Tokens: each FP8
+row's first divergence from its bf16 path's and from the FP8 reference's. Memory (CUDA): each path's weights and its
+peak as if alone (``Memory``); a model cut to ``--layers`` also at its released depth (``full_depth``: the embeddings
+weigh less there).
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -129,14 +129,16 @@ MOE_PATHS = "eager,patch,experts,static,static_kept,static_fuser,static_backend,
 MOE_BASELINE = dict(BASELINE, experts="eager", static_kept="static", static_fuser=("static", "static_kept"),
                     static_backend=("static", "static_kept"))
 # --fp8: the FP8 twin's paths, each in a group with the bf16 path it is compared with (same positions as GROUPS').
-FP8_GROUPS = [["patch", "fp8_patch", "fp8_eager"], ["static_backend", "fp8_static"]]
+FP8_GROUPS = [["patch", "fp8_patch", "fp8_eager"], ["static_backend", "fp8_static", "fp8_static_backend"]]
 FP8_PREFILL_GROUPS = [["patch", "fp8_patch", "fp8_eager"]]
 FP8_PATHS = "patch,fp8_patch,fp8_eager,static_backend,fp8_static,prefill"
-FP8_BASELINE = {"fp8_patch": "patch", "fp8_static": "static_backend", "fp8_eager": "patch"}
+FP8_BASELINE = {"fp8_patch": "patch", "fp8_static": "static_backend", "fp8_static_backend": "static_backend",
+                "fp8_eager": "patch"}
 BASELINE.update(FP8_BASELINE)
 MOE_BASELINE.update(FP8_BASELINE)
 # Whose tokens each FP8 row is compared with, beside eager's: its bf16 path's, and the FP8 reference's.
 TOKEN_REFS = {"fp8_patch": ("patch", "fp8_eager"), "fp8_static": ("static_backend", "fp8_eager"),
+              "fp8_static_backend": ("static_backend", "fp8_eager"),
               "fp8_eager": ("patch",)}
 FP8_BLOCK = (128, 128)
 KEPT = "grouped_mm_kept"  # transformers' grouped_mm under a name generate does not swap for batched_mm
@@ -399,8 +401,8 @@ def _without_sites(model, ids):
 
 
 def is_static(path: str) -> bool:
-    """A path decoding with the static cache and CUDA graphs (``fp8_static`` too)."""
-    return path.startswith("static") or path == "fp8_static"
+    """A path decoding with the static cache and CUDA graphs (``fp8_static`` and ``fp8_static_backend`` too)."""
+    return path.startswith(("static", "fp8_static"))
 
 
 def generate_fn(model, path, ids):
@@ -410,7 +412,7 @@ def generate_fn(model, path, ids):
 
     kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids))
     cleanup = []
-    if path in ("patch", "patch_noplan", "patch_nosite", "fp8_patch", "fp8_static"):
+    if path in ("patch", "patch_noplan", "patch_nosite", "fp8_patch", "fp8_static", "fp8_static_backend"):
         mlp_fuser.patch(model)  # patch_noplan / patch_nosite: without launch plans / the sites' matching (gen)
         cleanup.append(lambda: mlp_fuser.unpatch(model))
     elif path in ("compile", "backend", "backend_nodirect"):
@@ -422,7 +424,7 @@ def generate_fn(model, path, ids):
     elif path == "experts":
         model.set_experts_implementation(experts.NAME)
         cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
-    if path in ("static", "static_backend", "static_kept", "static_fuser", "fp8_static"):
+    if path in ("static", "static_backend", "static_kept", "static_fuser", "fp8_static", "fp8_static_backend"):
         from transformers import CompileConfig
 
         if path in ("static_kept", "static_fuser"):
@@ -434,7 +436,8 @@ def generate_fn(model, path, ids):
             cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
         own_forward(model)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
-        cc = CompileConfig(fullgraph=True, backend=mlp_fuser.backend if path == "static_backend" else "inductor")
+        backend = mlp_fuser.backend if path in ("static_backend", "fp8_static_backend") else "inductor"
+        cc = CompileConfig(fullgraph=True, backend=backend)
         cc._compile_all_devices = True  # transformers compiles on CUDA only unless told (for --tiny on the CPU)
         kwargs.update(cache_implementation="static", compile_config=cc)
         cleanup.append(lambda: [model.__dict__.pop(k, None) for k in ("_compiled_call", "_last_compile_config")])
