@@ -1,7 +1,7 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
     python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down] [fp8_small]
-        [fp8_experts[:T,...]]
+        [fp8_experts[:T,...]] [fp8_experts_one[:T,...]]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
@@ -17,6 +17,12 @@
   top 8, 128 × 128 block scales) at T = 8, 512, 2048 tokens, W8A8 and W8A16: the default configs against a grid of
   (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for gate/up (down at its default) and for down (gate/up at its
   default); µs of the whole op (routing sort, both GEMMs, combine), each output checked against float64.
+- fp8_experts_one[:T,...]: the same experts at one token (or the T given) through the dispatcher's one-token paths,
+  unsorted and unsorted_pdl (every pair its own 16-row block, down+combine in one launch), W8A8 and W8A16: the
+  default configs against a grid of (BLOCK_N, BLOCK_K, warps, stages) per launch, the other at its default; gate/up
+  BLOCK_N 16/32/64, down 32/64/128, each with (BLOCK_K, warps) 128/4, 128/8 (and 64/4 for W8A16) and 3 or 6
+  stages: 12 (W8A8) or 18 (W8A16) configs a launch, 124 timings a T (≈ 1 s each with its compile, as fp8_experts
+  ran: ≈ 130 s on an H100 at T = 1); µs and % of the floor, each output checked against float64 as fp8_experts is.
 - fp8_small: the FP8 W8A8 split-K kernel at M = 1 and 16 (x quantized in the GEMM), LLaMA-3-8B's gate/up (gated,
   one launch) and down, 128 × 128 block scales: the default config against a grid of (BLOCK_N, SPLIT_K, warps,
   stages); µs and % of the floor (the float8 weights, scales, x and y once at the measured copy bandwidth).
@@ -449,31 +455,28 @@ def _experts_grid(bucket: int, kind: str, a8: bool) -> list[tuple]:
             and not (bk == 128 and bn == 256 and st > 3)]
 
 
-def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 128, 8), limit=None):
-    """The FP8 experts' grouped GEMM configs (see the module doc): the default against the grid, per launch, T, a8."""
+def _fp8_experts_setup(dims, device):
+    """The FP8 experts sweeps' (setup, generator, timed): ``bench_fp8.Experts`` (bf16 on the GPU, fp16 under the
+    interpreter) and ``timed(x, ids, wts, ref, path, configs, a8, label)``, µs of the op through ``path`` under
+    ``configs``, or None where it fails or its error passes 1.2 x the first one's at its (T, a8) (the default
+    configs', timed first)."""
     from mlp_fuser.dispatch.experts import expert_act
     from mlp_fuser.kernels import fp8 as K8
     from mlp_fuser.kernels import moe as kmoe
     from mlp_fuser.reference import Gate, rel_err
     from mlp_fuser.tools.bench_fp8 import BLOCK, Experts
 
-    H, I, E, k = dims
     g = torch.Generator(device=device).manual_seed(0)
     setup = Experts(dims, device, torch.bfloat16 if device == "cuda" else torch.float16, g)
     fgu = K8.fp8_experts(setup.wgu, setup.sgu, BLOCK, gated=True)
     fd = K8.fp8_experts(setup.wd, setup.sd, BLOCK)
     act = expert_act(Gate("silu"))
-    rows = ["FP8 routed experts, sorted grouped GEMMs (Qwen3-30B-A3B dims, 128 x 128 blocks), CUDA-graph µs of the "
-            "whole op; configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)",
-            "| T | a8 | launch | default µs (config) | best µs (config) | best / default | 2nd, 3rd |",
-            "|---|---|---|---|---|---|---|"]
-
     tol = {}  # per (T, a8): 1.2 x the default configs' error against float64 (x's quantization dominates it)
 
-    def timed(x, ids, wts, ref, configs, a8, label):
+    def timed(x, ids, wts, ref, path, configs, a8, label):
         key = (x.shape[0], a8)
         try:
-            plan = kmoe.experts_plan(x, ids, wts, fgu.w, None, fd.w, None, act, False, "sorted", configs,
+            plan = kmoe.experts_plan(x, ids, wts, fgu.w, None, fd.w, None, act, False, path, configs,
                                      scales=(fgu, fd), a8=a8)
             fn = functools.partial(plan, x, ids, wts, fgu.w, None, fd.w, None, (fgu, fd))
             err = rel_err(fn(), ref)
@@ -486,13 +489,30 @@ def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 12
             print(f"  {label}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
             return None
 
+    return setup, g, timed
+
+
+def _cfg_tuple(c: dict, keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")) -> tuple:
+    return tuple(c[k] for k in keys)
+
+
+def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 128, 8), limit=None):
+    """The FP8 experts' grouped GEMM configs (see the module doc): the default against the grid, per launch, T, a8."""
+    from mlp_fuser.kernels import moe as kmoe
+
+    H, I, E, k = dims
+    setup, g, timed = _fp8_experts_setup(dims, device)
+    rows = ["FP8 routed experts, sorted grouped GEMMs (Qwen3-30B-A3B dims, 128 x 128 blocks), CUDA-graph µs of the "
+            "whole op; configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)",
+            "| T | a8 | launch | default µs (config) | best µs (config) | best / default | 2nd, 3rd |",
+            "|---|---|---|---|---|---|---|"]
     for T in (int(t) for t in ts.split(",")):
         x, ids, wts = setup.inputs(T, g)
         ref = setup.reference(x, ids, wts)
         bucket = kmoe.rows_bucket(T, k, E)
         for a8 in (True, False):
             defaults = {kind: kmoe._fp8_config(kind, None, a8, T, k, E, H, I, x) for kind in ("gate_up", "down")}
-            d_us = timed(x, ids, wts, ref, defaults, a8, f"T={T} a8={a8} default")
+            d_us = timed(x, ids, wts, ref, "sorted", defaults, a8, f"T={T} a8={a8} default")
             for kind in ("gate_up", "down"):
                 got = []
                 grid = _experts_grid(bucket, kind, a8)[:limit]
@@ -502,13 +522,58 @@ def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 12
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
                     other = "down" if kind == "gate_up" else "gate_up"
                     configs = {kind: cfg, other: {**defaults[other], "BLOCK_M": bm}}
-                    us = timed(x, ids, wts, ref, configs, a8, f"T={T} a8={a8} {kind} {cfg}")
+                    us = timed(x, ids, wts, ref, "sorted", configs, a8, f"T={T} a8={a8} {kind} {cfg}")
                     if us is not None:
                         got.append((us, (bm, bn, bk, warps, stages)))
-                dc = defaults[kind]
-                dflt = (dc["BLOCK_M"], dc["BLOCK_N"], dc["BLOCK_K"], dc["num_warps"], dc["num_stages"])
-                rows.append(f"| {T} | {a8} | {kind} | {_default_vs_best(d_us, dflt, got)} |")
+                rows.append(f"| {T} | {a8} | {kind} | {_default_vs_best(d_us, _cfg_tuple(defaults[kind]), got)} |")
                 print(rows[-1], flush=True)
+    return rows
+
+
+def _one_token_grid(kind: str, a8: bool) -> list[tuple]:
+    """(BLOCK_N, BLOCK_K, warps, stages) tried for a launch of the unsorted paths (their BLOCK_M is fixed: 16, one
+    live row). BLOCK_K 64 for W8A16 only: under W8A8 it would quantize x or h in a launch of its own (QUANT_X
+    takes one 128-column block a K step)."""
+    bns = (16, 32, 64) if kind == "gate_up" else (32, 64, 128)
+    steps = ((128, 4), (128, 8)) + (() if a8 else ((64, 4),))
+    return [(bn, bk, warps, stages) for bn in bns for bk, warps in steps for stages in (3, 6)]
+
+
+def fp8_experts_one(ts: str = "1", device="cuda", dims=(2048, 768, 128, 8), limit=None):
+    """The FP8 experts' one-token paths (unsorted, unsorted_pdl; see the module doc): the default configs against
+    ``_one_token_grid``, per T, path, a8 and launch, the other launch at its default."""
+    from mlp_fuser.kernels import moe as kmoe
+    from mlp_fuser.tools.bench_fp8 import copy_bandwidth
+
+    H, I, E, k = dims
+    setup, g, timed = _fp8_experts_setup(dims, device)
+    bw = copy_bandwidth(device) if device == "cuda" else None  # the floor's bandwidth: the GPU's alone
+    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    rows = ["FP8 routed experts at one token, every pair its own block (Qwen3-30B-A3B dims, 128 x 128 blocks), "
+            "CUDA-graph µs of the whole op (% of the floor: the touched experts' bytes once at the measured copy "
+            "bandwidth); configs (BLOCK_N, BLOCK_K, warps, stages)",
+            "| T | path | a8 | launch | floor | default µs (config) | best µs (config) | best / default | 2nd, 3rd |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for T in (int(t) for t in ts.split(",")):
+        x, ids, wts = setup.inputs(T, g)
+        ref = setup.reference(x, ids, wts)
+        floor = setup.floor_bytes((x, ids, wts)) / bw * 1e6 if bw else None
+        for path in ("unsorted", "unsorted_pdl"):
+            for a8 in (True, False):
+                defaults = {kind: kmoe._fp8_config(kind, None, a8, T, k, E, H, I, x) for kind in ("gate_up", "down")}
+                d_us = timed(x, ids, wts, ref, path, defaults, a8, f"T={T} {path} a8={a8} default")
+                for kind, other in (("gate_up", "down"), ("down", "gate_up")):
+                    got = []
+                    for c in _one_token_grid(kind, a8)[:limit]:
+                        cfg = {**defaults[kind], **dict(zip(keys, c))}
+                        us = timed(x, ids, wts, ref, path, {kind: cfg, other: defaults[other]}, a8,
+                                   f"T={T} {path} a8={a8} {kind} {c}")
+                        if us is not None:
+                            got.append((us, c))
+                    cells = _default_vs_best(d_us, _cfg_tuple(defaults[kind], keys), got, floor)
+                    rows.append(f"| {T} | {path} | {a8} | {kind} | {'-' if floor is None else f'{floor:.1f}'} | "
+                                f"{cells} |")
+                    print(rows[-1], flush=True)
     return rows
 
 
@@ -519,7 +584,7 @@ if __name__ == "__main__":
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
                              "overhead": overhead, "down": down_sweep, "fp8_small": fp8_small_sweep,
-                             "fp8_experts": fp8_experts_sweep}
+                             "fp8_experts": fp8_experts_sweep, "fp8_experts_one": fp8_experts_one}
             name, _, arg = step.partition(":")  # overhead:SmolLM2 times that shape alone
             out += steps_by_name[name](arg) if arg else steps_by_name[name]()
         except Exception:  # report, keep the other steps' numbers

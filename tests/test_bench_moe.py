@@ -211,3 +211,37 @@ def test_moe_backward_fp8_tiny(tmp_path):
     for path in ("fp8", "dequantized", "bf16"):
         assert set(row[f"{path}_err"]) == {"dx", "dwts"} and max(row[f"{path}_err"].values()) < 1e-5
     assert "| 5 |" in out and "fp8 vs dequantized" in out
+
+
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_kernels_fp8_experts_one_rows_and_a_wrong_config_rejected(monkeypatch, capsys):
+    """bench_kernels.py's fp8_experts_one under the interpreter: a row per (path, a8, launch) at one token, and a
+    config whose output is wrong (unsorted W8A8 gate/up, its first grid point, times 1.5) reported as an error and
+    never timed, though its time (0.5 against 1.0) would make it the best."""
+    from mlp_fuser.kernels import moe
+
+    bench_kernels = _benchmark("bench_kernels")
+    bad, good = bench_kernels._one_token_grid("gate_up", True)[:2]
+    real = moe.experts_plan
+
+    def experts_plan(*args, **kw):
+        plan, up = real(*args, **kw), args[10]["gate_up"]
+        if not (kw["a8"] and args[9] == "unsorted"
+                and tuple(up[c] for c in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")) == bad):
+            return plan
+
+        def wrong(*a):
+            return plan(*a) * 1.5
+        wrong.wrong = True
+        return wrong
+
+    monkeypatch.setattr(moe, "experts_plan", experts_plan)
+    monkeypatch.setattr(bench_kernels, "_us", lambda fn, rep=50: (fn(), 0.5 if hasattr(fn.func, "wrong") else 1.0)[1])
+    rows = bench_kernels.fp8_experts_one("1", "cpu", (128, 64, 8, 2), limit=2)
+    cells = [r.split(" | ") for r in rows if r.startswith("| 1 |")]
+    assert [c[1:4] for c in cells] == [[p, a8, kind] for p in ("unsorted", "unsorted_pdl") for a8 in ("True", "False")
+                                       for kind in ("gate_up", "down")]
+    assert all(c[5].startswith("1.0 ") and c[6].startswith("1.0 ") for c in cells)  # default and grid timed, all
+    assert str(bad) not in " | ".join(cells[0]) and cells[0][6] == f"1.0 {good}"  # unsorted W8A8 gate/up
+    assert cells[4][6] == f"1.0 {bad}"  # the same config through unsorted_pdl: right, timed, first of the ties
+    assert f"T=1 unsorted a8=True gate_up {bad}: error" in capsys.readouterr().err
