@@ -311,11 +311,16 @@ def test_patch_backward_save_and_the_config(monkeypatch):
         assert not any(experts.BACKWARD in m.__dict__ for m in model.modules())
     (loss, grads), (loss0, grads0) = results["save"], results["recompute"]
     assert grads.keys() == grads0.keys()
-    bar = 1e-6 if BITWISE else BAR[torch.float32]  # the GPU's tiles add gate/up in another order per mode
-    for name in grads:
-        assert rel_err(grads[name], grads0[name]) <= bar, name
-        assert not BITWISE or torch.equal(grads[name], grads0[name]), name
-    assert not BITWISE or torch.equal(loss, loss0)
+    if BITWISE:
+        assert torch.equal(loss, loss0)
+        assert all(torch.equal(grads[name], grads0[name]) for name in grads), "save's gradients are not recompute's"
+    else:  # the GPU's tiles add gate/up in another order per mode: each as close to float64 as the other
+        exact = copy.deepcopy(base).double()
+        exact.set_experts_implementation("eager")  # transformers' per-expert loop: grouped_mm takes no float64
+        _, exact_grads = train_step(exact, exact)
+        for name, g64 in exact_grads.items():
+            err, err0 = rel_err(grads[name], g64), rel_err(grads0[name], g64)
+            assert err <= 1.25 * err0 + 1e-7, f"{name}: save {err:.2e} from float64, recompute {err0:.2e}"
 
     model = copy.deepcopy(base)
     model.set_experts_implementation(experts.NAME)
