@@ -57,6 +57,7 @@ def test_convergence_matches_transformers(way, monkeypatch):
     """The fused loss curve (the experts switch, or patch: routers fused too) follows transformers' grouped one
     within BOUND, the loss falls by more than 10%, and every step's experts ran the Triton backward."""
     monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "autotune", False)  # on CUDA: the table's first rows (the Triton ones), not timed
     moe.reset()
     base = tiny_qwen3_moe()
     g = torch.Generator().manual_seed(3)
@@ -102,6 +103,7 @@ def test_compiled_training_matches_eager(backend, monkeypatch):
     op's own (mlp_fuser::moe_mlp_backward), which runs the Triton backward as eager mode does, and the losses and every
     gradient of the first step equal eager's within fp32 rounding."""
     monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "autotune", False)  # on CUDA: the table's first rows (the Triton ones), not timed
     moe.reset()
     torch._dynamo.reset()
     base = tiny_qwen3_moe()
@@ -161,6 +163,7 @@ def test_lora_on_expert_parameters_trains_through_the_op(monkeypatch):
     still fuse (the op reads the adapted weight), the Triton backward runs with weight gradients, and every LoRA
     factor's gradient and the loss equal transformers' grouped path in fp32."""
     monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "autotune", False)  # on CUDA: the table's first rows (the Triton ones), not timed
     moe.reset()
     base = tiny_qwen3_moe()
     g = torch.Generator().manual_seed(5)
