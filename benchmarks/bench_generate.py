@@ -424,7 +424,7 @@ def generate_fn(model, path, ids):
     elif path == "experts":
         model.set_experts_implementation(experts.NAME)
         cleanup.append(lambda: model.set_experts_implementation("grouped_mm"))
-    if path in ("static", "static_backend", "static_kept", "static_fuser", "fp8_static", "fp8_static_backend"):
+    if is_static(path):
         from transformers import CompileConfig
 
         if path in ("static_kept", "static_fuser"):
