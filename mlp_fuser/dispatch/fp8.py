@@ -180,8 +180,7 @@ def cublas_format(weights) -> str | None:
 
 def a8_format(weights) -> str | None:
     """Why the W8A8 kernels cannot read these checked weights, or None."""
-    return next((f"{name}: {why}" for name, fw, _ in weights
-                 if (why := fp8_kernels.a8_why_not(fw.block_k if fw.k_scaled else None))), None)
+    return next((f"{name}: {why}" for name, fw, _ in weights if (why := fp8_kernels.a8_weight_why_not(fw))), None)
 
 
 def _row(name: str, a8: bool, *why) -> Impl:

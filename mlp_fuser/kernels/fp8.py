@@ -55,9 +55,14 @@ def a8_why_not(block_k: int | None) -> str | None:
     return None
 
 
+def a8_weight_why_not(fw) -> str | None:
+    """``a8_why_not`` for a float8 weight (``Fp8Weight`` or ``Fp8Experts``): its scale blocks along K."""
+    return a8_why_not(fw.block_k if fw.k_scaled else None)
+
+
 def check_a8(fw, a8: bool) -> None:
     """Raise where W8A8 kernels cannot read ``fw``'s scale blocks (the dispatcher's W8A8 rows pass them over)."""
-    why = a8_why_not(fw.block_k if fw.k_scaled else None) if a8 and fw is not None else None
+    why = a8_weight_why_not(fw) if a8 and fw is not None else None
     if why is not None:
         raise ValueError(f"mlp_fuser: W8A8 kernels cannot run these FP8 weights: {why}")
 
