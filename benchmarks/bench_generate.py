@@ -45,12 +45,13 @@ compared with: ``fp8_patch`` (``mlp_fuser.patch`` on the twin) with ``patch``; `
 ``generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))``: Dynamo traces the patched
 modules' quant ops, Inductor compiles) with ``static_backend``; on request ``fp8_static_backend``, the same compiled
 with ``mlp_fuser.backend`` (as ``static_backend`` is: the two FP8 rows then differ only in the compiler); the prefill's
-``fp8_patch`` with ``patch``; ``fp8_eager``, the twin as transformers runs it (the FP8 reference): on transformers' FP8
-kernel where it loads (it is fetched from the Hub: never offline), else on ``mlp_fuser.patch.hf_fp8``'s aten stand-in
-for it (its row says so: then its tokens and logits are the reference, its time is not transformers'). Tokens: each FP8
-row's first divergence from its bf16 path's and from the FP8 reference's. Memory (CUDA): each path's weights and its
-peak as if alone (``Memory``); a model cut to ``--layers`` also at its released depth (``full_depth``: the embeddings
-weigh less there).
+``fp8_patch`` with ``patch`` and ``fp8_backend`` (the twin patched, then its forward compiled with
+``mlp_fuser.backend``) with ``backend``; ``fp8_eager``, the twin as transformers runs it (the FP8 reference): on
+transformers' FP8 kernel where it loads (it is fetched from the Hub: never offline), else on
+``mlp_fuser.patch.hf_fp8``'s aten stand-in for it (its row says so: then its tokens and logits are the reference, its
+time is not transformers'). Tokens: each FP8 row's first divergence from its bf16 path's and from the FP8
+reference's. Memory (CUDA): each path's weights and its peak as if alone (``Memory``); a model cut to ``--layers`` also
+at its released depth (``full_depth``: the embeddings weigh less there).
 
 Decode ms/token = (t(64 new tokens) - t(1 new token)) / 63, each t the best of 3 after two warm-up generations,
 32-token prompt, greedy, EOS disabled. The paths compared with each other (eager and patch; compile and backend;
@@ -130,10 +131,10 @@ MOE_BASELINE = dict(BASELINE, experts="eager", static_kept="static", static_fuse
                     static_backend=("static", "static_kept"))
 # --fp8: the FP8 twin's paths, each in a group with the bf16 path it is compared with (same positions as GROUPS').
 FP8_GROUPS = [["patch", "fp8_patch", "fp8_eager"], ["static_backend", "fp8_static", "fp8_static_backend"]]
-FP8_PREFILL_GROUPS = [["patch", "fp8_patch", "fp8_eager"]]
+FP8_PREFILL_GROUPS = [["patch", "fp8_patch", "fp8_eager"], ["backend", "fp8_backend"]]
 FP8_PATHS = "patch,fp8_patch,fp8_eager,static_backend,fp8_static,prefill"
 FP8_BASELINE = {"fp8_patch": "patch", "fp8_static": "static_backend", "fp8_static_backend": "static_backend",
-                "fp8_eager": "patch"}
+                "fp8_eager": "patch", "fp8_backend": "backend"}
 BASELINE.update(FP8_BASELINE)
 MOE_BASELINE.update(FP8_BASELINE)
 # Whose tokens each FP8 row is compared with, beside eager's: its bf16 path's, and the FP8 reference's.
@@ -725,11 +726,11 @@ def run(args, results):
                             fwd = on_reference_kernel(fwd, m, device)
                         if path == "experts":
                             m.set_experts_implementation(experts.NAME)
-                        elif path in ("patch", "patch_merged", "patch_nosite", "fp8_patch"):
+                        elif path in ("patch", "patch_merged", "patch_nosite", "fp8_patch", "fp8_backend"):
                             mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
                             if path == "patch_nosite":
                                 fwd = lambda ids, m=m: _without_sites(m, ids)  # noqa: E731
-                        elif path in ("compile", "backend", "backend_merged"):
+                        if path in ("compile", "backend", "backend_merged", "fp8_backend"):
                             if path == "backend_merged":
                                 log(f"{label} prefill backend_merged: {len(mlp_fuser.merge_gate_up(m))} MLPs' gate "
                                     "and up stored as one")
@@ -1225,7 +1226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the script itself, times nothing real")
     ap.add_argument("--fp8", action="store_true", help="the FP8 twin's paths against bf16's (default paths "
-                    f"{FP8_PATHS}; prefill patch,fp8_patch,fp8_eager)")
+                    f"{FP8_PATHS}; prefill patch,fp8_patch,fp8_eager,backend,fp8_backend)")
     ap.add_argument("--paths", default=None, help=f"default: {','.join(DECODE_PATHS + ['prefill'])}; for "
                     f"qwen3moe {MOE_PATHS}")
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
@@ -1260,8 +1261,8 @@ def main(argv=None) -> int:
     if args.paths is None:
         args.paths = FP8_PATHS if args.fp8 else MOE_PATHS if is_moe(args) else ",".join(DECODE_PATHS + ["prefill"])
     if args.prefill_paths is None:
-        args.prefill_paths = ("patch,fp8_patch,fp8_eager" if args.fp8 else "eager,patch,experts,compile,backend"
-                              if is_moe(args) else "eager,patch,compile,backend")
+        args.prefill_paths = ("patch,fp8_patch,fp8_eager,backend,fp8_backend" if args.fp8 else
+                              "eager,patch,experts,compile,backend" if is_moe(args) else "eager,patch,compile,backend")
     args.profiled = ({(int(b), p) for b, p in (a.split(":") for a in args.profile_at.split(","))} if args.profile_at
                      else PROFILED if args.profile else set())
     import logging

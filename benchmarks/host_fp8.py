@@ -103,7 +103,7 @@ def timed(fn, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32,2048")
-    ap.add_argument("--profile", choices=("linear", "experts", "mlp"))
+    ap.add_argument("--profile", choices=("linear", "experts", "mlp", "linear_op", "experts_op"))
     ap.add_argument("-n", type=int, default=300)
     ap.add_argument("--cublas", action="store_true", help="the cuBLAS row runs its calls, scaled_mm stubbed")
     ap.add_argument("--quant-launches", action="store_true", help="the experts' x and h quantized by launches")
@@ -135,7 +135,14 @@ def main() -> None:
         def mlp(x2=x2):  # a dense gated MLP of the experts' I (down's K/128 = 6: its scales padded per call)
             return quant.quant_gated_mlp(x2, *dense, "silu", "fp8_e4m3", [128, 128])
 
-        fns = {"linear": linear, "experts": experts, "mlp": mlp}
+        def linear_op(x=x, w=lin.module.weight, s=lin.module.weight_scale_inv):  # the registered op, as Inductor calls
+            return torch.ops.mlp_fuser.quant_linear.default(x, w, s, None, "fp8_e4m3", [128, 128])
+
+        def experts_op(x2=x2, ids=ids, wts=wts):
+            return torch.ops.mlp_fuser.quant_moe_mlp.default(x2, ids, wts, wgu, sgu, wd, sd, "silu", "fp8_e4m3",
+                                                             [128, 128])
+
+        fns = {"linear": linear, "experts": experts, "mlp": mlp, "linear_op": linear_op, "experts_op": experts_op}
         if args.profile:
             fns[args.profile]()
             with cProfile.Profile() as p:
@@ -145,8 +152,8 @@ def main() -> None:
             pstats.Stats(p).sort_stats("tottime").print_stats(18)
             continue
         dense_mlp = f"   gated MLP {timed(mlp, args.n):6.1f} µs" if args.cublas else ""
-        print(f"T = {T:5d}: FusedFp8Linear {timed(linear, args.n):6.1f} µs   "
-              f"quant_moe_mlp {timed(experts, args.n):6.1f} µs{dense_mlp}   "
+        print(f"T = {T:5d}: FusedFp8Linear {timed(linear, args.n):6.1f} µs (op {timed(linear_op, args.n):6.1f})   "
+              f"quant_moe_mlp {timed(experts, args.n):6.1f} µs (op {timed(experts_op, args.n):6.1f}){dense_mlp}   "
               f"(slow launches so far {common.Launcher.slow_calls})")
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ def test_generate_benchmark_fp8_paths_beside_their_bf16_paths(tmp_path):
 
     bench_generate = _bench_generate()
     assert bench_generate.main(["--tiny", "--device", "cpu", "--fp8", "--paths", "patch,fp8_patch,fp8_eager,prefill",
-                                "--batches", "1", "--rounds", "2", "--out", str(tmp_path)]) == 0
+                                "--prefill-paths", "patch,fp8_patch,fp8_eager", "--batches", "1", "--rounds", "2",
+                                "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["phase"], r["path"]) for r in rows] == [(p, q) for p in ("decode b=1", "prefill")
                                                        for q in ("patch", "fp8_patch", "fp8_eager")]

@@ -315,6 +315,48 @@ def test_quant_mlp_quant_linear_and_compile():
     assert rel_err(compiled(x.detach()), ref) < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["linear", "mlp", "gated"])
+def test_quant_ops_backward_compiles_to_ops(kind, monkeypatch):
+    """A compiled backward (AOTAutograd traces it on fake tensors: LoRA on an FP8 base under torch.compile) holds the
+    weights' products as ops (``quant_linear_t``, ``quant_linear``), not the kernels' launches, which read data
+    pointers that fake tensors lack; its x gradient equals float64's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernels' path on the CPU too (the interpreter)
+    monkeypatch.setattr(config, "fp8_w8a8", False)  # activations unquantized: float64's gradient to fp16's rounding
+    dev, dt = KERNEL_DEVICE, torch.float16 if KERNEL_DEVICE == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    (wg, sg, block), (wu, su, _), (wd, sd, _) = (quantized(n, k, "block", g=g, device=dev)
+                                                  for n, k in ((64, 64), (64, 64), (64, 64)))
+    fns = {"linear": (lambda t: quant.quant_linear(t, wg, sg, None, block=block),
+                      lambda t: F.linear(t, dequant64(wg, sg, block))),
+           "mlp": (lambda t: quant.quant_mlp(t, wg, sg, None, wd, sd, None, "silu", block=block),
+                   lambda t: F.linear(F.silu(F.linear(t, dequant64(wg, sg, block))), dequant64(wd, sd, block))),
+           "gated": (lambda t: quant.quant_gated_mlp(t, wg, sg, None, wu, su, None, wd, sd, None, "silu", block=block),
+                     lambda t: F.linear(F.silu(F.linear(t, dequant64(wg, sg, block)))
+                                        * F.linear(t, dequant64(wu, su, block)), dequant64(wd, sd, block)))}
+    fn, ref_fn = fns[kind]
+    backward_graphs = []
+
+    def keep_backward(gm, example_inputs):
+        backward_graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=lambda gm, ex: gm,
+                                                                      bw_compiler=keep_backward))
+    x = (torch.randn(5, 64, generator=g) * 0.5).to(dev, dt).requires_grad_()
+    dy = torch.randn(5, 64, generator=g).to(dev, dt)
+    compiled(x).backward(dy)
+    xd = x.detach().double().requires_grad_()
+    ref_fn(xd).backward(dy.double())
+    assert rel_err(x.grad, xd.grad) < 2 * torch.finfo(dt).eps  # two roundings of x's dtype
+    called = {str(n.target) for n in backward_graphs[0].graph.nodes if n.op == "call_function"}
+    assert "mlp_fuser.quant_linear_t.default" in called, called
+    assert not any(t.startswith(("aten.mm", "aten.bmm", "aten.addmm")) for t in called), called
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp", "gated"])
 def test_quant_ops_check_every_call_after_a_good_one(kind):
     """A signature that passed the checks skips them on later calls (ops/quant._SEEN), yet a later call with x of

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .. import compat, config
 from ..activations import get_activation
 from ..dispatch import fp8
 from ..kernels import fp8 as fp8_kernels
@@ -179,20 +179,48 @@ def _quant_gated_mlp_fake(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s
 # ---- backward: x and the biases (the quantized weights are frozen) ----------------------------------------------
 
 
+_lib.define("quant_linear_t(Tensor dy, Tensor w, Tensor s, str weight_format, SymInt[]? block=None) -> Tensor")
+
+
 def _linear_t(dy: Tensor, fw: fp8_kernels.Fp8Weight) -> Tensor:
-    """dy @ W (W = fw's weight, (N, K)): the weight read transposed where it lies, on chip on CUDA."""
-    if why_not_kernels(dy) is None:
+    """dy @ W (W = fw's weight, (N, K)): the weight read transposed where it lies, on chip where the forward's rows
+    run the kernels (CUDA; the CPU under ``config.triton_on_cpu``)."""
+    if why_not_kernels(dy) is None or (dy.device.type == "cpu" and config.triton_on_cpu):
         wt = fp8_kernels.Fp8Weight(fw.w.t(), fw.scale.t(), fw.block_k, fw.block_n)
         return fp8_kernels.fp8_linear(dy.reshape(-1, dy.shape[-1]), wt).reshape(*dy.shape[:-1], fw.w.shape[1])
     return dy @ fp8_kernels.dequantize(fw, dy.dtype)
 
 
-def _pre(x: Tensor, fw, b) -> Tensor:
-    """x @ Wᵀ + b, recomputed for the backward."""
-    if why_not_kernels(x) is None:
-        y = fp8_kernels.fp8_linear(x.reshape(-1, x.shape[-1]), fw, bias=b)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return F.linear(x, fp8_kernels.dequantize(fw, x.dtype), b)
+def _quant_linear_t(dy, w, s, weight_format, block=None):
+    return _linear_t(dy, _weight("w", w, s, weight_format, block))
+
+
+_lib.impl("quant_linear_t", _quant_linear_t, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mlp_fuser::quant_linear_t", lib=_lib)
+def _quant_linear_t_fake(dy, w, s, weight_format, block=None):
+    return dy.new_empty((*dy.shape[:-1], w.shape[1]))
+
+
+def _linear_t_backward(ctx, g):  # d(dy @ W) / d dy = g @ Wᵀ (double backward)
+    _, w, s, fmt, block = _inputs(ctx)
+    return quant_linear(g, w, s, None, fmt, block), None, None, None, None
+
+
+def _t(dy: Tensor, w: Tensor, s: Tensor, fmt: str, block) -> Tensor:
+    """dy @ W inside a backward: computed here on plain tensors, else through ``quant_linear_t``, so that a compiled
+    backward (AOTAutograd's fake tensors) traces an op instead of the kernels' launches."""
+    if compat.plain_call(dy, (w, s)):
+        return _quant_linear_t(dy, w, s, fmt, block)
+    return torch.ops.mlp_fuser.quant_linear_t.default(dy, w, s, fmt, block)
+
+
+def _pre(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, fmt: str, block) -> Tensor:
+    """x @ Wᵀ + b, recomputed for the backward (through ``quant_linear`` where a tracer must see an op)."""
+    if compat.plain_call(x, (w, s, b)):
+        return _quant_linear(x, w, s, b, fmt, block)
+    return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, fmt, block)
 
 
 def _setup(ctx, inputs, output):
@@ -210,32 +238,29 @@ def _bias_grad(b, d):
 
 def _linear_backward(ctx, dy):
     x, w, s, b, fmt, block = _inputs(ctx)
-    fw = _weight("w", w, s, fmt, block)
-    return _linear_t(dy, fw), None, None, _bias_grad(b, dy), None, None
+    return _t(dy, w, s, fmt, block), None, None, _bias_grad(b, dy), None, None
 
 
 def _mlp_backward(ctx, dy):
     x, w1, s1, b1, w2, s2, b2, activation, fmt, block = _inputs(ctx)
-    f1, f2 = _weight("w1", w1, s1, fmt, block), _weight("w2", w2, s2, fmt, block)
     act = get_activation(activation)
-    g = _pre(x, f1, b1)
-    dg = _linear_t(dy, f2) * act.grad(g)
-    return _linear_t(dg, f1), None, None, _bias_grad(b1, dg), None, None, _bias_grad(b2, dy), None, None, None
+    g = _pre(x, w1, s1, b1, fmt, block)
+    dg = _t(dy, w2, s2, fmt, block) * act.grad(g)
+    return _t(dg, w1, s1, fmt, block), None, None, _bias_grad(b1, dg), None, None, _bias_grad(b2, dy), None, None, None
 
 
 def _gated_mlp_backward(ctx, dy):
     x, wg, sg, bg, wu, su, bu, wd, sd, bd, activation, fmt, block = _inputs(ctx)
-    fg, fu, fd = (_weight(n, w, s, fmt, block) for n, w, s in (("w_gate", wg, sg), ("w_up", wu, su),
-                                                                ("w_down", wd, sd)))
     act = get_activation(activation)
-    g, u = _pre(x, fg, bg), _pre(x, fu, bu)
-    dh = _linear_t(dy, fd)
+    g, u = _pre(x, wg, sg, bg, fmt, block), _pre(x, wu, su, bu, fmt, block)
+    dh = _t(dy, wd, sd, fmt, block)
     dg, du = dh * u * act.grad(g), dh * act.fn(g)
-    dx = _linear_t(dg, fg) + _linear_t(du, fu)
+    dx = _t(dg, wg, sg, fmt, block) + _t(du, wu, su, fmt, block)
     return (dx, None, None, _bias_grad(bg, dg), None, None, _bias_grad(bu, du), None, None, _bias_grad(bd, dy),
             None, None, None)
 
 
+torch.library.register_autograd("mlp_fuser::quant_linear_t", _linear_t_backward, setup_context=_setup, lib=_lib)
 torch.library.register_autograd("mlp_fuser::quant_linear", _linear_backward, setup_context=_setup, lib=_lib)
 torch.library.register_autograd("mlp_fuser::quant_mlp", _mlp_backward, setup_context=_setup, lib=_lib)
 torch.library.register_autograd("mlp_fuser::quant_gated_mlp", _gated_mlp_backward, setup_context=_setup, lib=_lib)
