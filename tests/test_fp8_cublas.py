@@ -205,7 +205,8 @@ def test_a_call_torch_refuses_runs_on_the_next_row_and_drops_the_row(monkeypatch
         monkeypatch.setattr(fp8, "why_not_kernels", lambda device, index: None)
     monkeypatch.setattr(fp8, "CUBLAS_FROM_M", 8)
     monkeypatch.setattr(fp8_cublas.compat, "scaled_mm", refuse)
-    monkeypatch.setitem(fp8_cublas._RUNS, torch.device(device).index, None)
+    index = torch.cuda.current_device() if CUDA else None  # the key x's calls ask (x.device.index)
+    monkeypatch.setitem(fp8_cublas._RUNS, index, None)  # the row runs here: the refusal comes from the call
     monkeypatch.setattr(fp8, "_PLANS", {})
     g = torch.Generator().manual_seed(9)
     K, I = 384, 256
