@@ -549,6 +549,32 @@ def test_fused_fp8_llama_is_as_accurate_as_transformers_own_fp8_forward(monkeypa
     assert 0 < e_ours <= 1.25 * e_theirs, f"fused {e_ours:.2e} against transformers' {e_theirs:.2e}"
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_inductor_code_calls_the_quant_ops_entry(direct, monkeypatch):
+    """A patched FP8 LLaMA compiled by the backend: Inductor's code calls torch.ops.mlp_fuser._inductor_quant_gated_mlp
+    and _inductor_quant_linear (attention's lone FP8 linears), computed right there with no round trip through the
+    dispatcher, unless config.inductor_direct is off; the logits are the patched model's eager ones either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, _ = _fp8_llama()
+    mlp_fuser.patch(model)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(config, "inductor_direct", direct)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            expected = model(ids).logits
+            out, (code,) = run_and_get_code(lambda: torch.compile(model, backend=mlp_fuser.backend)(ids).logits)
+    finally:
+        torch._dynamo.reset()
+        mlp_fuser.unpatch(model)
+    assert rel_err(out, expected) < 1e-5
+    layers = model.config.num_hidden_layers
+    for op, n in (("quant_gated_mlp", layers), ("quant_linear", 4 * layers)):
+        assert code.count(f"torch.ops.mlp_fuser._inductor_{op}(") == (n if direct else 0), op
+        assert code.count(f"torch.ops.mlp_fuser.{op}.default(") == (0 if direct else n), op
+
+
 def test_patched_fp8_llama_under_static_cache_compile_config():
     """generate with a static cache and CompileConfig(backend=mlp_fuser.backend) on a patched FP8 model: the compiled
     decode steps call the FP8 ops (MLPs and the lone FP8 linears) and give the tokens Inductor alone gives."""

@@ -148,6 +148,32 @@ def test_backend_compiles_fp8_experts_through_the_op(monkeypatch):
     assert len(calls) == 2 and sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("direct", [True, False])
+def test_inductor_code_calls_the_experts_ops_entry(fp8, direct, monkeypatch):
+    """Patched, then compiled by the backend: Inductor's code calls torch.ops.mlp_fuser._inductor_quant_moe_mlp (FP8
+    experts) or _inductor_moe_mlp (the bf16 twin), the op computed right there with no round trip through the
+    dispatcher, unless config.inductor_direct is off; the values are the twin's unpatched either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, twin, inputs = fp8_moe("qwen3_moe", (16, 32))
+    ref = logits(twin, inputs)
+    m = model if fp8 else twin
+    n = len(experts_modules(m))
+    mlp_fuser.patch(m)
+    monkeypatch.setattr(config, "inductor_direct", direct)
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            out, (code,) = run_and_get_code(lambda: logits(torch.compile(m, backend=mlp_fuser.backend), inputs))
+    finally:
+        torch._dynamo.reset()
+    op = "quant_moe_mlp" if fp8 else "moe_mlp"
+    assert rel_err(out, ref) < 1e-5
+    assert code.count(f"torch.ops.mlp_fuser._inductor_{op}(") == (n if direct else 0)
+    assert code.count(f"torch.ops.mlp_fuser.{op}.default(") == (0 if direct else n)
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
 def test_fused_fp8_experts_are_as_accurate_as_transformers_own_fp8_forward(impl, monkeypatch):
     """The FP8 issue's accuracy bar for experts: patched (the experts kernels, x and h quantized per token: the

@@ -50,6 +50,7 @@ from ..dispatch.experts import expert_act as _expert_act  # noqa: F401  (quant_m
 from ..kernels import moe as kmoe
 from ..reference import Gate, gates  # noqa: F401  (the op's activations, as patch and patterns name them)
 from ..reference import reference_experts as reference
+from ..runtime import inductor
 
 _lib = torch.library.Library("mlp_fuser", "FRAGMENT")
 _lib.define(
@@ -234,6 +235,7 @@ _lib.impl("moe_mlp", _kernel, "CompositeExplicitAutograd")
 @torch.library.register_fake("mlp_fuser::moe_mlp")
 def _fake(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved=False, limit=None, clamp_after=False, up_offset=0.0):
     check_args(x, ids, wts, wgu, bgu, wd, bd, activation)
+    inductor.install_if_inductor()  # the graph being traced may go to Inductor: its code then calls our entry
     return x.new_empty(x.shape)
 
 
@@ -481,3 +483,7 @@ def moe_mlp(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor
     op = _op(save_preact, x, topk_weights, w_gate_up, b_gate_up, w_down, b_down)
     return op(x, topk_ids, topk_weights, w_gate_up, b_gate_up, w_down, b_down, activation, interleaved, limit,
               clamp_after, up_offset)
+
+
+# What Inductor's generated code calls (``mlp_fuser.runtime.inductor``): the op computed right there where it may be
+compat.set_op_attribute(inductor.INDUCTOR_NAMES["moe_mlp"], eager_moe_mlp)

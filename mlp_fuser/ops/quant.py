@@ -27,6 +27,7 @@ from .. import compat, config
 from ..activations import get_activation
 from ..dispatch import fp8
 from ..kernels import fp8 as fp8_kernels
+from ..runtime import inductor
 
 FORMATS = ("fp8_e4m3",)
 _FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
@@ -162,18 +163,50 @@ for _name, _fn in (("quant_linear", _quant_linear), ("quant_mlp", _quant_mlp), (
 
 @torch.library.register_fake("mlp_fuser::quant_linear", lib=_lib)
 def _quant_linear_fake(x, w, s, b, weight_format, block=None):
+    inductor.install_if_inductor()  # the graph being traced may go to Inductor: its code then calls our entry
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @torch.library.register_fake("mlp_fuser::quant_mlp", lib=_lib)
 def _quant_mlp_fake(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block=None):
+    inductor.install_if_inductor()
     return x.new_empty((*x.shape[:-1], w2.shape[0]))
 
 
 @torch.library.register_fake("mlp_fuser::quant_gated_mlp", lib=_lib)
 def _quant_gated_mlp_fake(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down, activation,
                           weight_format, block=None):
+    inductor.install_if_inductor()
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+# ---- Inductor's entry (``mlp_fuser.runtime.inductor``): the op computed right there where nothing needs the
+# dispatcher's layers (a compiled graph's call: no gradient, mode or profiler), else the registered op
+
+
+def inductor_quant_linear(x, w, s, b, weight_format, block=None):
+    if compat.plain_call(x, (w, s, b)):
+        return _quant_linear(x, w, s, b, weight_format, block)
+    return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, weight_format, block)
+
+
+def inductor_quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block=None):
+    if compat.plain_call(x, (w1, s1, b1, w2, s2, b2)):
+        return _quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block)
+    return torch.ops.mlp_fuser.quant_mlp.default(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block)
+
+
+def inductor_quant_gated_mlp(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down, activation,
+                             weight_format, block=None):
+    args = (w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down)
+    if compat.plain_call(x, args):
+        return _quant_gated_mlp(x, *args, activation, weight_format, block)
+    return torch.ops.mlp_fuser.quant_gated_mlp.default(x, *args, activation, weight_format, block)
+
+
+for _name, _fn in (("quant_linear", inductor_quant_linear), ("quant_mlp", inductor_quant_mlp),
+                   ("quant_gated_mlp", inductor_quant_gated_mlp)):
+    compat.set_op_attribute(inductor.INDUCTOR_NAMES[_name], _fn)
 
 
 # ---- backward: x and the biases (the quantized weights are frozen) ----------------------------------------------

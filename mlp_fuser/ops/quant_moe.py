@@ -33,6 +33,7 @@ from torch import Tensor
 from .. import compat
 from ..dispatch import fp8_experts
 from ..kernels import fp8 as fp8_kernels
+from ..runtime import inductor
 from . import moe
 from .quant import FORMATS
 
@@ -154,6 +155,7 @@ def _fake(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block=None, 
           clamp_after=False, up_offset=0.0):
     _checked(x, ids, wts, wgu, sgu, wd, sd, activation, weight_format, block, interleaved, limit, clamp_after,
              up_offset)
+    inductor.install_if_inductor()  # the graph being traced may go to Inductor: its code then calls our entry
     return x.new_empty(x.shape)
 
 
@@ -247,3 +249,7 @@ def quant_moe_mlp(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: 
     return torch.ops.mlp_fuser.quant_moe_mlp.default(x, topk_ids, topk_weights, w_gate_up, s_gate_up, w_down, s_down,
                                                      activation, weight_format, list(block) if block else None,
                                                      interleaved, limit, clamp_after, up_offset)
+
+
+# What Inductor's generated code calls (``mlp_fuser.runtime.inductor``): the op computed right there where it may be
+compat.set_op_attribute(inductor.INDUCTOR_NAMES["quant_moe_mlp"], eager_quant_moe_mlp)

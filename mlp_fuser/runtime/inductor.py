@@ -5,9 +5,10 @@ Inductor has no lowering for a custom op, so it runs it as a fallback kernel: th
 into the op's Python kernels. That round trip is host time on every call (benchmarks/NOTES.md, "Inductor's code calls
 the op's Python entry"), and the decode step of a model compiled without CUDA graphs (the dynamic cache) waits on the
 host. ``install()`` registers the same fallback Inductor would create (its layout constraint included) and renames the
-call the Python wrapper emits to ``torch.ops.mlp_fuser._inductor_gated_mlp`` (``ops.inductor_gated_mlp``;
-``_inductor_mlp`` for the plain MLP): it computes the op right there when nothing needs the dispatcher's layers (no
-gradient, autocast, dispatch or function mode, profiler), else calls the registered op. The C++ wrapper (AOTInductor)
+call the Python wrapper emits to ``torch.ops.mlp_fuser._inductor_gated_mlp`` (``ops.inductor_gated_mlp``; for each op
+in ``INDUCTOR_NAMES``: the dense MLPs, the routed experts, the quant_* ops): it computes the op right there when
+nothing needs the dispatcher's layers (no gradient, autocast, dispatch or function mode, profiler), else calls the
+registered op. The C++ wrapper (AOTInductor)
 and the FX wrapper keep the registered op, and so does every graph compiled while ``config.inductor_direct`` is off.
 Where Inductor's internals differ from what this expects, nothing is installed or renamed: the graph calls the
 registered op as before. The backend installs it before Inductor compiles; the ops' fake kernels install it too when
@@ -25,11 +26,14 @@ from .. import compat, config
 
 log = logging.getLogger("mlp_fuser")
 _installed: dict[str, object] = {}  # op name -> the lowering ours wraps (Inductor's fallback)
-INDUCTOR_NAMES = {"mlp": "_inductor_mlp", "gated_mlp": "_inductor_gated_mlp"}  # op -> its torch.ops.mlp_fuser entry
+INDUCTOR_NAMES = {"mlp": "_inductor_mlp", "gated_mlp": "_inductor_gated_mlp",  # op -> its torch.ops.mlp_fuser entry
+                  "moe_mlp": "_inductor_moe_mlp", "quant_linear": "_inductor_quant_linear",
+                  "quant_mlp": "_inductor_quant_mlp", "quant_gated_mlp": "_inductor_quant_gated_mlp",
+                  "quant_moe_mlp": "_inductor_quant_moe_mlp"}
 
 
 def install() -> bool:
-    """Register the renaming fallback lowering for both ops (once per process); False where it cannot be (on
+    """Register the renaming fallback lowering for the ops (once per process); False where it cannot be (on
     ``compat``'s public path, or where Inductor's internals differ)."""
     if len(_installed) == len(INDUCTOR_NAMES):
         return True
