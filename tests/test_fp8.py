@@ -549,6 +549,38 @@ def test_fused_fp8_llama_is_as_accurate_as_transformers_own_fp8_forward(monkeypa
     assert 0 < e_ours <= 1.25 * e_theirs, f"fused {e_ours:.2e} against transformers' {e_theirs:.2e}"
 
 
+@needs_kernels
+def test_patched_fp8_model_trains_under_the_backend(monkeypatch):
+    """An FP8 base with trainable embeddings and norms (LoRA's setting: the float8 weights frozen), patched, then
+    compiled by the backend with gradients on: the compiled forward and backward (AOTAutograd traces the quant ops'
+    backward on fake tensors) give the loss and every gradient of the eager patched model."""
+    monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernels' path on the CPU too (the interpreter)
+    model, _ = _fp8_llama()
+    model = model.to(KERNEL_DEVICE)
+    for n, p in model.named_parameters():
+        p.requires_grad_(p.dtype.is_floating_point and p.element_size() > 1 and "scale" not in n)
+    mlp_fuser.patch(model)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(8)).to(KERNEL_DEVICE)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch._dynamo.reset()
+    try:
+        want_loss, want = step(model)
+        got_loss, got = step(torch.compile(model, backend=mlp_fuser.backend))
+    finally:
+        torch._dynamo.reset()
+        mlp_fuser.unpatch(model)
+    assert set(got) == set(want) and len(want) > 4
+    assert rel_err(got_loss, want_loss) < 1e-5
+    for n in want:
+        assert rel_err(got[n], want[n]) < 1e-4, n
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_inductor_code_calls_the_quant_ops_entry(direct, monkeypatch):
     """A patched FP8 LLaMA compiled by the backend: Inductor's code calls torch.ops.mlp_fuser._inductor_quant_gated_mlp
