@@ -390,13 +390,13 @@ def host_phase(kind: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _without_sites(model, ids):
+def _without_sites(model, ids, keep):
     """A prefill forward with mlp_fuser.config.sites off while it runs (the paths take turns)."""
     import mlp_fuser
 
     mlp_fuser.config.sites = False
     try:
-        return model(ids, use_cache=False).logits
+        return model(ids, use_cache=False, **keep).logits
     finally:
         mlp_fuser.config.sites = True
 
@@ -706,7 +706,8 @@ def run(args, results):
                     took[group[0]] = time.perf_counter() - t_group - (lock_waited_s - waited_before)
         if any(u.startswith("p") for u in todo):
             ids = torch.randint(3, vocab, (1, 2048 if not args.tiny else 64), device=device, generator=g)
-            ref_logits = model(ids, use_cache=False).logits.float()
+            keep = dict(logits_to_keep=1) if args.prefill_logits == "last" else {}  # generate's prefill asks for one
+            ref_logits = model(ids, use_cache=False, **keep).logits.float()
             wanted = args.prefill_paths.split(",")
             for gi, group in enumerate(prefill_groups(args)):  # timed in turns, each on its own model copy
                 members, fwds, unit = [p for p in group if p in wanted], {}, f"p{gi}"
@@ -721,7 +722,7 @@ def run(args, results):
                 try:
                     for i, path in enumerate(members):
                         m = models[path] = path_model(model, path, i == 0)
-                        fwd = lambda ids, m=m: m(ids, use_cache=False).logits  # noqa: E731
+                        fwd = lambda ids, m=m: m(ids, use_cache=False, **keep).logits  # noqa: E731
                         if path == "fp8_eager":
                             fwd = on_reference_kernel(fwd, m, device)
                         if path == "experts":
@@ -729,23 +730,23 @@ def run(args, results):
                         elif path in ("patch", "patch_merged", "patch_nosite", "fp8_patch", "fp8_backend"):
                             mlp_fuser.patch(m, merge_gate_up=path == "patch_merged")
                             if path == "patch_nosite":
-                                fwd = lambda ids, m=m: _without_sites(m, ids)  # noqa: E731
+                                fwd = lambda ids, m=m: _without_sites(m, ids, keep)  # noqa: E731
                         if path in ("compile", "backend", "backend_merged", "fp8_backend"):
                             if path == "backend_merged":
                                 log(f"{label} prefill backend_merged: {len(mlp_fuser.merge_gate_up(m))} MLPs' gate "
                                     "and up stored as one")
                             compiled = torch.compile(own_forward(m).forward, backend="inductor" if path == "compile"
                                                      else mlp_fuser.backend)
-                            fwd = lambda ids, c=compiled: c(ids, use_cache=False).logits  # noqa: E731
+                            fwd = lambda ids, c=compiled: c(ids, use_cache=False, **keep).logits  # noqa: E731
                         try:
                             t0 = time.perf_counter()
                             with host_phase("warm"), mem.warm(path):
                                 logits = fwd(ids)
-                                err = rel(logits, ref_logits)
+                                err, positions = rel(logits, ref_logits), logits.shape[-2]
                             if path.startswith("fp8") and "fp8_eager" in members:  # for the FP8 reference's row
                                 fp8_logits[path] = logits
                             del logits
-                            fwds[path] = (fwd, err, time.perf_counter() - t0)
+                            fwds[path] = (fwd, err, time.perf_counter() - t0, positions)
                         except Exception as e:
                             log(f"{label} prefill {path}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
                             results.append(dict(model=label, phase="prefill", path=path, unit=unit,
@@ -756,10 +757,11 @@ def run(args, results):
                     fp8_logits.clear()
                     with host_phase("time"):
                         times, calls = time_prefill({p: v[0] for p, v in fwds.items()}, ids, device, mem=mem)
-                    for path, (fwd, err, first_s) in fwds.items():
+                    for path, (fwd, err, first_s, positions) in fwds.items():
                         extra = dict(logits_rel_err_fp8_ref=fp8_errs[path]) if path in fp8_errs else {}
                         results.append(dict(model=label, phase="prefill", path=path, unit=unit, ms=times[path],
                                             call_ms=calls[path], logits_rel_err=err, warmup_s=first_s,
+                                            logits=args.prefill_logits, logits_positions=positions,
                                             **mem.row(path, models[path]), **extra))
                         log(f"{label} prefill {path}: {times[path]:.2f} ms (first call {first_s:.0f} s), logits rel "
                             f"err {err:.1e}" + (" against bf16's" if path.startswith("fp8") else "")
@@ -1236,6 +1238,9 @@ def main(argv=None) -> int:
                     "one that took longer at the previous batch than what is left); its rows say 'not reached'")
     ap.add_argument("--prefill-paths", default=None, help="the prefill's paths (default: eager,patch,compile,backend; "
                     "for qwen3moe also experts)")
+    ap.add_argument("--prefill-logits", choices=("all", "last"), default="all", help="the prefill's logits: every "
+                    "position's (default), or the last one's as generate's prefill asks (logits_to_keep=1: no lm_head "
+                    "over the prompt)")
     ap.add_argument("--gpus", default="1", help="spread the units of work (a decode group at one batch size, a prefill "
                     "pair) over this many GPUs, one worker process each ('all': every visible GPU)")
     ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: stop the workers this many seconds "

@@ -111,14 +111,14 @@ def test_generate_benchmark_times_the_eager_group_in_turns_on_the_cpu(tmp_path):
     bench_generate = _bench_generate()
     assert bench_generate.main(["--tiny", "--device", "cpu", "--paths", "eager,patch,patch_noplan,prefill", "--batches",
                                 "1", "--prefill-paths", "eager,patch,patch_nosite", "--rounds", "4",
-                                "--out", str(tmp_path)]) == 0
+                                "--prefill-logits", "last", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())
     assert [(r["phase"], r["path"]) for r in rows] == [("decode b=1", "eager"), ("decode b=1", "patch"),
                                                        ("decode b=1", "patch_noplan"), ("prefill", "eager"),
                                                        ("prefill", "patch"), ("prefill", "patch_nosite")]
     assert all(timed(r) for r in rows)
     assert all(r["diverges_at"] is None for r in rows[:3])  # fp32 on the CPU: the same tokens
-    assert all(r["logits_rel_err"] < 1e-5 for r in rows[3:])
+    assert all(r["logits_rel_err"] < 1e-5 and r["logits_positions"] == 1 for r in rows[3:])  # as generate's prefill
     assert mlp_fuser.config.plans and mlp_fuser.config.sites
     # the decode rows keep each round's figure (--rounds of them); the table gives the paired ratio of every round
     # and their median beside the best-of's
