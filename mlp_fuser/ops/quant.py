@@ -180,33 +180,22 @@ def _quant_gated_mlp_fake(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
-# ---- Inductor's entry (``mlp_fuser.runtime.inductor``): the op computed right there where nothing needs the
-# dispatcher's layers (a compiled graph's call: no gradient, mode or profiler), else the registered op
+# ---- Inductor's entry (``mlp_fuser.runtime.inductor``) ------------------------------------------------------------
 
 
-def inductor_quant_linear(x, w, s, b, weight_format, block=None):
-    if compat.plain_call(x, (w, s, b)):
-        return _quant_linear(x, w, s, b, weight_format, block)
-    return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, weight_format, block)
+def _inductor_entry(name: str, compute):
+    """What Inductor's generated code calls for op ``name``: ``compute`` right there where nothing needs the
+    dispatcher's layers (a compiled graph's call: no gradient, mode or profiler), else the registered op."""
+    def entry(x, *args):
+        if compat.plain_call(x, [a for a in args if a is None or isinstance(a, Tensor)]):
+            return compute(x, *args)
+        return getattr(torch.ops.mlp_fuser, name).default(x, *args)
+    entry.__name__ = f"inductor_{name}"
+    return entry
 
 
-def inductor_quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block=None):
-    if compat.plain_call(x, (w1, s1, b1, w2, s2, b2)):
-        return _quant_mlp(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block)
-    return torch.ops.mlp_fuser.quant_mlp.default(x, w1, s1, b1, w2, s2, b2, activation, weight_format, block)
-
-
-def inductor_quant_gated_mlp(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down, activation,
-                             weight_format, block=None):
-    args = (w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s_down, b_down)
-    if compat.plain_call(x, args):
-        return _quant_gated_mlp(x, *args, activation, weight_format, block)
-    return torch.ops.mlp_fuser.quant_gated_mlp.default(x, *args, activation, weight_format, block)
-
-
-for _name, _fn in (("quant_linear", inductor_quant_linear), ("quant_mlp", inductor_quant_mlp),
-                   ("quant_gated_mlp", inductor_quant_gated_mlp)):
-    compat.set_op_attribute(inductor.INDUCTOR_NAMES[_name], _fn)
+for _name, _fn in (("quant_linear", _quant_linear), ("quant_mlp", _quant_mlp), ("quant_gated_mlp", _quant_gated_mlp)):
+    compat.set_op_attribute(inductor.INDUCTOR_NAMES[_name], _inductor_entry(_name, _fn))
 
 
 # ---- backward: x and the biases (the quantized weights are frozen) ----------------------------------------------
