@@ -272,6 +272,26 @@ def test_fused_combine_against_float64(path, shape):
     assert rel_err(y.cpu(), expected, ord=math.inf) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
+@pytest.mark.parametrize("path", ["sorted", "sorted_fused", "unsorted_pdl"])
+def test_pair_rows_in_x_dtype(path, monkeypatch):
+    """config.moe_rows_lowp: the pairs' rows (down's output before the k-sum) in x's dtype, fp16 here: within fp16's
+    bar of float64, not the fp32 rows' bits (the setting took), and the path's launch plan gives moe_experts' output
+    bit for bit (both read the setting)."""
+    from mlp_fuser import config
+
+    ref_args, args = make_case(5, 4, 8, 40, 36, torch.float16, seed=3)
+    act = ExpertAct()
+    y32 = moe.moe_experts(*args, act=act, path=path)
+    monkeypatch.setattr(config, "moe_rows_lowp", True)
+    assert moe.rows_dtype(torch.float16) == torch.float16 and moe.rows_dtype(torch.float32) == torch.float32
+    with poisoned_empty():
+        y16 = moe.moe_experts(*args, act=act, path=path)
+        planned = moe.experts_plan(*args, act, False, path)(*args)
+    expected = reference64(*ref_args, act, False)
+    assert rel_err(y16.cpu(), expected, ord=math.inf) < 5e-3
+    assert torch.equal(planned, y16) and not torch.equal(y16, y32)
+
+
 @pytest.mark.parametrize("path", FUSED)
 @pytest.mark.parametrize("T", [0, 1, 4])
 def test_fused_combine_every_pair_dropped(path, T):

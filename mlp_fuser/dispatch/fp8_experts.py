@@ -180,7 +180,8 @@ def run(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate, signature: 
     args = (x2, ids2, wts2, fgu, fd, gate)
     hit = None
     if signature is not None:
-        key = (signature, config.fp8_w8a8, config.triton_on_cpu, config.force_impl, config.autotune)
+        key = (signature, config.fp8_w8a8, config.triton_on_cpu, config.force_impl, config.autotune,
+               config.moe_rows_lowp)
         hit = _PLANS.get(key)
     if hit is None:
         p = problem(x2, ids2, fgu, fd, gate)

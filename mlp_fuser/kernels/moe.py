@@ -39,6 +39,7 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover (the tested Tritons have them)
     TensorDescriptor = None
 
+from .. import config as _config
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, kept_desc, launch, next_power_of_2, num_sms
@@ -733,16 +734,23 @@ def combine_counts(T: int, H: int, down_config: dict, device: torch.device) -> T
 PER_PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: one live row in it
 
 
+def rows_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pairs' rows (down's output before the k-sum) for activations in ``dtype``: fp32, or with
+    ``config.moe_rows_lowp`` the activations' own 16-bit dtype (half the bytes both ways)."""
+    return dtype if _config.moe_rows_lowp and dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
 def _down(h: Tensor, routing: Routing | None, ids: Tensor | None, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
           y: Tensor | None, config: dict | None, counts: Tensor | None = None, pdl: bool = False,
-          scale=None, xs: Tensor | None = None, quant_x: bool = False) -> Tensor:
-    """The down kernel's launch: out (S, H) fp32 per pair, and with ``y`` given the combine into it as well (its
-    counters ``counts`` where the gate/up kernel zeroed them, else a memset's)."""
+          scale=None, xs: Tensor | None = None, quant_x: bool = False,
+          rows: torch.dtype = torch.float32) -> Tensor:
+    """The down kernel's launch: out (S, H) per pair in ``rows``' dtype, and with ``y`` given the combine into it as
+    well (its counters ``counts`` where the gate/up kernel zeroed them, else a memset's)."""
     S, I = h.shape
     E, H = w_d.shape[0], w_d.shape[1]
     k = routing.k if routing is not None else ids.shape[1]
     cfg = config or default_config("down", S // max(k, 1), k, E, H, I, h.dtype, h.device)
-    out = torch.empty((S, H), dtype=torch.float32, device=h.device)
+    out = torch.empty((S, H), dtype=rows, device=h.device)
     n_blocks = routing.block_expert.shape[0] if routing is not None else S
     if n_blocks == 0 or H == 0:
         return out
@@ -798,18 +806,21 @@ def _pdl_opts(pdl: bool) -> dict:
 
 
 def moe_down(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
-             config: dict | None = None, scale=None, xs: Tensor | None = None, quant_x: bool = False) -> Tensor:
-    """out (S, H) fp32, row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert e (dropped pairs unwritten);
-    ``scale``, ``xs`` (h's) and ``quant_x`` (h quantized by the kernel) as in ``moe_gate_up``."""
-    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale, xs=xs, quant_x=quant_x)
+             config: dict | None = None, scale=None, xs: Tensor | None = None, quant_x: bool = False,
+             rows: torch.dtype = torch.float32) -> Tensor:
+    """out (S, H) in ``rows``' dtype (fp32 unless asked), row p = (h[p] @ Wd[e]ᵀ + bd[e]) · w[p] for pair p of expert
+    e (dropped pairs unwritten); ``scale``, ``xs`` (h's) and ``quant_x`` (h quantized by the kernel) as in
+    ``moe_gate_up``."""
+    return _down(h, routing, None, wts, w_d, b_d, None, config, scale=scale, xs=xs, quant_x=quant_x, rows=rows)
 
 
 def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tensor, w_d: Tensor, b_d: Tensor | None,
                      dtype: torch.dtype, config: dict | None = None, counts: Tensor | None = None,
                      pdl: bool = False, scale=None, xs: Tensor | None = None, quant_x: bool = False) -> Tensor:
     """y (T, H) in ``dtype``, as ``moe_combine(moe_down(...))`` computes it bit for bit, in one launch: each
-    program stores its pairs' fp32 rows, and the last of a token's valid pairs to arrive (a counter per token and
-    n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in ``moe_gate_up``.
+    program stores its pairs' rows (``rows_dtype``), and the last of a token's valid pairs to arrive (a counter per
+    token and n-block) sums the token's rows in j order. ``routing`` None: every pair its own block, as in
+    ``moe_gate_up``.
     ``counts``: the counters as ``moe_gate_up(counts=...)`` zeroed them, under this ``config`` (else a memset
     zeroes new ones); ``pdl``: launched to overlap the tail of the kernel before it on the stream, which must be
     ``moe_gate_up(pdl=True)`` launched without PDL (Hopper): h and the counters are read after its end, the ids,
@@ -817,7 +828,7 @@ def moe_down_combine(h: Tensor, routing: Routing | None, ids: Tensor, wts: Tenso
     T, k = ids.shape
     y = torch.empty((T, w_d.shape[1]), dtype=dtype, device=h.device)
     if T > 0:
-        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale, xs, quant_x)
+        _down(h, routing, ids, wts, w_d, b_d, y, config, counts, pdl, scale, xs, quant_x, rows_dtype(dtype))
     return y
 
 
@@ -896,11 +907,13 @@ def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | No
     return h
 
 
-def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None, config: dict) -> Tensor:
-    """``moe_down`` with Wd read through TMA: out (S, H) fp32 per pair, the rows of dropped pairs unwritten."""
+def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None, config: dict,
+                 rows: torch.dtype = torch.float32) -> Tensor:
+    """``moe_down`` with Wd read through TMA: out (S, H) per pair in ``rows``' dtype, the rows of dropped pairs
+    unwritten."""
     S, I = h.shape
     H = w_d.shape[1]
-    out = torch.empty((S, H), dtype=torch.float32, device=h.device)
+    out = torch.empty((S, H), dtype=rows, device=h.device)
     n_blocks = routing.block_expert.shape[0]
     if n_blocks == 0 or H == 0:
         return out
@@ -1021,7 +1034,8 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
             up = cfg("gate_up_tma")
             routing = moe_align(ids, E, up["BLOCK_M"])
             h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up)
-            return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, cfg("down_tma")), ids, E, x.dtype)
+            return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, cfg("down_tma"), rows_dtype(x.dtype)), ids, E,
+                               x.dtype)
     no_memset, pdl = _FUSED.get(path, (False, False))
     down = cfg("down")
     counts = combine_counts(T, H, down, x.device) if no_memset else None
@@ -1033,7 +1047,7 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     h = moe_gate_up(x, routing, w_gu, b_gu, act, I, interleaved, up, counts=counts, pdl=pdl, scale=s_gu, gu=gu)
     if path in _FUSED:
         return moe_down_combine(h, routing, ids, wts, w_d, b_d, x.dtype, down, counts, pdl, s_d)
-    return moe_combine(moe_down(h, routing, wts, w_d, b_d, down, s_d), ids, E, x.dtype)
+    return moe_combine(moe_down(h, routing, wts, w_d, b_d, down, s_d, rows=rows_dtype(x.dtype)), ids, E, x.dtype)
 
 
 def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, interleaved: bool,
@@ -1057,7 +1071,8 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
     hq, hs = (h, None) if qh else quantize_rows(h)
     if path in _FUSED:
         return moe_down_combine(hq, routing, ids, wts, w_d, None, x.dtype, down, counts, pdl, s_d, hs, qh)
-    return moe_combine(moe_down(hq, routing, wts, w_d, None, down, s_d, hs, qh), ids, E, x.dtype)
+    return moe_combine(moe_down(hq, routing, wts, w_d, None, down, s_d, hs, qh, rows_dtype(x.dtype)), ids, E,
+                       x.dtype)
 
 
 def _fp8_config(kind: str, configs: dict | None, a8: bool, T: int, k: int, E: int, H: int, I: int,
@@ -1181,7 +1196,7 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
 
     quant_x = _quantize_plan(T, H) if a8 and not qx else None
     quant_h = _quantize_plan(S, I) if a8 and not qh else None
-    f32, i32 = torch.float32, torch.int32
+    rows, i32 = rows_dtype(dtype), torch.int32
 
     def grouped_fp8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
         routing = (None,) * 3 if unsorted else align(ids)[:3]
@@ -1191,7 +1206,7 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
         gu(xq, w_gu, w_gu, h, *routing, *head_gu, scales[0].scale, *mid_gu, xs, xs_stride,
            ids if unsorted else None, *ids_gu, counts, n_counts, None)
         hq, hs = quant_h(h) if quant_h is not None else (h, None)
-        out = torch.empty((S, H), dtype=f32, device=device)
+        out = torch.empty((S, H), dtype=rows, device=device)
         y = torch.empty((T, H), dtype=dtype, device=device)
         if combine:
             if counts is None:
@@ -1213,14 +1228,14 @@ def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct,
     E, H, I = w_d.shape
     up = cfgs.get("gate_up_tma") or default_config("gate_up_tma", T, k, E, H, I, x.dtype, x.device)
     down = cfgs.get("down_tma") or default_config("down_tma", T, k, E, H, I, x.dtype, x.device)
-    align = align_plan(ids, E, up["BLOCK_M"])
+    align, rows = align_plan(ids, E, up["BLOCK_M"]), rows_dtype(x.dtype)
 
     def tma(x, ids, wts, w_gu, b_gu, w_d, b_d):
         if w_gu.data_ptr() % 16 or w_d.data_ptr() % 16:
             return moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, False, "sorted_tma", cfgs)
         routing = align(ids)
         h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up)
-        return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, down), ids, E, x.dtype)
+        return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, down, rows), ids, E, x.dtype)
     return tma
 
 
@@ -1246,7 +1261,7 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
     grid_c, ints_c, const_c = _combine_args(ids, E, H)
     gu, down, comb = (Prepared(_moe_gate_up_kernel, grid_gu, **const_gu), Prepared(_moe_down_kernel, grid_d, **const_d),
                       Prepared(_moe_combine_kernel, grid_c, **const_c, HAS_ROWS=False))
-    f32, i32, n_gu = torch.float32, torch.int32, w_gu.shape[1]
+    rows, i32, n_gu = rows_dtype(dtype), torch.int32, w_gu.shape[1]
 
     def grouped(x, ids, wts, w_gu, b_gu, w_d, b_d):
         routing = (None,) * 3 if unsorted else align(ids)[:3]
@@ -1256,7 +1271,7 @@ def _grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tenso
         gu(x, w_gu, w_gu if b_gu is None else b_gu, h, *routing, *ints_gu, ids if unsorted else None, *ids_gu, counts,
            n_counts, kept)
         y = torch.empty((T, H), dtype=dtype, device=device)
-        out = torch.empty((S, H), dtype=f32, device=device)
+        out = torch.empty((S, H), dtype=rows, device=device)
         if combine:
             if counts is None:
                 counts = torch.zeros(counts_shape, dtype=i32, device=device)

@@ -165,7 +165,8 @@ def _signature(x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, cl
     settings. Equal signatures: the full path would accept both calls and run the same kernels with the same integers
     (the data pointers' alignment, which Triton also specialises on, is the launches' own key)."""
     return (activation, interleaved, limit, clamp_after, up_offset, config.force_impl, config.autotune,
-            config.moe_tma, config.triton_on_cpu, x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+            config.moe_tma, config.moe_rows_lowp, config.triton_on_cpu,
+            x.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32,
             x.shape, x.stride(), x.dtype, x.device, ids.shape, ids.stride(), ids.dtype, ids.device,
             wts.shape, wts.stride(), wts.dtype, wts.device, wgu.shape, wgu.stride(), wgu.dtype, wgu.device,
             wd.shape, wd.stride(), wd.dtype, wd.device,
