@@ -222,14 +222,17 @@ def test_experts_kernels_read_float8_weights(path, fmt, block):
     assert rel_err(y.cpu(), expected, math.inf) < BAR
 
 
-@pytest.mark.parametrize("path", ["sorted", "sorted_fused_nomemset", "unsorted", "unsorted_pdl"])
-@pytest.mark.parametrize("a8", [False, True])
-@pytest.mark.parametrize("fmt,block,lowp", [("block", (32, 64), False), ("channel", None, False),
-                                            ("block", (32, 64), True)])
+# the grouped paths; with the pairs' rows in x's dtype (config.moe_rows_lowp), one path of each combine (a launch of
+# its own, in down)
+PLAN_CASES = [(path, a8, fmt, block, False) for path in ("sorted", "sorted_fused_nomemset", "unsorted", "unsorted_pdl")
+              for a8 in (False, True) for fmt, block in (("block", (32, 64)), ("channel", None))]
+PLAN_CASES += [(path, a8, "block", (32, 64), True) for path in ("sorted", "unsorted_pdl") for a8 in (False, True)]
+
+
+@pytest.mark.parametrize("path,a8,fmt,block,lowp", PLAN_CASES)
 def test_fp8_grouped_plan_replays_moe_experts(path, a8, fmt, block, lowp, monkeypatch):
     """The grouped paths' plans (launches worked out once) give moe_experts' output bit for bit, on another call's
-    inputs and scales of the same signature too (another layer's); with the pairs' rows in x's dtype
-    (config.moe_rows_lowp) as well."""
+    inputs and scales of the same signature too (another layer's)."""
     monkeypatch.setattr(config, "moe_rows_lowp", lowp)
     (x, ids, wts, fgu, fd), _ = kernel_case(fmt, block, seed=13)
     plan = kmoe.experts_plan(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, path,
