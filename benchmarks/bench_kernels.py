@@ -496,11 +496,19 @@ def _cfg_tuple(c: dict, keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num
     return tuple(c[k] for k in keys)
 
 
+def _fp8_defaults(dims, a8: bool, T: int, x) -> dict:
+    """The FP8 experts' default configs per launch ({"gate_up": ..., "down": ...}) at T tokens."""
+    from mlp_fuser.kernels import moe as kmoe
+
+    H, I, E, k = dims
+    return {kind: kmoe._fp8_config(kind, None, a8, T, k, E, H, I, x) for kind in ("gate_up", "down")}
+
+
 def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 128, 8), limit=None):
     """The FP8 experts' grouped GEMM configs (see the module doc): the default against the grid, per launch, T, a8."""
     from mlp_fuser.kernels import moe as kmoe
 
-    H, I, E, k = dims
+    _, _, E, k = dims
     setup, g, timed = _fp8_experts_setup(dims, device)
     rows = ["FP8 routed experts, sorted grouped GEMMs (Qwen3-30B-A3B dims, 128 x 128 blocks), CUDA-graph µs of the "
             "whole op; configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)",
@@ -511,7 +519,7 @@ def fp8_experts_sweep(ts: str = "8,512,2048", device="cuda", dims=(2048, 768, 12
         ref = setup.reference(x, ids, wts)
         bucket = kmoe.rows_bucket(T, k, E)
         for a8 in (True, False):
-            defaults = {kind: kmoe._fp8_config(kind, None, a8, T, k, E, H, I, x) for kind in ("gate_up", "down")}
+            defaults = _fp8_defaults(dims, a8, T, x)
             d_us = timed(x, ids, wts, ref, "sorted", defaults, a8, f"T={T} a8={a8} default")
             for kind in ("gate_up", "down"):
                 got = []
@@ -542,10 +550,8 @@ def _one_token_grid(kind: str, a8: bool) -> list[tuple]:
 def fp8_experts_one(ts: str = "1", device="cuda", dims=(2048, 768, 128, 8), limit=None):
     """The FP8 experts' one-token paths (unsorted, unsorted_pdl; see the module doc): the default configs against
     ``_one_token_grid``, per T, path, a8 and launch, the other launch at its default."""
-    from mlp_fuser.kernels import moe as kmoe
     from mlp_fuser.tools.bench_fp8 import copy_bandwidth
 
-    H, I, E, k = dims
     setup, g, timed = _fp8_experts_setup(dims, device)
     bw = copy_bandwidth(device) if device == "cuda" else None  # the floor's bandwidth: the GPU's alone
     keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -560,7 +566,7 @@ def fp8_experts_one(ts: str = "1", device="cuda", dims=(2048, 768, 128, 8), limi
         floor = setup.floor_bytes((x, ids, wts)) / bw * 1e6 if bw else None
         for path in ("unsorted", "unsorted_pdl"):
             for a8 in (True, False):
-                defaults = {kind: kmoe._fp8_config(kind, None, a8, T, k, E, H, I, x) for kind in ("gate_up", "down")}
+                defaults = _fp8_defaults(dims, a8, T, x)
                 d_us = timed(x, ids, wts, ref, path, defaults, a8, f"T={T} {path} a8={a8} default")
                 for kind, other in (("gate_up", "down"), ("down", "gate_up")):
                     got = []

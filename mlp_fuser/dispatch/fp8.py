@@ -43,8 +43,13 @@ def why_not_kernels(device: str, index: int | None) -> str | None:
     return None
 
 
+def kernels_why_not(device: str, index: int | None) -> str | None:
+    """``why_not_kernels`` for a call's rows: the CPU runs the kernels too under ``config.triton_on_cpu``."""
+    return None if device == "cpu" and config.triton_on_cpu else why_not_kernels(device, index)
+
+
 def _kernels_run(p: Problem) -> str | None:
-    return None if p.device == "cpu" and config.triton_on_cpu else why_not_kernels(p.device, p.index)
+    return kernels_why_not(p.device, p.index)
 
 
 def _a8_on(p: Problem) -> str | None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .. import compat, config
+from .. import compat
 from ..activations import get_activation
 from ..dispatch import fp8
 from ..kernels import fp8 as fp8_kernels
@@ -180,22 +180,26 @@ def _quant_gated_mlp_fake(x, w_gate, s_gate, b_gate, w_up, s_up, b_up, w_down, s
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
-# ---- Inductor's entry (``mlp_fuser.runtime.inductor``) ------------------------------------------------------------
+# ---- calls from our own code: Inductor's generated code (``mlp_fuser.runtime.inductor``), the backward ------------
 
 
-def _inductor_entry(name: str, compute):
-    """What Inductor's generated code calls for op ``name``: ``compute`` right there where nothing needs the
-    dispatcher's layers (a compiled graph's call: no gradient, mode or profiler), else the registered op."""
-    def entry(x, *args):
+def _here_or_op(name: str, compute):
+    """Op ``name`` for a caller of ours: ``compute`` right there where nothing needs the dispatcher's layers (no
+    gradient, mode, tracer or profiler), else the registered op (which a tracer records as one node)."""
+    op = getattr(torch.ops.mlp_fuser, name).default
+
+    def call(x, *args):
         if compat.plain_call(x, [a for a in args if a is None or isinstance(a, Tensor)]):
             return compute(x, *args)
-        return getattr(torch.ops.mlp_fuser, name).default(x, *args)
-    entry.__name__ = f"inductor_{name}"
-    return entry
+        return op(x, *args)
+    call.__name__ = f"{name}_here_or_op"
+    return call
 
 
-for _name, _fn in (("quant_linear", _quant_linear), ("quant_mlp", _quant_mlp), ("quant_gated_mlp", _quant_gated_mlp)):
-    compat.set_op_attribute(inductor.INDUCTOR_NAMES[_name], _inductor_entry(_name, _fn))
+_ENTRIES = {name: _here_or_op(name, fn) for name, fn in (("quant_linear", _quant_linear), ("quant_mlp", _quant_mlp),
+                                                          ("quant_gated_mlp", _quant_gated_mlp))}
+for _name, _fn in _ENTRIES.items():
+    compat.set_op_attribute(inductor.INDUCTOR_NAMES[_name], _fn)
 
 
 # ---- backward: x and the biases (the quantized weights are frozen) ----------------------------------------------
@@ -207,7 +211,7 @@ _lib.define("quant_linear_t(Tensor dy, Tensor w, Tensor s, str weight_format, Sy
 def _linear_t(dy: Tensor, fw: fp8_kernels.Fp8Weight) -> Tensor:
     """dy @ W (W = fw's weight, (N, K)): the weight read transposed where it lies, on chip where the forward's rows
     run the kernels (CUDA; the CPU under ``config.triton_on_cpu``)."""
-    if why_not_kernels(dy) is None or (dy.device.type == "cpu" and config.triton_on_cpu):
+    if fp8.kernels_why_not(dy.device.type, dy.device.index) is None:
         wt = fp8_kernels.Fp8Weight(fw.w.t(), fw.scale.t(), fw.block_k, fw.block_n)
         return fp8_kernels.fp8_linear(dy.reshape(-1, dy.shape[-1]), wt).reshape(*dy.shape[:-1], fw.w.shape[1])
     return dy @ fp8_kernels.dequantize(fw, dy.dtype)
@@ -230,19 +234,9 @@ def _linear_t_backward(ctx, g):  # d(dy @ W) / d dy = g @ Wᵀ (double backward)
     return quant_linear(g, w, s, None, fmt, block), None, None, None, None
 
 
-def _t(dy: Tensor, w: Tensor, s: Tensor, fmt: str, block) -> Tensor:
-    """dy @ W inside a backward: computed here on plain tensors, else through ``quant_linear_t``, so that a compiled
-    backward (AOTAutograd's fake tensors) traces an op instead of the kernels' launches."""
-    if compat.plain_call(dy, (w, s)):
-        return _quant_linear_t(dy, w, s, fmt, block)
-    return torch.ops.mlp_fuser.quant_linear_t.default(dy, w, s, fmt, block)
-
-
-def _pre(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, fmt: str, block) -> Tensor:
-    """x @ Wᵀ + b, recomputed for the backward (through ``quant_linear`` where a tracer must see an op)."""
-    if compat.plain_call(x, (w, s, b)):
-        return _quant_linear(x, w, s, b, fmt, block)
-    return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, fmt, block)
+# Inside a backward, (dy, w, s, fmt, block) -> dy @ W and (x, w, s, b, fmt, block) -> x @ Wᵀ + b (recomputed): ops
+# where a tracer looks (a compiled backward traces AOTAutograd's fake tensors, which the kernels cannot launch on)
+_t, _pre = _here_or_op("quant_linear_t", _quant_linear_t), _ENTRIES["quant_linear"]
 
 
 def _setup(ctx, inputs, output):
