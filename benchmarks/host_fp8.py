@@ -31,7 +31,6 @@ from torch import nn  # noqa: E402
 
 from mlp_fuser import compat  # noqa: E402
 from mlp_fuser.dispatch import fp8 as dfp8  # noqa: E402
-from mlp_fuser.dispatch import fp8_experts as dfp8e  # noqa: E402
 from mlp_fuser.kernels import common, fp8, moe, moe_routing  # noqa: E402
 from mlp_fuser.ops import moe as ops_moe  # noqa: E402
 from mlp_fuser.ops import quant, quant_moe  # noqa: E402
@@ -50,7 +49,7 @@ def stub(cublas: bool = False) -> None:
 
     common.Launcher.__call__ = call
     compat.current_stream = lambda index: 0
-    dfp8.why_not_kernels = dfp8e.why_not_kernels = lambda device, index: None
+    dfp8.why_not_kernels = lambda device, index: None
     torch.cuda.get_device_capability = lambda *a: (9, 0)
     fp8.num_sms = moe.num_sms = lambda device: 132
     for name in ("tma_why_not", "_tma_layout_why_not"):  # their whole Python, but for the device's type (cpu here)

@@ -12,6 +12,7 @@ from test_fp8_moe import quantized_experts, reference64, reference64_a8, routing
 
 from mlp_fuser import config
 from mlp_fuser.dispatch import core, fp8_experts
+from mlp_fuser.dispatch import fp8 as dispatch_fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels import moe as kmoe
 from mlp_fuser.ops import quant_moe
@@ -204,7 +205,7 @@ def test_one_token_choice_is_timed_once_and_kept_with_its_plans(monkeypatch):
     """On CUDA (stood in for here) a T = 1 signature's rows are timed once: plain calls take the eager choice,
     captures the graph one, each through a plan built once; a first call inside a capture takes the first row,
     untimed and unkept; T = 2 has one candidate and is not timed."""
-    monkeypatch.setattr(fp8_experts, "why_not_kernels", lambda *a: None)
+    monkeypatch.setattr(dispatch_fp8, "why_not_kernels", lambda *a: None)
     real = fp8_experts.problem
     monkeypatch.setattr(fp8_experts, "problem", lambda *a: real(*a)._replace(device="cuda"))
     capturing = [False]

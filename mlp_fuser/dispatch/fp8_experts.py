@@ -25,7 +25,7 @@ from ..reference import Gate, reference_experts
 from . import core
 from .core import Impl
 from .experts import expert_act
-from .fp8 import why_not_kernels
+from .fp8 import kernels_why_not
 
 
 class Problem(NamedTuple):
@@ -49,7 +49,7 @@ def problem(x2: Tensor, ids2: Tensor, fgu, fd, gate: Gate | None = None) -> Prob
 
 
 def _kernels_run(p: Problem) -> str | None:
-    return None if p.device == "cpu" and config.triton_on_cpu else why_not_kernels(p.device, p.index)
+    return kernels_why_not(p.device, p.index)
 
 
 def _scale_blocks(p: Problem) -> str | None:
