@@ -26,10 +26,10 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   ``triton_moe_sorted_tma`` (the sorted path with the weights read through TMA descriptors) where experts get more
   than 96 rows each. Off: faster on the GPU but heavier on the host, which bounds a prefill through ``patch``
   (benchmarks/NOTES.md, Mixtures of experts, "Large M"); ``force_impl`` can force it.
-- ``moe_rows_lowp`` (``MLP_FUSER_MOE_ROWS_LOWP=1``, default False): the routed experts' per-pair rows (down's output
-  before the k-sum, T·k·H elements) in x's dtype (bf16, fp16) instead of fp32: half the bytes written and read back
-  where T·k is large (prefill), one more rounding of each pair's weighted row. To be timed (benchmarks/NOTES.md,
-  FP8 routed experts, 2048 tokens) before it becomes the default.
+- ``moe_rows_lowp`` (``MLP_FUSER_MOE_ROWS_LOWP=0`` turns it off, default True): the routed experts' per-pair rows
+  (down's output before the k-sum, T·k·H elements) in x's dtype (bf16, fp16) instead of fp32: half the bytes written
+  and read back where T·k is large (prefill), one more rounding of each pair's weighted row; off: fp32 rows
+  (benchmarks/NOTES.md, FP8 routed experts, "Rows in x's dtype").
 - ``quack`` (``MLP_FUSER_QUACK=0`` turns it off, default True): let the dispatcher consider QuACK's gated GEMM
   (``quack_gated_*``, where quack-kernels is installed and the GPU is an sm90).
 - ``plans`` (``MLP_FUSER_PLANS=0`` turns them off, default True): launch plans (``runtime/plans.py``); off: every CUDA
@@ -82,7 +82,7 @@ ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
     "autotune": ("MLP_FUSER_AUTOTUNE", "1", _on_unless_0),
     "triton_backward": ("MLP_FUSER_TRITON_BACKWARD", "0", _on_if_1),
     "moe_tma": ("MLP_FUSER_MOE_TMA", "0", _on_if_1),
-    "moe_rows_lowp": ("MLP_FUSER_MOE_ROWS_LOWP", "0", _on_if_1),
+    "moe_rows_lowp": ("MLP_FUSER_MOE_ROWS_LOWP", "1", _on_unless_0),
     "quack": ("MLP_FUSER_QUACK", "1", _on_unless_0),
     "plans": ("MLP_FUSER_PLANS", "1", _on_unless_0),
     "sites": ("MLP_FUSER_SITES", "1", _on_unless_0),

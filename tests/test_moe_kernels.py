@@ -281,6 +281,7 @@ def test_pair_rows_in_x_dtype(path, monkeypatch):
 
     ref_args, args = make_case(5, 4, 8, 40, 36, torch.float16, seed=3)
     act = ExpertAct()
+    monkeypatch.setattr(config, "moe_rows_lowp", False)
     y32 = moe.moe_experts(*args, act=act, path=path)
     monkeypatch.setattr(config, "moe_rows_lowp", True)
     assert moe.rows_dtype(torch.float16) == torch.float16 and moe.rows_dtype(torch.float32) == torch.float32
