@@ -401,6 +401,16 @@ def _without_sites(model, ids, keep):
         mlp_fuser.config.sites = True
 
 
+GUARD_FILTERS = {"none": None, "nn_modules": "skip_guard_on_all_nn_modules_unsafe"}
+guard_filter = "none"  # --guard-filter: every compiled path's torch.compile options
+
+
+def compile_options() -> dict | None:
+    """torch.compile's options for every compiled path: a new dict each time (torch.compile pops the filter)."""
+    name = GUARD_FILTERS[guard_filter]
+    return {"guard_filter_fn": getattr(torch.compiler, name)} if name else None
+
+
 def is_static(path: str) -> bool:
     """A path decoding with the static cache and CUDA graphs (``fp8_static`` and ``fp8_static_backend`` too)."""
     return path.startswith(("static", "fp8_static"))
@@ -420,7 +430,7 @@ def generate_fn(model, path, ids):
         # backend_nodirect: a backend of its own, so that Dynamo keeps its graphs apart from the backend path's
         backend = {"compile": "inductor", "backend": mlp_fuser.backend}.get(path) or mlp_fuser.make_backend()
         own_forward(model)
-        model.forward = torch.compile(model.forward, backend=backend)
+        model.forward = torch.compile(model.forward, backend=backend, options=compile_options())
         cleanup.append(lambda: model.__dict__.pop("forward", None))
     elif path == "experts":
         model.set_experts_implementation(experts.NAME)
@@ -438,7 +448,9 @@ def generate_fn(model, path, ids):
         own_forward(model)
         cleanup.append(lambda: model.__dict__.pop("forward", None))
         backend = mlp_fuser.backend if path in ("static_backend", "fp8_static_backend") else "inductor"
-        cc = CompileConfig(fullgraph=True, backend=backend)
+        options = compile_options()  # torch.compile takes a mode or options: reduce-overhead's CUDA graphs as an option
+        cc = (CompileConfig(fullgraph=True, backend=backend, mode=None, options={**options, "triton.cudagraphs": True})
+              if options else CompileConfig(fullgraph=True, backend=backend))
         cc._compile_all_devices = True  # transformers compiles on CUDA only unless told (for --tiny on the CPU)
         kwargs.update(cache_implementation="static", compile_config=cc)
         cleanup.append(lambda: [model.__dict__.pop(k, None) for k in ("_compiled_call", "_last_compile_config")])
@@ -736,7 +748,7 @@ def run(args, results):
                                 log(f"{label} prefill backend_merged: {len(mlp_fuser.merge_gate_up(m))} MLPs' gate "
                                     "and up stored as one")
                             compiled = torch.compile(own_forward(m).forward, backend="inductor" if path == "compile"
-                                                     else mlp_fuser.backend)
+                                                     else mlp_fuser.backend, options=compile_options())
                             fwd = lambda ids, c=compiled: c(ids, use_cache=False, **keep).logits  # noqa: E731
                         try:
                             t0 = time.perf_counter()
@@ -1106,7 +1118,8 @@ def log_profile(title, prof, lines=16):
 def model_label(args) -> str:
     label = f"{args.model}{' (tiny)' if args.tiny else ''}"
     full = (MOE_MODELS.get(args.model) or MODELS.get(args.model))["num_hidden_layers"]
-    return label + (f" ({args.layers} of {full} layers)" if args.layers else "")
+    label += f" ({args.layers} of {full} layers)" if args.layers else ""
+    return label + (f", guards: {args.guard_filter} skipped" if getattr(args, "guard_filter", "none") != "none" else "")
 
 
 def baseline(results, r):
@@ -1259,10 +1272,16 @@ def main(argv=None) -> int:
     ap.add_argument("--step-profile", action="store_true", help="with --step: the back-to-back calls under cProfile "
                     "(where a replay's host time goes; that column then includes the profiler's cost), the whole "
                     "profile written to OUT/step_PATH_bBATCH.pstats")
+    ap.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default="none",
+                    help="every compiled path's Dynamo guards: none skipped, or nn_modules (torch.compile's "
+                         "guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe: the modules' own guards "
+                         "dropped, as people do who never change a compiled model)")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model "
                          "(decode: one generate; prefill: one forward), and the host's time for the whole call")
     args = ap.parse_args(argv)
+    global guard_filter
+    guard_filter = args.guard_filter
     if args.paths is None:
         args.paths = FP8_PATHS if args.fp8 else MOE_PATHS if is_moe(args) else ",".join(DECODE_PATHS + ["prefill"])
     if args.prefill_paths is None:
@@ -1283,7 +1302,9 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 512
     log(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, mlp_fuser "
-        f"{mlp_fuser.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+        f"{mlp_fuser.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
+        + (f"; compiled paths with guard_filter_fn={GUARD_FILTERS[guard_filter]}" if GUARD_FILTERS[guard_filter]
+           else ""))
     n = torch.cuda.device_count() if args.gpus == "all" else int(args.gpus)
     if n > 1:
         if args.quiet_timing:  # the workers inherit the lock's path

@@ -415,6 +415,35 @@ def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_pa
     assert re.search(r"step alone, 1b \(tiny\) b=1 static: Python by own time over \d+ calls \(cProfile\)\n\s+\d+", err)
 
 
+def test_generate_benchmark_guard_filter_drops_the_modules_guards(monkeypatch):
+    # --guard-filter nn_modules: every compiled path gets torch.compile's guard_filter_fn, a new dict per compile
+    # (torch.compile pops it); a compiled module then keeps no guard on its parameters; the rows' model label says so.
+    import argparse
+
+    bench_generate = _bench_generate()
+    assert bench_generate.compile_options() is None
+
+    def weight_guards(options):
+        torch._dynamo.reset()
+        lin = torch.nn.Linear(4, 4)
+
+        def step(x):
+            return lin(x)
+        torch.compile(step, backend="eager", options=options)(torch.randn(2, 4))
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(step.__code__)
+        return sum("TENSOR_MATCH" in line and "_parameters" in line
+                   for line in str(entries[0].guard_manager).splitlines())
+
+    assert weight_guards(None) == 2  # the weight and the bias
+    monkeypatch.setattr(bench_generate, "guard_filter", "nn_modules")
+    a, b = bench_generate.compile_options(), bench_generate.compile_options()
+    assert a is not b and a["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    assert weight_guards(a) == 0
+    args = argparse.Namespace(model="1b", tiny=True, layers=None, guard_filter="nn_modules")
+    assert bench_generate.model_label(args) == "1b (tiny), guards: nn_modules skipped"
+    torch._dynamo.reset()
+
+
 def test_generate_benchmark_backend_nodirect_calls_the_registered_op(monkeypatch):
     # bench_generate's backend_nodirect path: the dynamic-cache backend compiled with Inductor's direct call off (its
     # graphs call the registered op), while the backend path's graphs call the op's entry; same tokens as compile.
