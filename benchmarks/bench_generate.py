@@ -402,13 +402,17 @@ def _without_sites(model, ids, keep):
 
 
 GUARD_FILTERS = {"none": None, "nn_modules": "skip_guard_on_all_nn_modules_unsafe"}
-guard_filter = "none"  # --guard-filter: every compiled path's torch.compile options
+guard_filter = "none"  # --guard-filter and --freezing: every compiled path's torch.compile options
+freezing = False
 
 
 def compile_options() -> dict | None:
     """torch.compile's options for every compiled path: a new dict each time (torch.compile pops the filter)."""
     name = GUARD_FILTERS[guard_filter]
-    return {"guard_filter_fn": getattr(torch.compiler, name)} if name else None
+    options = {"guard_filter_fn": getattr(torch.compiler, name)} if name else {}
+    if freezing:  # Inductor folds the weights in as constants (inference graphs): fewer inputs per call
+        options["freezing"] = True
+    return options or None
 
 
 def is_static(path: str) -> bool:
@@ -1119,7 +1123,8 @@ def model_label(args) -> str:
     label = f"{args.model}{' (tiny)' if args.tiny else ''}"
     full = (MOE_MODELS.get(args.model) or MODELS.get(args.model))["num_hidden_layers"]
     label += f" ({args.layers} of {full} layers)" if args.layers else ""
-    return label + (f", guards: {args.guard_filter} skipped" if getattr(args, "guard_filter", "none") != "none" else "")
+    label += f", guards: {args.guard_filter} skipped" if getattr(args, "guard_filter", "none") != "none" else ""
+    return label + (", frozen" if getattr(args, "freezing", False) else "")
 
 
 def baseline(results, r):
@@ -1276,12 +1281,14 @@ def main(argv=None) -> int:
                     help="every compiled path's Dynamo guards: none skipped, or nn_modules (torch.compile's "
                          "guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe: the modules' own guards "
                          "dropped, as people do who never change a compiled model)")
+    ap.add_argument("--freezing", action="store_true", help="every compiled path with Inductor's freezing option (the "
+                    "weights folded in as constants of inference graphs)")
     ap.add_argument("--time-modules", action="store_true",
                     help="eager and patch: host µs per call inside the MLP and attention modules, in the model "
                          "(decode: one generate; prefill: one forward), and the host's time for the whole call")
     args = ap.parse_args(argv)
-    global guard_filter
-    guard_filter = args.guard_filter
+    global guard_filter, freezing
+    guard_filter, freezing = args.guard_filter, args.freezing
     if args.paths is None:
         args.paths = FP8_PATHS if args.fp8 else MOE_PATHS if is_moe(args) else ",".join(DECODE_PATHS + ["prefill"])
     if args.prefill_paths is None:
@@ -1304,7 +1311,7 @@ def main(argv=None) -> int:
     log(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, mlp_fuser "
         f"{mlp_fuser.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
         + (f"; compiled paths with guard_filter_fn={GUARD_FILTERS[guard_filter]}" if GUARD_FILTERS[guard_filter]
-           else ""))
+           else "") + ("; compiled paths with Inductor's freezing" if freezing else ""))
     n = torch.cuda.device_count() if args.gpus == "all" else int(args.gpus)
     if n > 1:
         if args.quiet_timing:  # the workers inherit the lock's path

@@ -417,7 +417,8 @@ def test_generate_benchmark_times_the_static_step_alone_inside_a_generate(tmp_pa
 
 def test_generate_benchmark_guard_filter_drops_the_modules_guards(monkeypatch):
     # --guard-filter nn_modules: every compiled path gets torch.compile's guard_filter_fn, a new dict per compile
-    # (torch.compile pops it); a compiled module then keeps no guard on its parameters; the rows' model label says so.
+    # (torch.compile pops it); a compiled module then keeps no guard on its parameters; --freezing adds Inductor's
+    # freezing; the rows' model label says both.
     import argparse
 
     bench_generate = _bench_generate()
@@ -439,8 +440,10 @@ def test_generate_benchmark_guard_filter_drops_the_modules_guards(monkeypatch):
     a, b = bench_generate.compile_options(), bench_generate.compile_options()
     assert a is not b and a["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
     assert weight_guards(a) == 0
-    args = argparse.Namespace(model="1b", tiny=True, layers=None, guard_filter="nn_modules")
-    assert bench_generate.model_label(args) == "1b (tiny), guards: nn_modules skipped"
+    args = argparse.Namespace(model="1b", tiny=True, layers=None, guard_filter="nn_modules", freezing=True)
+    assert bench_generate.model_label(args) == "1b (tiny), guards: nn_modules skipped, frozen"
+    monkeypatch.setattr(bench_generate, "freezing", True)
+    assert bench_generate.compile_options()["freezing"] is True
     torch._dynamo.reset()
 
 
