@@ -445,15 +445,15 @@ def test_quant_ops_pass_opcheck():
 # ---- patch on FP8Linear models ------------------------------------------------------------------------------
 
 
-def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8):
-    """A tiny LLaMA whose every Linear but lm_head is transformers' FP8Linear, beside a twin holding the same
-    weights dequantized in plain Linears (what the FP8 model computes)."""
+def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2):
+    """A tiny LLaMA of ``layers`` layers whose every Linear but lm_head is transformers' FP8Linear, beside a twin
+    holding the same weights dequantized in plain Linears (what the FP8 model computes)."""
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
     model = transformers.LlamaForCausalLM(cfg).eval()
     twin = copy.deepcopy(model)
     for (_, mod), (_, tmod) in zip(list(model.named_modules()), list(twin.named_modules())):
@@ -556,7 +556,7 @@ def test_patched_fp8_model_trains_under_the_backend(monkeypatch):
     backward on fake tensors) give the loss and every gradient of the eager patched model."""
     monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernels' path on the CPU too (the interpreter)
     monkeypatch.setattr(config, "fp8_w8a8", False)  # no activation rounding to flip between two fp32 schedules
-    model, _ = _fp8_llama()
+    model, _ = _fp8_llama(layers=1)  # every kind of FP8 linear is in one layer; CPU Inductor compiles take seconds each
     model = model.to(KERNEL_DEVICE)
     for n, p in model.named_parameters():
         p.requires_grad_(p.dtype.is_floating_point and p.element_size() > 1 and "scale" not in n)
