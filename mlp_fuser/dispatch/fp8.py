@@ -48,7 +48,8 @@ def kernels_why_not(device: str, index: int | None) -> str | None:
     return None if device == "cpu" and config.triton_on_cpu else why_not_kernels(device, index)
 
 
-def _kernels_run(p: Problem) -> str | None:
+def kernels_run(p) -> str | None:
+    """``kernels_why_not`` as a table's rule: ``p`` any problem with a ``device`` type and ``index``."""
     return kernels_why_not(p.device, p.index)
 
 
@@ -196,10 +197,10 @@ def _row(name: str, a8: bool, *why) -> Impl:
 IMPLS: list[Impl] = [  # from the top down, the first that can run a call runs it
     # prefill sizes, 128 x 128 blocks: cuBLAS' blockwise-scaled GEMMs, act · up in aten between them
     Impl("fp8_cublas_blockwise", _cublas, None, frozenset({torch.float16, torch.bfloat16}),
-         why=(_kernels_run, _a8_on, _cublas_m, lambda p: p.cublas_format, _cublas_device), plan=_cublas_plan),
+         why=(kernels_run, _a8_on, _cublas_m, lambda p: p.cublas_format, _cublas_device), plan=_cublas_plan),
     # x quantized per token and 128 columns, the fp8 tensor cores multiply: fastest
-    _row("fp8_w8a8", True, _kernels_run, _a8_on, lambda p: p.a8_format),
-    _row("fp8_w8a16", False, _kernels_run),  # weights cast on chip, x as it is
+    _row("fp8_w8a8", True, kernels_run, _a8_on, lambda p: p.a8_format),
+    _row("fp8_w8a16", False, kernels_run),  # weights cast on chip, x as it is
     Impl("aten_dequantize", dequantized, None, None),  # each weight dequantized to x's dtype, then aten
 ]
 FP8 = core.Registry("fp8", IMPLS, None)

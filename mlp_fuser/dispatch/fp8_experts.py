@@ -25,7 +25,7 @@ from ..reference import Gate, reference_experts
 from . import core
 from .core import Impl
 from .experts import expert_act
-from .fp8 import kernels_why_not
+from .fp8 import kernels_run
 
 
 class Problem(NamedTuple):
@@ -46,10 +46,6 @@ def problem(x2: Tensor, ids2: Tensor, fgu, fd, gate: Gate | None = None) -> Prob
     layouts = ((tuple(fe.w.shape), tuple(fe.scale.shape), fe.block_n, fe.up_soff) for fe in (fgu, fd))
     k_blocks = tuple(fe.block_k if fe.k_scaled else None for fe in (fgu, fd))
     return Problem(x2.device.type, x2.device.index, T * k, k_blocks, T, (x2.dtype, k, gate, *layouts))
-
-
-def _kernels_run(p: Problem) -> str | None:
-    return kernels_why_not(p.device, p.index)
 
 
 def _scale_blocks(p: Problem) -> str | None:
@@ -83,7 +79,7 @@ def _one_token(p: Problem) -> str | None:
 
 
 def _no_kernels(p: Problem) -> str | None:  # the dequantized copy only where no kernel row runs (forcing runs it)
-    return None if _kernels_run(p) or _scale_blocks(p) else "the kernels run it"
+    return None if kernels_run(p) or _scale_blocks(p) else "the kernels run it"
 
 
 def _kernels(path: str, a8: bool) -> tuple:
@@ -109,7 +105,7 @@ def dequantized(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> 
 
 def _row(name: str, path: str, a8: bool, why=(), worth=()) -> Impl:
     fn, plan = _kernels(path, a8)
-    return Impl(name, fn, None, None, why=(_kernels_run, _scale_blocks, *why), worth=worth, plan=plan)
+    return Impl(name, fn, None, None, why=(kernels_run, _scale_blocks, *why), worth=worth, plan=plan)
 
 
 IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (else the first runs); sorted first
@@ -259,7 +255,7 @@ def dequantized_backward(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: 
 
 
 BACKWARD_IMPLS: list[Impl] = [  # a row's fn(x2, ids2, wts2, fgu, fd, gate, dy2, need_dx) -> (dx or None, dwts)
-    Impl("fp8_moe_triton_backward", triton_backward, None, None, why=(_kernels_run, _scale_blocks, _triton_grad)),
+    Impl("fp8_moe_triton_backward", triton_backward, None, None, why=(kernels_run, _scale_blocks, _triton_grad)),
     Impl("aten_dequantize", dequantized_backward, None, None),  # forcing "aten_dequantize" forces both directions
 ]
 FP8_EXPERTS_BACKWARD = core.Registry("fp8_experts_backward", BACKWARD_IMPLS, None, what="the backward of ")
