@@ -96,14 +96,12 @@ def fp8_gated_quant(x_desc, xs_ptr, g_desc, gs_ptr, u_desc, us_ptr, q_desc, hs_p
     tl.store(hs_ptr + pid_n * M + offs_m, scale, mask=offs_m < M)
 
 
-VARIANTS = []  # (name, persistent, WS, BLOCK_M, BLOCK_N, warps, stages)
-for ws, shapes in ((False, ((64, 128, 4), (128, 128, 8), (64, 256, 4), (128, 256, 8))),
-                   (True, ((64, 128, 4), (64, 256, 4), (128, 128, 8), (128, 256, 8)))):
-    for persistent in (False, True):
-        for bm, bn, warps in shapes:
-            for stages in (3, 4):
-                VARIANTS.append((f"{'pers' if persistent else 'tile'}{'+ws' if ws else ''} {bm}x{bn} w{warps} s{stages}",
-                                 persistent, ws, bm, bn, warps, stages))
+VARIANTS = [  # (name, persistent, WS, BLOCK_M, BLOCK_N, warps, stages): the ones that compile as asked on sm_90a
+    (f"{'pers' if pers else 'tile'}{'+ws' if ws else ''} {bm}x128 w{warps} s{stages}", pers, ws, bm, 128, warps, stages)
+    for pers, ws, bm, warps, stages_all in ((False, False, 64, 4, (3, 4)), (False, False, 128, 8, (3, 4)),
+                                            (True, False, 128, 8, (3,)), (False, True, 64, 4, (3, 4)),
+                                            (True, True, 64, 4, (3, 4)))
+    for stages in stages_all]
 
 
 def launch(v, xq, xs_t, wq, ws, y, num_sms):
@@ -149,9 +147,8 @@ def ptx_check():
             print(f"{name:28s} FAILED {type(e).__name__}: {str(e)[:200]}")
 
 
-GATED = [(name, ws, bm, warps, stages) for ws, bm, warps in ((False, 64, 4), (False, 128, 8), (True, 64, 4),
-                                                              (True, 128, 8)) for stages in (3, 4)
-         for name in [f"{'ws ' if ws else ''}{bm}x128 w{warps} s{stages}"]]
+GATED = [(f"{'ws ' if ws else ''}{bm}x128 w{warps} s{stages}", ws, bm, warps, stages)
+         for ws, bm, warps, stages in ((False, 64, 4, 3), (False, 128, 8, 3), (True, 64, 4, 3))]
 
 
 def gated_launch(v, xq, xs_t, g, gs, u, us, q, hs_t):
@@ -200,8 +197,7 @@ def mlp_main(rows):
         q = torch.empty(M, I, device=dev, dtype=torch.float8_e4m3fn)
         hs_t = torch.empty(I // 128, M, device=dev, dtype=torch.float32)
         for v in GATED:
-            for dv in [d for d in VARIANTS if d[0] in ("tile 64x128 w4 s4", "tile+ws 64x128 w4 s4", "pers+ws 64x128 w4 s3",
-                                                      "tile 128x128 w8 s4")]:
+            for dv in [d for d in VARIANTS if d[0] in ("tile 64x128 w4 s4", "tile+ws 64x128 w4 s4")]:
                 y = torch.full((M, H), float("nan"), device=dev, dtype=torch.bfloat16)
 
                 def ours():
@@ -239,16 +235,15 @@ def main():
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     rows = []
-    for M, N, K in ((2048, 14336, 4096), (2048, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 14336),
-                    (2048, 1536, 2048), (512, 14336, 4096)):
+    for M, N, K in ((2048, 14336, 4096), (2048, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 14336)):
         torch.manual_seed(0)
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         wq, ws = quantize_blocks(torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02)
         ws = ws.contiguous()
         xq, xs = quantize_rows(x)
         xs_t = xs.t().contiguous()  # (K/128, M)
-        ref = (xq.double() * xs.double().repeat_interleave(128, 1)[:, :K]) @ \
-              (wq.double() * ws.double().repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]).t()
+        ref = (xq.float() * xs.repeat_interleave(128, 1)[:, :K]) @ \
+              (wq.float() * ws.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]).t()
         flops = 2 * M * N * K
 
         def err(y):

@@ -26,6 +26,8 @@ for name, m in (("backend", model), ("fp8_backend", fp8)):
         fwds[name]()
 torch.cuda.synchronize()
 for name, fwd in fwds.items():
+    from mlp_fuser.kernels import common
+    slow0 = common.Launcher.slow_calls
     s0 = torch.cuda.memory_stats()
     host, wall = [], []
     for i in range(10):
@@ -33,7 +35,7 @@ for name, fwd in fwds.items():
         torch.cuda.synchronize(); host.append((t1 - t0) * 1e3); wall.append((time.perf_counter() - t0) * 1e3)
     s1 = torch.cuda.memory_stats()
     d = {k: s1.get(k, 0) - s0.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
-    print(f"{name:12s} host {statistics.median(host):7.2f} wall {statistics.median(wall):7.2f} ms; over 10 calls {d}", flush=True)
+    print(f"{name:12s} host {statistics.median(host):7.2f} wall {statistics.median(wall):7.2f} ms; over 10 calls {d}, slow launches {common.Launcher.slow_calls - slow0}", flush=True)
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
