@@ -69,9 +69,10 @@ def fp8_gemm_persistent(x_desc, xs_ptr, w_desc, ws_ptr, y_desc, M, N, K,
 @triton.jit
 def fp8_gated_quant(x_desc, xs_ptr, g_desc, gs_ptr, u_desc, us_ptr, q_desc, hs_ptr, M, N, K,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    WS: tl.constexpr, STAGES: tl.constexpr):
+                    WS: tl.constexpr, STAGES: tl.constexpr, QUANT: tl.constexpr = True):
     """h = silu(x Wg^T) * (x Wu^T), rounded to bf16, then quantized per token and 128 columns in the epilogue:
-    q (M, N) fp8 by TMA, hs (N/128, M) fp32. BLOCK_N is 128: one scale block per row of the tile."""
+    q (M, N) fp8 by TMA, hs (N/128, M) fp32 (BLOCK_N 128: one scale block per row of the tile); without QUANT
+    h is stored in bf16 through q_desc (any BLOCK_N dividing 128)."""
     pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -84,11 +85,14 @@ def fp8_gated_quant(x_desc, xs_ptr, g_desc, gs_ptr, u_desc, us_ptr, q_desc, hs_p
         bg = g_desc.load([off_n, k * BLOCK_K])
         bu = u_desc.load([off_n, k * BLOCK_K])
         xs = tl.load(xs_ptr + k * M + offs_m, mask=offs_m < M, other=0.0)
-        acc_g += tl.dot(a, bg.T) * (xs * tl.load(gs_ptr + pid_n * kb + k))[:, None]
-        acc_u += tl.dot(a, bu.T) * (xs * tl.load(us_ptr + pid_n * kb + k))[:, None]
+        acc_g += tl.dot(a, bg.T) * (xs * tl.load(gs_ptr + (off_n // 128) * kb + k))[:, None]
+        acc_u += tl.dot(a, bu.T) * (xs * tl.load(us_ptr + (off_n // 128) * kb + k))[:, None]
     g = acc_g.to(tl.bfloat16).to(tl.float32)
     u = acc_u.to(tl.bfloat16).to(tl.float32)
     h = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32) * u
+    if not QUANT:
+        q_desc.store([off_m, off_n], h.to(tl.bfloat16))
+        return
     h = h.to(tl.bfloat16).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
     q = tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0)
@@ -147,19 +151,21 @@ def ptx_check():
             print(f"{name:28s} FAILED {type(e).__name__}: {str(e)[:200]}")
 
 
-GATED = [(f"{'ws ' if ws else ''}{bm}x128 w{warps} s{stages}", ws, bm, warps, stages)
-         for ws, bm, warps, stages in ((False, 64, 4, 3), (False, 128, 8, 3), (True, 64, 4, 3))]
+GATED = [(f"{'ws ' if ws else ''}{bm}x{bn} w{warps} s{stages}{'' if quant else ' h bf16'}", ws, bm, warps, stages, bn, quant)
+         for ws, bm, warps, stages, bn, quant in ((False, 64, 4, 3, 128, True), (False, 128, 8, 3, 128, True),
+                                                  (True, 64, 4, 3, 128, True), (True, 64, 4, 3, 64, False),
+                                                  (True, 64, 4, 4, 64, False), (False, 128, 8, 3, 64, False))]
 
 
 def gated_launch(v, xq, xs_t, g, gs, u, us, q, hs_t):
     from triton.tools.tensor_descriptor import TensorDescriptor
-    _, ws_on, bm, warps, stages = v
+    _, ws_on, bm, warps, stages, bn, quant = v
     M, K = xq.shape
     N = g.shape[0]
     d = TensorDescriptor.from_tensor
-    fp8_gated_quant[(triton.cdiv(M, bm) * triton.cdiv(N, 128),)](
-        d(xq, [bm, 128]), xs_t, d(g, [128, 128]), gs, d(u, [128, 128]), us, d(q, [bm, 128]), hs_t, M, N, K,
-        BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, WS=ws_on, STAGES=stages, num_warps=warps)
+    fp8_gated_quant[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        d(xq, [bm, 128]), xs_t, d(g, [bn, 128]), gs, d(u, [bn, 128]), us, d(q, [bm, bn]), hs_t, M, N, K,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, WS=ws_on, STAGES=stages, QUANT=quant, num_warps=warps)
 
 
 def mlp_main(rows):
@@ -196,6 +202,7 @@ def mlp_main(rows):
         print(rows[-2:], flush=True)
         q = torch.empty(M, I, device=dev, dtype=torch.float8_e4m3fn)
         hs_t = torch.empty(I // 128, M, device=dev, dtype=torch.float32)
+        hb = torch.empty(M, I, device=dev, dtype=torch.bfloat16)
         for v in GATED:
             for dv in [d for d in VARIANTS if d[0] in ("tile 64x128 w4 s4", "tile+ws 64x128 w4 s4")]:
                 y = torch.full((M, H), float("nan"), device=dev, dtype=torch.bfloat16)
@@ -203,8 +210,13 @@ def mlp_main(rows):
                 def ours():
                     xq, xs = quantize_rows(x)
                     xs_t = xs.t().contiguous()
-                    gated_launch(v, xq, xs_t, q8[0][0], q8[0][1].contiguous(), q8[1][0], q8[1][1].contiguous(), q, hs_t)
-                    launch(dv, q, hs_t, q8[2][0], q8[2][1].contiguous(), y, num_sms)
+                    gated_launch(v, xq, xs_t, q8[0][0], q8[0][1].contiguous(), q8[1][0], q8[1][1].contiguous(),
+                                 q if v[6] else hb, hs_t)
+                    if v[6]:
+                        launch(dv, q, hs_t, q8[2][0], q8[2][1].contiguous(), y, num_sms)
+                    else:
+                        hq, hs = quantize_rows(hb)
+                        launch(dv, hq, hs.t().contiguous(), q8[2][0], q8[2][1].contiguous(), y, num_sms)
                     return y
                 try:
                     ours(); torch.cuda.synchronize()
