@@ -213,6 +213,26 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk
     tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M_OUT)
 
 
+@triton.jit
+def _act_quant_kernel(g_ptr, u_ptr, q_ptr, s_ptr, M, K, stride_sm, stride_sk, ACT: tl.constexpr, HAS_U: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """h = act(g) · u rounded as aten rounds it (act's result, then the product, in g's dtype), then quantized as
+    ``_quantize_rows_kernel`` quantizes x: the cuBLAS MLP's glue in one pass, no bf16 h in HBM. g, u contiguous."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    offs = kb * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs_m[:, None] < M) & (offs[None, :] < K)
+    g = tl.load(g_ptr + offs_m[:, None] * K + offs[None, :], mask=mask, other=0.0)
+    h = ACT(g.to(tl.float32)).to(g.dtype).to(tl.float32)
+    if HAS_U:
+        u = tl.load(u_ptr + offs_m[:, None] * K + offs[None, :], mask=mask, other=0.0)
+        h = (h * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
+    q = tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0)
+    tl.store(q_ptr + offs_m[:, None] * K + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M)
+
+
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x (M, K) as float8_e4m3fn (M, K) and fp32 scales (M, ⌈K/128⌉): one scale per token and 128-wide K block."""
     if INTERPRET:  # the interpreter's fp32 -> float8 cast misrounds where rounding carries (7.9 -> 4): aten's
@@ -599,6 +619,30 @@ def _quantize_plan(M: int, K: int, rows: int | None = None, scales_t: bool = Fal
         kernel(x, q, s, M, R, K, x.stride(0), x.stride(1), *strides)
         return q, s
     return quant
+
+
+def act_quant_plan(M: int, K: int, activation: str, gated: bool, scales_t: bool = False):
+    """(g, u) -> ``quantize_rows(act(g) · u)`` (u None where not gated) for g, u (M, K) contiguous, in one launch;
+    s as ``_quantize_plan`` lays it out. Under the interpreter (whose bf16 casts truncate) the aten path."""
+    act = get_activation(activation)
+    if INTERPRET or act.triton_fn is None:
+        quant = _quantize_plan(M, K, scales_t=scales_t)
+
+        def aten(g, u):
+            h = act.fn(g)
+            return quant(h.mul_(u) if gated else h)
+        return aten
+    kb = cdiv(K, A8_BLOCK)
+    kernel = Prepared(_act_quant_kernel, (cdiv(M, 16), kb), ACT=act.triton_fn, HAS_U=gated, BLOCK_M=16,
+                      BLOCK=A8_BLOCK, num_warps=4)
+    strides = (1, M) if scales_t else (kb, 1)
+
+    def fused(g, u):
+        q = torch.empty((M, K), device=g.device, dtype=FP8)
+        s = torch.empty_strided((M, kb), strides, device=g.device, dtype=torch.float32)
+        kernel(g, u if gated else g, q, s, M, K, *strides)
+        return q, s
+    return fused
 
 
 def tma_why_not(xq: Tensor, w: Fp8Weight, up: Fp8Weight | None, a8: bool, cfg: Config) -> str | None:

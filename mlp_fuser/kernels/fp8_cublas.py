@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import compat
 from ..activations import get_activation
-from .fp8 import A8_BLOCK, Fp8Weight, _quantize_plan, quantize_rows
+from .fp8 import A8_BLOCK, Fp8Weight, _quantize_plan, act_quant_plan, quantize_rows
 
 _RUNS: dict = {}  # CUDA device index -> None (blockwise scaled_mm runs and is right there) or why not
 
@@ -59,8 +59,9 @@ def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
     return _mlp(x, weights, get_activation(activation).fn, gated, _quantized, quantize_rows, (gemm, gemm, gemm))
 
 
-def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms) -> Tensor:
-    """``mlp`` on the given quantizers and (gate, up, down) GEMMs ``(q, s, fw) -> y`` (rows padded to 4 by them)."""
+def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms, act_quant=None) -> Tensor:
+    """``mlp`` on the given quantizers and (gate, up, down) GEMMs ``(q, s, fw) -> y`` (rows padded to 4 by them);
+    ``act_quant(g, u)``: act · up and h's quantization in one launch (else act, mul and ``quant_h`` in turn)."""
     M = x.shape[0]
     first, up, down = gemms
     q, s = quant_x(x)
@@ -68,20 +69,25 @@ def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms) -> Tenso
     g = first(q, s, w1)
     if b1 is not None:
         g += b1
+    u = None
     if gated:
         _, wu, bu = rest[0]
         u = up(q, s, wu)
         if bu is not None:
             u += bu
-        h = act(g)
-        del g  # each (M, I) intermediate freed as soon as it is used: the peak stays at three of them
-        h.mul_(u)
-        del u
+    _, wd, bd = rest[-1]
+    if act_quant is not None:
+        qh = act_quant(g, u)
+        del g, u
     else:
         h = act(g)
-        del g
-    _, wd, bd = rest[-1]
-    y = down(*quant_h(h), wd)
+        del g  # each (M, I) intermediate freed as soon as it is used: the peak stays at three of them
+        if gated:
+            h.mul_(u)
+            del u
+        qh = quant_h(h)
+        del h
+    y = down(*qh, wd)
     if y.shape[0] != M:
         y = y[:M]
     return y if bd is None else y + bd
@@ -133,11 +139,12 @@ def mlp_plan(x: Tensor, weights, activation: str, gated: bool):
     act = get_activation(activation).fn
     (_, w1, _), *rest = weights
     wd = rest[-1][1]
-    quant_x, quant_h = _quant_plan(M, K), _quant_plan(M + -M % 4, w1.w.shape[0])
+    quant_x = _quant_plan(M, K)
+    act_quant = act_quant_plan(M + -M % 4, w1.w.shape[0], activation, gated, scales_t=True)
     gemms = (_gemm_plan(w1, x.dtype), _gemm_plan(rest[0][1], x.dtype), _gemm_plan(wd, x.dtype))
 
     def mlp(x, weights):
-        return _mlp(x, weights, act, gated, quant_x, quant_h, gemms)
+        return _mlp(x, weights, act, gated, quant_x, None, gemms, act_quant)
     return mlp
 
 
