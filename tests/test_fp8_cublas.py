@@ -220,3 +220,29 @@ def test_a_call_torch_refuses_runs_on_the_next_row_and_drops_the_row(monkeypatch
     assert quant.choose(x, 8, weights) == "fp8_w8a8"
     with mlp_fuser.config.patch(force_impl="fp8_w8a8"):
         assert torch.equal(y, quant.quant_gated_mlp(x, *args, "silu", "fp8_e4m3", [128, 128]))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("M,K", [(13, 384), (8, 520)])
+def test_the_glue_kernel_is_the_aten_glue(monkeypatch, gated, M, K):
+    """``act_quant_plan``'s one launch (act · up, then h quantized per token and 128 columns) against the aten steps
+    it replaces: act, the product in place, ``quantize_rows``. Under the interpreter (fp16) the same bits, each
+    rounding included; on the GPU (bf16), where Triton's exp and aten's differ by an ulp, an fp8 step at most and the
+    same error against float64 as aten's."""
+    monkeypatch.setattr(K8, "INTERPRET", False)  # the kernel itself, also under the interpreter
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    g_ = torch.Generator().manual_seed(M * K + gated)
+    g, u = ((torch.randn(M, K, generator=g_) * 3).to(KERNEL_DEVICE, dtype) for _ in range(2))
+    q, s = K8.act_quant_plan(M, K, "silu", gated)(g, u)
+    h = torch.nn.functional.silu(g)
+    if gated:
+        h.mul_(u)
+    q2, s2 = K8.quantize_rows(h)
+    if not CUDA:
+        assert torch.equal(s, s2) and torch.equal(q.float(), q2.float())
+        return
+    deq = (q.double() * s.double().repeat_interleave(128, 1)[:, :K]).cpu()
+    deq2 = (q2.double() * s2.double().repeat_interleave(128, 1)[:, :K]).cpu()
+    h64 = torch.nn.functional.silu(g.double()) * (u.double() if gated else 1)
+    assert (deq - deq2).abs().max() <= 40 * s2.double().max().cpu()  # an fp8 step (32 units of s at 448), an ulp of s
+    assert rel_err(deq, h64.cpu()) <= 1.02 * rel_err(deq2, h64.cpu())

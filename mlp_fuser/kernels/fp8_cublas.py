@@ -56,7 +56,11 @@ def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
     quantization; act · up and h's quantization between the GEMMs."""
     def gemm(q, s, fw):
         return _linear(q, s, fw, x.dtype)
-    return _mlp(x, weights, get_activation(activation).fn, gated, _quantized, quantize_rows, (gemm, gemm, gemm))
+
+    def act_quant(g, u):  # the plan's glue kernel, so that planned and unplanned calls give the same bits
+        return act_quant_plan(g.shape[0], g.shape[1], activation, gated)(g, u)
+    return _mlp(x, weights, get_activation(activation).fn, gated, _quantized, quantize_rows, (gemm, gemm, gemm),
+                act_quant)
 
 
 def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms, act_quant=None) -> Tensor:
