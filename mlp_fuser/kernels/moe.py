@@ -202,6 +202,29 @@ def scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP: tl.constexp
 
 
 @triton.jit
+def gate_up_acc_paired(x_ptr, w_ptr, offs_m, mask_m, n0, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``gemm.gate_up_acc`` for gate and up rows interleaved (gate n at row 2n, up n at 2n + 1) where the rows are
+    the weight's contiguous dimension (GPT-OSS's (E, H, 2I)): a K step reads one contiguous (BLOCK_K, 2·BLOCK_N)
+    tile for one dot, where two strided tiles would read every other element; the accumulator's columns are split
+    into gate and up at the end."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+    mask_r = offs_r < 2 * N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_r[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW,
@@ -214,7 +237,7 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
     ZERO_COUNTS: tl.constexpr, BLOCK_C: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     FP8: tl.constexpr, K_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, A8: tl.constexpr,
-    QUANT_X: tl.constexpr, SAVE_GU: tl.constexpr,
+    QUANT_X: tl.constexpr, SAVE_GU: tl.constexpr, PAIRED: tl.constexpr = False,
 ):
     # -- this program's block of pairs (one expert) and BLOCK_N columns of h ------------------------
     pid_b = tl.program_id(0)
@@ -249,6 +272,9 @@ def _moe_gate_up_kernel(
             mask_m, mask_n, K, stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn,
             stride_wk, stride_sk, GATED, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_X,
         )
+    elif PAIRED:  # gate and up rows interleaved along the weight's contiguous dimension: one tile a K step
+        acc_g, acc_u = gate_up_acc_paired(x_ptr, w_e, tokens, mask_m, pid_n * BLOCK_N, N, K, stride_xm, stride_xk,
+                                          stride_wn, stride_wk, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc_g, acc_u = gate_up_acc(
             x_ptr, w_e, w_e + UP_ROW * stride_wn, tokens, offs_n, mask_m, mask_n, K,
@@ -711,7 +737,8 @@ def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int]
         **_scale_constexprs(scale, cfg["BLOCK_K"], xs is not None or quant_x, quant_x), PER_PAIR=blocks is None,
         ZERO_COUNTS=n_counts is not None,
         BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
-        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), SAVE_GU=save_gu, **_launch_opts(cfg))
+        LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), SAVE_GU=save_gu,
+        PAIRED=gated and step == 2 and w_gu.stride(1) == 1 and scale is None, **_launch_opts(cfg))
 
 
 def has_pdl(device: torch.device) -> bool:
