@@ -57,10 +57,10 @@ def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
     def gemm(q, s, fw):
         return _linear(q, s, fw, x.dtype)
 
-    def act_quant(g, u):  # the plan's glue kernel, so that planned and unplanned calls give the same bits
+    def act_quant(g, u):  # on CUDA the plan's glue kernel, so that planned and unplanned calls give the same bits
         return act_quant_plan(g.shape[0], g.shape[1], activation, gated)(g, u)
     return _mlp(x, weights, get_activation(activation).fn, gated, _quantized, quantize_rows, (gemm, gemm, gemm),
-                act_quant)
+                act_quant if x.is_cuda else None)
 
 
 def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms, act_quant=None) -> Tensor:
