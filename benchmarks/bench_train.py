@@ -184,7 +184,7 @@ def profile_step(step, label):
     """One step under torch.profiler: GPU time by kernel (the largest), and the total."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -192,6 +192,12 @@ def profile_step(step, label):
         f"{sum(e.count for e in kernels)} launches; ms, count, kernel")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
         log(f"    {e.self_device_time_total / 1e3:7.2f} {e.count:5d}  {e.key[:100]}")
+    # the copies (copy_, clone, contiguous, to) by input shapes: a layout conversion shows up here with its size
+    copies = [e for e in prof.key_averages(group_by_input_shape=True)
+              if e.key in ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")]
+    log("  copies: GPU ms, count, op, input shapes")
+    for e in sorted(copies, key=lambda e: -e.device_time_total)[:10]:
+        log(f"    {e.device_time_total / 1e3:7.2f} {e.count:5d}  {e.key} {str(e.input_shapes)[:120]}")
 
 
 def run_variant(name, model, ids, args, counter):
