@@ -365,6 +365,31 @@ def test_backward_op_matches_float64_and_opcheck(monkeypatch, name, need_dx, nee
     moe.reset()
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_weight_gradients_come_in_the_weights_layout(monkeypatch, triton):
+    """GPT-OSS's weights reach the op as transposed views of its (E, H, 2I) and (E, I, H) parameters: their
+    gradients come back in those views' strides, so a parameter's .grad is the op's output as it is (AccumulateGrad
+    clones a gradient laid out otherwise: a weight-sized copy a step). Both rows: the Triton backward (written in
+    place), the aten reference (copied once into the layout)."""
+    from mlp_fuser import config
+    from mlp_fuser.ops import moe
+
+    monkeypatch.setattr(config, "triton_on_cpu", triton)
+    monkeypatch.setattr(config, "autotune", False)
+    moe.reset()
+    T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES["gpt_oss_clamped"]
+    x, ids, wts, w_gu, b_gu, w_d, b_d, dy = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed, seed=7,
+                                                      device=KERNEL_DEVICE if triton else "cpu")
+    assert w_gu.stride(1) == 1 and w_d.stride(1) == 1  # the views of transposed storage
+    out = torch.ops.mlp_fuser.moe_mlp_backward.default(
+        dy, x, ids, wts, w_gu, b_gu, w_d, b_d, gate.activation, gate.interleaved, gate.limit, gate.clamp_after,
+        gate.up_offset, True, True)
+    assert out[2].stride() == w_gu.stride() and out[4].stride() == w_d.stride()
+    ref = grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy)
+    check(out, ref, BAR[torch.float32])
+    moe.reset()
+
+
 def test_op_under_torch_func_grad():
     """torch.func.grad through the op (and patch's eager entry) takes the aten path the transforms see through: the
     gradients of x and the routing weights equal autograd's on the float64 reference."""

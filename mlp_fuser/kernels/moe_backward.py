@@ -641,15 +641,15 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     if grouped:  # each sorted operand made just before its GEMM and freed after it
         del dgu
         dys, dbd_part = gw.sorted_rows(dy, wts, routing, shift, sums=b_d is not None)
-        dw_d = gw.grouped_wgrad(dys, h, offs, w_d.dtype)
+        dw_d = gw.grouped_wgrad(dys, h, offs, w_d.dtype, like=w_d)
         del dys, h
         xs, _ = gw.sorted_rows(x, None, routing, shift)
-        dw_gu = gw.grouped_wgrad(dgu_s, xs, offs, w_gu.dtype)
+        dw_gu = gw.grouped_wgrad(dgu_s, xs, offs, w_gu.dtype, like=w_gu)
         db_gu = gw.per_expert(dbgu_part, routing, E, b_gu) if b_gu is not None else None
         db_d = gw.per_expert(dbd_part, routing, E, b_d) if b_d is not None else None
         return dx, dwts, dw_gu, db_gu, dw_d, db_d
-    dw_gu = torch.empty(w_gu.shape, dtype=w_gu.dtype, device=dev)
-    dw_d = torch.empty(w_d.shape, dtype=w_d.dtype, device=dev)
+    dw_gu = torch.empty_like(w_gu)  # the weight's layout (a transposed view's too): the kernel writes by strides
+    dw_d = torch.empty_like(w_d)
     db_gu = torch.empty(b_gu.shape, dtype=b_gu.dtype, device=dev) if b_gu is not None else None
     db_d = torch.empty(b_d.shape, dtype=b_d.dtype, device=dev) if b_d is not None else None
 

@@ -129,8 +129,11 @@ def sorted_rows(src: Tensor, wts: Tensor | None, routing: Routing, shift: Tensor
     return rows, part
 
 
-def grouped_wgrad(a: Tensor, b: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
-    """dW (E, N, K): dW[e] = a[run e]ᵀ b[run e] for a (S, N) and b (S, K) in compact sorted order, in ``dtype``."""
+def grouped_wgrad(a: Tensor, b: Tensor, offs: Tensor, dtype: torch.dtype, like: Tensor | None = None) -> Tensor:
+    """dW (E, N, K): dW[e] = a[run e]ᵀ b[run e] for a (S, N) and b (S, K) in compact sorted order, in ``dtype``;
+    where ``like`` (the weight) is an (E, K, N) tensor seen transposed, computed as (bᵀ a)ᵀ in its layout."""
+    if like is not None and like.stride(1) == 1 and like.stride(2) != 1:
+        return compat.grouped_mm(b.t(), a, offs=offs).to(dtype).transpose(1, 2)
     return compat.grouped_mm(a.t(), b, offs=offs).to(dtype)
 
 

@@ -348,9 +348,24 @@ def _backward(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit,
         grads = experts.choose_backward(p, args, gu).fn(*args, dy.reshape(T, H), (need_dx, need_weights, gu))
     dx, dwts, *dw = grads
     wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
-    # the fake kernel's outputs: each gradient contiguous in its input's shape, (0,) where not asked or no input
-    return tuple(g.reshape(t.shape).contiguous() if w and t is not None else x.new_empty(0)
-                 for g, t, w in zip((dx, dwts, *dw), (x, wts, wgu, bgu, wd, bd), wanted))
+    # the fake kernel's outputs: dx, dwts contiguous; each weight's gradient in the weight's own layout (GPT-OSS's
+    # transposed views: AccumulateGrad then keeps it as the parameter's grad, no clone); (0,) where not asked
+    return (*(g.reshape(t.shape).contiguous() if w else x.new_empty(0)
+              for g, t, w in zip((dx, dwts), (x, wts), wanted)),
+            *(_in_layout(g, t) if w and t is not None else x.new_empty(0)
+              for g, t, w in zip(dw, (wgu, bgu, wd, bd), wanted[2:])))
+
+
+def _layout(t: Tensor) -> tuple[int, ...]:
+    """The strides ``empty_like(t)`` gives: t's own where t is dense, else contiguous (no memory allocated)."""
+    return torch.empty_like(t, device="meta").stride()
+
+
+def _in_layout(g: Tensor, t: Tensor) -> Tensor:
+    """g in t's shape and ``_layout(t)``: as it is where a row computed it so, else one copy."""
+    g = g.reshape(t.shape)
+    want = _layout(t)
+    return g if g.stride() == want else torch.empty_strided(t.shape, want, dtype=g.dtype, device=g.device).copy_(g)
 
 
 _lib.impl("moe_mlp_backward", _backward, "CompositeExplicitAutograd")
@@ -360,8 +375,9 @@ _lib.impl("moe_mlp_backward", _backward, "CompositeExplicitAutograd")
 def _backward_fake(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, limit, clamp_after, up_offset, need_dx,
                    need_weights, gu=None):
     wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
-    return tuple(t.new_empty(t.shape) if w and t is not None else x.new_empty(0)
-                 for t, w in zip((x, wts, wgu, bgu, wd, bd), wanted))
+    return (*(t.new_empty(t.shape) if w else x.new_empty(0) for t, w in zip((x, wts), wanted)),
+            *(torch.empty_strided(t.shape, _layout(t), dtype=t.dtype, device=t.device) if w and t is not None
+              else x.new_empty(0) for t, w in zip((wgu, bgu, wd, bd), wanted[2:])))
 
 
 def _setup_context(ctx, inputs, output):
