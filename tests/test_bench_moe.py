@@ -245,3 +245,16 @@ def test_kernels_fp8_experts_one_rows_and_a_wrong_config_rejected(monkeypatch, c
     assert str(bad) not in " | ".join(cells[0]) and cells[0][6] == f"1.0 {good}"  # unsorted W8A8 gate/up
     assert cells[4][6] == f"1.0 {bad}"  # the same config through unsorted_pdl: right, timed, first of the ties
     assert f"T=1 unsorted a8=True gate_up {bad}: error" in capsys.readouterr().err
+
+
+def test_gptoss_row_runs_through_the_switch_and_checks():
+    """The GPT-OSS size's row on the CPU: ours through transformers' experts switch on the module as stored
+    (transposed, interleaved, biases, clamped gate), every output against the module's own loop in float64."""
+    import torch
+
+    from mlp_fuser.tools.bench_moe import bench_row, build_experts
+
+    mod = build_experts("gpt_oss", 32, 16, 4, 2, torch.float32, "cpu")
+    assert mod.gate_up_proj.shape == (4, 32, 32) and mod.gate_up_proj_bias.abs().sum() > 0
+    row = bench_row("tiny GPT-OSS", mod, 5, 32, 16, 4, 2, torch.float32, "cpu")
+    assert row["check_ok"] and row["errors"]["ours"] < 1e-5 and row["errors"]["grouped_mm"] < 1e-5, row["errors"]

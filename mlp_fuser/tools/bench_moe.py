@@ -1,6 +1,7 @@
 """The routed-experts benchmark: ``mlp_fuser::moe_mlp`` against transformers' own experts implementations.
 
     python -m mlp_fuser bench --moe [--budget-s 540] [--out DIR] [--sizes qwen3,mixtral] [--ms 1,8,32,128,512,2048,8192]
+    python -m mlp_fuser bench --moe --sizes gptoss    # GPT-OSS-20B's experts: ours through the experts switch
     python -m mlp_fuser bench --moe --tiny --device cpu      # checks the script itself, times nothing real
 
 For each experts size and token count M, on one transformers experts module (``Qwen3MoeExperts`` /
@@ -38,7 +39,10 @@ from ..ops import moe
 SIZES = {
     "qwen3": ("Qwen3-30B-A3B", "qwen3_moe", 2048, 768, 128, 8),
     "mixtral": ("Mixtral-8x7B", "mixtral", 4096, 14336, 8, 2),
+    # transposed, interleaved gate/up with biases and the clamped quick-GELU gate; not in the default sizes
+    "gptoss": ("GPT-OSS-20B", "gpt_oss", 2880, 2880, 32, 4),
 }
+DEFAULT_SIZES = ("qwen3", "mixtral")
 TINY_SIZES = {"tiny": ("tiny", "qwen3_moe", 64, 32, 8, 2)}
 MS = [1, 8, 32, 128, 512, 2048, 8192]
 TINY_MS = [1, 5, 17]
@@ -61,6 +65,11 @@ def build_experts(family: str, H: int, I: int, E: int, k: int, dtype, device):
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts as cls
 
         cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=k)
+    elif family == "gpt_oss":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
+
+        cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=k)
     else:
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
@@ -72,7 +81,26 @@ def build_experts(family: str, H: int, I: int, E: int, k: int, dtype, device):
     g = torch.Generator(device=device).manual_seed(0)
     mod.gate_up_proj.normal_(0.0, H**-0.5, generator=g)
     mod.down_proj.normal_(0.0, I**-0.5, generator=g)
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(mod, name, None) is not None:
+            getattr(mod, name).normal_(0.0, 0.1, generator=g)
     return mod
+
+
+def is_generic(mod) -> bool:
+    """Whether the module is one of the families the silu-only pieces below do not describe (GPT-OSS): then ours runs
+    through transformers' experts switch and the reference is the module's own loop in float64."""
+    return getattr(mod, "gate_up_proj_bias", None) is not None
+
+
+def module_reference64(mod, x, ids, wts):
+    """The module's own loop over its experts ("eager"), on a float64 copy of it."""
+    import copy
+
+    m64 = copy.deepcopy(mod).double()
+    m64.config._experts_implementation = "eager"
+    with torch.no_grad():
+        return m64(x.double(), ids, wts.double())
 
 
 def routing(M: int, E: int, k: int, dtype, device, g):
@@ -100,6 +128,11 @@ def rel_err(y, ref) -> float:
 def variants(mod):
     """{name: fn(x, ids, wts)}: ours, then transformers' implementations (``config._experts_implementation``)."""
     def ours(x, ids, wts):
+        if is_generic(mod):  # the experts switch: the module's layout, biases and gate as patch reads them
+            from ..patch import experts as patch_experts
+
+            mod.config._experts_implementation = patch_experts.NAME
+            return mod(x, ids, wts)
         return moe.moe_mlp(x, ids, wts, mod.gate_up_proj, None, mod.down_proj, None, "silu")
 
     def peer(name):
@@ -150,7 +183,8 @@ def bench_row(label, mod, M, H, I, E, k, dtype, device) -> dict:
             for _ in range(N_SETS)]
     esize = torch.finfo(dtype).bits // 8
     floor, bound = floor_us(M, H, I, k, esize, sets)
-    ref = reference64(sets[0][0], sets[0][1], sets[0][2], mod.gate_up_proj, mod.down_proj)
+    ref = (module_reference64(mod, *sets[0]) if is_generic(mod)
+           else reference64(sets[0][0], sets[0][1], sets[0][2], mod.gate_up_proj, mod.down_proj))
     row = dict(experts=label, M=M, floor_us=floor, bound=bound, errors={}, graph_us={}, plain_us={}, skipped={})
     for name, fn in variants(mod).items():
         why = skip_reason(name, M, H, I, k, esize, device)
@@ -168,7 +202,9 @@ def bench_row(label, mod, M, H, I, E, k, dtype, device) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-    p = experts.Problem(device, dtype, M, k, E, H, I, moe.Gate("silu"), False)
+    gate = (moe.Gate("quick_gelu", interleaved=True, limit=mod.limit, up_offset=1.0) if is_generic(mod)
+            else moe.Gate("silu"))
+    p = experts.Problem(device, dtype, M, k, E, H, I, gate, is_generic(mod))
     row["impl"] = experts.chosen(p) or "?"
     return finish(row)
 
@@ -229,7 +265,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mlp_fuser bench --moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for moe.md / moe.json")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no row that would end past this many seconds")
-    ap.add_argument("--sizes", default=",".join(SIZES), help=f"experts sizes, of {sorted(SIZES)}")
+    ap.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"experts sizes, of {sorted(SIZES)}")
     ap.add_argument("--ms", default="", help=f"token counts (default {MS})")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny experts in fp32 (runs on the CPU): checks the script")
