@@ -202,29 +202,6 @@ def scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP: tl.constexp
 
 
 @triton.jit
-def gate_up_acc_paired(x_ptr, w_ptr, offs_m, mask_m, n0, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``gemm.gate_up_acc`` for gate and up rows interleaved (gate n at row 2n, up n at 2n + 1) where the rows are
-    the weight's contiguous dimension (GPT-OSS's (E, H, 2I)): a K step reads one contiguous (BLOCK_K, 2·BLOCK_N)
-    tile for one dot, where two strided tiles would read every other element; the accumulator's columns are split
-    into gate and up at the end."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
-    mask_r = offs_r < 2 * N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_r[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-
-
-@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW,
@@ -272,9 +249,13 @@ def _moe_gate_up_kernel(
             mask_m, mask_n, K, stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn,
             stride_wk, stride_sk, GATED, K_SCALED, SBK, A8, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_X,
         )
-    elif PAIRED:  # gate and up rows interleaved along the weight's contiguous dimension: one tile a K step
-        acc_g, acc_u = gate_up_acc_paired(x_ptr, w_e, tokens, mask_m, pid_n * BLOCK_N, N, K, stride_xm, stride_xk,
-                                          stride_wn, stride_wk, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif PAIRED:  # gate and up rows interleaved along the weight's contiguous dim: one (BLOCK_K, 2·BLOCK_N) tile a
+        # K step where two strided tiles would read every other element; the columns split into gate and up after
+        offs_r = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        acc, _ = gate_up_acc(x_ptr, w_e, w_e, tokens, offs_r, mask_m, offs_r < 2 * N, K, stride_xm, stride_xk,
+                             stride_wn, stride_wk, stride_wn, stride_wk, False, PRECISION, BLOCK_M, 2 * BLOCK_N,
+                             BLOCK_K)
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
         acc_g, acc_u = gate_up_acc(
             x_ptr, w_e, w_e + UP_ROW * stride_wn, tokens, offs_n, mask_m, mask_n, K,
@@ -625,6 +606,12 @@ def _gate_up_layout(w_gu: Tensor, I: int, interleaved: bool) -> tuple[bool, int,
     return (True, 2, 1) if interleaved else (True, 1, I)
 
 
+def paired_rows(w_gu: Tensor, gate_step: int) -> bool:
+    """Whether gate and up rows interleave along the weight's contiguous dimension (GPT-OSS's (E, H, 2I) seen as
+    (E, 2I, H)): the kernels then read them as one contiguous tile of 2·BLOCK_N rows (``PAIRED``)."""
+    return gate_step == 2 and w_gu.stride(1) == 1
+
+
 def _scale_args(fe, up_row: int = 0) -> tuple:
     """The kernels' scale arguments (s_ptr, its three strides, UP_SOFF, UP_SROW) for float8 weights ``fe``
     (``fp8.Fp8Experts``), stand-ins never read for float weights (None). ``up_row``: the up half's first row."""
@@ -738,7 +725,7 @@ def _gate_up_args(x: Tensor, ids: Tensor | None, k: int, blocks: tuple[int, int]
         ZERO_COUNTS=n_counts is not None,
         BLOCK_C=next_power_of_2(cdiv(n_counts, grid[0] * grid[1])) if n_counts is not None else 1,
         LAUNCH_DEPENDENTS=pdl and has_pdl(x.device), SAVE_GU=save_gu,
-        PAIRED=gated and step == 2 and w_gu.stride(1) == 1 and scale is None, **_launch_opts(cfg))
+        PAIRED=paired_rows(w_gu, step) and scale is None, **_launch_opts(cfg))
 
 
 def has_pdl(device: torch.device) -> bool:

@@ -46,6 +46,7 @@ from .moe import (
     moe_combine,
     moe_down,
     moe_gate_up,
+    paired_rows,
     scale_rows,
 )
 from .moe_grouped_wgrad import compact_rows
@@ -179,35 +180,21 @@ def _moe_bwd_act_kernel(
             stride_xk, stride_dyk, stride_wk, stride_dn, sgu_ptr, stride_sge, stride_sgn, stride_sgk, UP_SOFF,
             UP_SROW, sd_ptr, stride_sde, stride_sdn, stride_sdk, pid_n * BLOCK_N, GATED, GATE_STEP, PRECISION,
             BLOCK_K, GU_K_SCALED, GU_SBN, GU_SBK, D_K_SCALED, D_SBN, D_SBK)
-    elif PAIRED and not SAVED:  # gate and up rows interleaved along the weight's contiguous dim: one tile a step
-        offs_r = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        wgu_ptrs = wgu_ptr + e * stride_we + offs_r[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(H, BLOCK_K)):
-            mask_k = offs_k < H - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wgu = tl.load(wgu_ptrs, mask=mask_k[:, None] & (offs_r < 2 * I)[None, :], other=0.0)
-            acc_gu = tl.dot(x, wgu, acc_gu, input_precision=PRECISION)
-            acc_d = tl.dot(dy, tl.load(wd_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc_d,
-                           input_precision=PRECISION)
-            if HAS_BD:
-                bd = tl.load(bd_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-                dy_bd += tl.sum(dy.to(tl.float32) * bd[None, :], axis=1)
-            x_ptrs += BLOCK_K * stride_xk
-            dy_ptrs += BLOCK_K * stride_dyk
-            wgu_ptrs += BLOCK_K * stride_wk
-            wd_ptrs += BLOCK_K * stride_dn
-            bd_ptrs += BLOCK_K * stride_bdn
-        acc_g, acc_u = tl.split(tl.reshape(acc_gu, (BLOCK_M, BLOCK_N, 2)))
     else:
+        if PAIRED:  # gate and up rows interleaved along the weight's contiguous dim: one (BLOCK_K, 2·BLOCK_N) tile
+            offs_r = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+            wg_ptrs = wgu_ptr + e * stride_we + offs_r[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             mask_k = offs_k < H - k * BLOCK_K
             if not SAVED:
                 x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w_mask = mask_k[:, None] & mask_n[None, :]
-            if not SAVED:
+            if PAIRED:
+                wgu = tl.load(wg_ptrs, mask=mask_k[:, None] & (offs_r < 2 * I)[None, :], other=0.0)
+                acc_gu = tl.dot(x, wgu, acc_gu, input_precision=PRECISION)
+            elif not SAVED:
                 acc_g = tl.dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
                 if GATED:
                     acc_u = tl.dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
@@ -221,6 +208,8 @@ def _moe_bwd_act_kernel(
             wu_ptrs += BLOCK_K * stride_wk
             wd_ptrs += BLOCK_K * stride_dn
             bd_ptrs += BLOCK_K * stride_bdn
+        if PAIRED:
+            acc_g, acc_u = tl.split(tl.reshape(acc_gu, (BLOCK_M, BLOCK_N, 2)))
 
     # -- epilogue: biases, h, A'(g, u) · (w_p dh'), dw_p's partial over these columns -------------------
     if SAVED:  # the forward's g and u (biases in), as it stored them per pair
@@ -623,7 +612,7 @@ def moe_backward(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
         ACT_GRAD=get_activation(act.name).triton_grad, **act.constexprs(),
         PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SORTED=grouped, **fp8_flags, SAVED=gu is not None, COPY=dgu_s is not None, PAIR_DGU=pair_dgu,
-        PAIRED=gated and step == 2 and w_gu.stride(1) == 1 and scales is None and gu is None, **_launch_opts(cfg),
+        PAIRED=paired_rows(w_gu, step) and scales is None and gu is None, **_launch_opts(cfg),
     )
     dwts = dw_part.sum(1).view(T, k).to(wts.dtype)
 
