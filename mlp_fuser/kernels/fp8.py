@@ -621,17 +621,20 @@ def _quantize_plan(M: int, K: int, rows: int | None = None, scales_t: bool = Fal
     return quant
 
 
+def aten_act_quant(act_fn, gated: bool, quant):
+    """(g, u) -> ``quant(act(g) · u)`` in aten, the product in place (u unused where not gated)."""
+    def glue(g, u):
+        h = act_fn(g)
+        return quant(h.mul_(u) if gated else h)
+    return glue
+
+
 def act_quant_plan(M: int, K: int, activation: str, gated: bool, scales_t: bool = False):
     """(g, u) -> ``quantize_rows(act(g) · u)`` (u None where not gated) for g, u (M, K) contiguous, in one launch;
     s as ``_quantize_plan`` lays it out. Under the interpreter (whose bf16 casts truncate) the aten path."""
     act = get_activation(activation)
     if INTERPRET or act.triton_fn is None:
-        quant = _quantize_plan(M, K, scales_t=scales_t)
-
-        def aten(g, u):
-            h = act.fn(g)
-            return quant(h.mul_(u) if gated else h)
-        return aten
+        return aten_act_quant(act.fn, gated, _quantize_plan(M, K, scales_t=scales_t))
     kb = cdiv(K, A8_BLOCK)
     kernel = Prepared(_act_quant_kernel, (cdiv(M, 16), kb), ACT=act.triton_fn, HAS_U=gated, BLOCK_M=16,
                       BLOCK=A8_BLOCK, num_warps=4)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import compat
 from ..activations import get_activation
-from .fp8 import A8_BLOCK, Fp8Weight, _quantize_plan, act_quant_plan, quantize_rows
+from .fp8 import A8_BLOCK, Fp8Weight, _quantize_plan, act_quant_plan, aten_act_quant, quantize_rows
 
 _RUNS: dict = {}  # CUDA device index -> None (blockwise scaled_mm runs and is right there) or why not
 
@@ -59,13 +59,13 @@ def mlp(x: Tensor, weights, activation: str, gated: bool) -> Tensor:
 
     def act_quant(g, u):  # on CUDA the plan's glue kernel, so that planned and unplanned calls give the same bits
         return act_quant_plan(g.shape[0], g.shape[1], activation, gated)(g, u)
-    return _mlp(x, weights, get_activation(activation).fn, gated, _quantized, quantize_rows, (gemm, gemm, gemm),
-                act_quant if x.is_cuda else None)
+    glue = act_quant if x.is_cuda else aten_act_quant(get_activation(activation).fn, gated, quantize_rows)
+    return _mlp(x, weights, gated, _quantized, glue, (gemm, gemm, gemm))
 
 
-def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms, act_quant=None) -> Tensor:
+def _mlp(x: Tensor, weights, gated: bool, quant_x, act_quant, gemms) -> Tensor:
     """``mlp`` on the given quantizers and (gate, up, down) GEMMs ``(q, s, fw) -> y`` (rows padded to 4 by them);
-    ``act_quant(g, u)``: act · up and h's quantization in one launch (else act, mul and ``quant_h`` in turn)."""
+    ``act_quant(g, u)``: act · up, then h quantized for the down GEMM."""
     M = x.shape[0]
     first, up, down = gemms
     q, s = quant_x(x)
@@ -80,17 +80,8 @@ def _mlp(x: Tensor, weights, act, gated: bool, quant_x, quant_h, gemms, act_quan
         if bu is not None:
             u += bu
     _, wd, bd = rest[-1]
-    if act_quant is not None:
-        qh = act_quant(g, u)
-        del g, u
-    else:
-        h = act(g)
-        del g  # each (M, I) intermediate freed as soon as it is used: the peak stays at three of them
-        if gated:
-            h.mul_(u)
-            del u
-        qh = quant_h(h)
-        del h
+    qh = act_quant(g, u)
+    del g, u  # each (M, I) intermediate freed as soon as it is used: the peak stays at three of them
     y = down(*qh, wd)
     if y.shape[0] != M:
         y = y[:M]
@@ -140,7 +131,6 @@ def linear_plan(x: Tensor, fw: Fp8Weight):
 def mlp_plan(x: Tensor, weights, activation: str, gated: bool):
     """``mlp`` for calls like (x, weights): a function of (x, weights) (each call's weights and biases)."""
     M, K = x.shape
-    act = get_activation(activation).fn
     (_, w1, _), *rest = weights
     wd = rest[-1][1]
     quant_x = _quant_plan(M, K)
@@ -148,7 +138,7 @@ def mlp_plan(x: Tensor, weights, activation: str, gated: bool):
     gemms = (_gemm_plan(w1, x.dtype), _gemm_plan(rest[0][1], x.dtype), _gemm_plan(wd, x.dtype))
 
     def mlp(x, weights):
-        return _mlp(x, weights, act, gated, quant_x, None, gemms, act_quant)
+        return _mlp(x, weights, gated, quant_x, act_quant, gemms)
     return mlp
 
 
