@@ -376,8 +376,8 @@ def _backward_fake(dy, x, ids, wts, wgu, bgu, wd, bd, activation, interleaved, l
                    need_weights, gu=None):
     wanted = (need_dx, True, need_weights, need_weights, need_weights, need_weights)
     return (*(t.new_empty(t.shape) if w else x.new_empty(0) for t, w in zip((x, wts), wanted)),
-            *(torch.empty_strided(t.shape, _layout(t), dtype=t.dtype, device=t.device) if w and t is not None
-              else x.new_empty(0) for t, w in zip((wgu, bgu, wd, bd), wanted[2:])))
+            *(torch.empty_like(t) if w and t is not None else x.new_empty(0)  # _layout(t)'s strides
+              for t, w in zip((wgu, bgu, wd, bd), wanted[2:])))
 
 
 def _setup_context(ctx, inputs, output):
