@@ -16,6 +16,14 @@ Compared: the PTX without debug info (``.loc``/``.file`` lines, ``.debug_*`` sec
 line numbers move when only comments do). PTX names kernel parameters ``<kernel>_param_<index>``, so renamed Python
 parameters need no further normalisation; a kernel renamed in Python would show as DIFFERENT. Prints one line per
 (variant, kernel, config); exits 1 if any is DIFFERENT or missing.
+
+    python benchmarks/ptx_compare.py --wgmma
+
+The routed experts' launches at model sizes (the configs the GPU gets: Qwen3-30B-A3B at 2048 and 8192 tokens,
+GPT-OSS-20B at 8192, forward and backward), each compiled as above and assembled by Triton's ptxas for sm_90a: a
+kernel whose wgmma instructions ptxas serializes (C7515: an accumulator or register operand written by other
+instructions inside the pipeline) loses its overlap of loads and tensor-core work. Prints registers, spills and that
+warning per launch; exits 1 if any launch is serialized.
 """
 
 from __future__ import annotations
@@ -174,7 +182,67 @@ def dump(tree: str) -> dict[str, str]:
     return out
 
 
+WGMMA_CASES = {  # name -> (T, k, E, H, I, GPT-OSS's layout, biases and clamped activation)
+    "Qwen3-30B-A3B T=2048": (2048, 8, 128, 2048, 768, False),
+    "Qwen3-30B-A3B T=8192": (8192, 8, 128, 2048, 768, False),
+    "GPT-OSS-20B T=8192": (8192, 4, 32, 2880, 2880, True),
+}
+
+
+def wgmma_check() -> int:
+    """``--wgmma``: every launch of the experts' forward and backward at WGMMA_CASES' sizes, assembled for sm_90a."""
+    import torch
+
+    from mlp_fuser import kernels as k
+    from mlp_fuser.kernels import common
+
+    ptxas = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "ptxas")
+    launches = []
+    common.Launcher.__call__ = lambda self, key, grid, *args, **kw: launches.append((self.kernel, args, kw))
+    bad, seen = 0, set()
+    for case, (T, topk, E, H, I, oss) in WGMMA_CASES.items():
+        def empty(*shape):  # nothing runs: the values are never read
+            return torch.empty(*shape, dtype=torch.bfloat16)
+        x, dy, wts = empty(T, H), empty(T, H), empty(T, topk)
+        ids = torch.randint(0, E, (T, topk))
+        if oss:  # (E, H, 2I) interleaved and (E, I, H), seen transposed as the op takes them
+            gu, d = empty(E, H, 2 * I).transpose(1, 2), empty(E, I, H).transpose(1, 2)
+            bgu, bd, act = empty(E, 2 * I), empty(E, H), k.moe.ExpertAct(alpha=1.702, limit=7.0, up_offset=1.0)
+        else:
+            gu, d, bgu, bd, act = empty(E, 2 * I, H), empty(E, H, I), None, None, k.moe.ExpertAct()
+        launches.clear()
+        k.moe.moe_experts(x, ids, wts, gu, bgu, d, bd, act, oss)
+        k.moe_backward.moe_backward(x, ids, wts, gu, bgu, d, bd, act, oss, dy)
+        for kernel, args, kwargs in launches:
+            for desc, ptx in compile_launch(kernel, args, kwargs).items():
+                tile = ",".join(f"{n}={kwargs[n]}" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+                                if n in kwargs)
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = os.path.join(tmp, "k.ptx")
+                    with open(path, "w") as f:
+                        f.write(ptx)
+                    r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                                       capture_output=True, text=True)
+                if r.returncode:
+                    raise SystemExit(f"ptxas failed on {desc}: {r.stderr[-500:]}")
+                serialized = "wgmma.mma_async instructions are serialized" in r.stderr
+                used = re.search(r"Used (\d+) registers", r.stderr)
+                spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+                line = (f"{'SERIALIZED' if serialized else 'async':10s} {case}: {desc} {tile} | "
+                        f"{used.group(1) if used else '?'} registers, {spill.group(1) if spill else '?'} bytes spilled")
+                if line not in seen:
+                    seen.add(line)
+                    print(line)
+                bad += serialized
+    return 1 if bad else 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--wgmma"]:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if "triton" in sys.modules:
+            raise SystemExit("--wgmma: run it in a process of its own (TRITON_INTERPRET unset before triton loads)")
+        return wgmma_check()
     if len(sys.argv) == 4 and sys.argv[1] == "--dump":  # the child: python ptx_compare.py --dump TREE OUT
         with open(sys.argv[3], "w") as f:
             json.dump(dump(sys.argv[2]), f)

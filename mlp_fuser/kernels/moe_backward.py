@@ -324,7 +324,7 @@ def _wgrad_tile(
     A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, SCALED: tl.constexpr, HAS_DB: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # -- dW[e][n-tile, k-tile] = Σ over expert e's pairs of (s_p a_p)ᵀ b_p; a's row is the pair's or its token's ---
+    # -- dW[e][n-tile, k-tile] = Σ over expert e's pairs of a_pᵀ (s_p b_p); a's row is the pair's or its token's ---
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -345,14 +345,15 @@ def _wgrad_tile(
             rows_b = pairs.to(tl.int64)
         a = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
                     mask=mask_n[:, None] & mask_m[None, :], other=0.0)  # (BLOCK_N, BLOCK_M), read transposed
+        b = tl.load(b_ptr + rows_b[:, None] * stride_bm + offs_k[None, :] * stride_bk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if SCALED:
             s = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
             a_f = a.to(tl.float32) * s.to(tl.float32)[None, :]
-            a = a_f.to(a_ptr.dtype.element_ty)
+            # b, not a: an A operand changed in registers serializes the wgmmas (ptxas C7515, sm_90a)
+            b = (b.to(tl.float32) * s.to(tl.float32)[:, None]).to(b_ptr.dtype.element_ty)
         else:
             a_f = a.to(tl.float32)
-        b = tl.load(b_ptr + rows_b[:, None] * stride_bm + offs_k[None, :] * stride_bk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if HAS_DB:
             acc_b += tl.sum(a_f, axis=1)

@@ -86,7 +86,7 @@ def _sorted_rows_kernel(
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     v = tl.load(src_ptr + tokens[:, None].to(tl.int64) * stride_sm + offs_n[None, :] * stride_sn, mask=mask,
                 other=0.0)
-    if SCALED:  # as the Triton wgrad scales its operand: fp32 product, rounded once
+    if SCALED:  # fp32 product, rounded once (the Triton wgrad so scales h_p, the other operand)
         s = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
         v_f = v.to(tl.float32) * s.to(tl.float32)[:, None]
         v = v_f.to(dst_ptr.dtype.element_ty)
