@@ -24,8 +24,9 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   seconds per dtype on first use (benchmarks/NOTES.md, Triton backward GEMM). ``force_impl`` can still force it.
 - ``moe_tma`` (``MLP_FUSER_MOE_TMA=1``, default False): let the experts' dispatcher also time
   ``triton_moe_sorted_tma`` (the sorted path with the weights read through TMA descriptors) where experts get more
-  than 96 rows each. Off: faster on the GPU but heavier on the host, which bounds a prefill through ``patch``
-  (benchmarks/NOTES.md, Mixtures of experts, "Large M"); ``force_impl`` can force it.
+  than 96 rows each. Off, it is timed from 512 rows each only: faster on the GPU but heavier on the host, which
+  bounds a prefill through ``patch`` at fewer rows (benchmarks/NOTES.md, Mixtures of experts, "Large M");
+  ``force_impl`` can force it.
 - ``moe_rows_lowp`` (``MLP_FUSER_MOE_ROWS_LOWP=0`` turns it off, default True): the routed experts' per-pair rows
   (down's output before the k-sum, T·k·H elements) in x's dtype (bf16, fp16) instead of fp32: half the bytes written
   and read back where T·k is large (prefill), one more rounding of each pair's weighted row; off: fp32 rows

@@ -468,7 +468,7 @@ def _problem(args, act, kw):
 
 
 def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
-    """triton_moe_sorted_tma is a candidate only with MLP_FUSER_MOE_TMA=1, at more than 96 rows per expert, on weights
+    """triton_moe_sorted_tma is a candidate from 512 rows per expert, or with MLP_FUSER_MOE_TMA=1 from 97, on weights
     whose gate and up rows are not interleaved; the setting is part of the choice's key and of the call's signature."""
     from mlp_fuser.kernels import moe as kmoe
     from mlp_fuser.ops import moe
@@ -485,7 +485,10 @@ def test_tma_path_timed_only_when_asked_and_where_measured(monkeypatch):
     monkeypatch.setattr(config, "moe_tma", False)
     key = experts._choice_key(experts.Problem("cpu", torch.bfloat16, 2048, 8, 128, 2048, 768, moe.Gate("silu"), False))
     sig = moe._signature(*make(4, 2, 4), "silu", False, None, False, 0.0)
-    assert "triton_moe_sorted_tma" not in names(2048)
+    assert "triton_moe_sorted_tma" not in names(2048)  # 128 rows per expert: the host's cost may bound a prefill
+    assert "triton_moe_sorted_tma" not in names(8191)  # 511.9
+    assert "triton_moe_sorted_tma" in names(8192)  # 512
+    assert "triton_moe_sorted_tma" not in names(8192, interleaved=True)
     monkeypatch.setattr(config, "moe_tma", True)
     assert "triton_moe_sorted_tma" in names(2048) and "triton_moe_sorted" in names(2048)
     assert "triton_moe_sorted_tma" not in names(64)  # 4 rows per expert

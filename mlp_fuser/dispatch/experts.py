@@ -99,12 +99,19 @@ def _tma_ok(p: Problem) -> str | None:
     return kmoe.tma_shape_why_not(torch.device(p.device), p.dtype, p.H, p.I, p.gate.interleaved)
 
 
+TMA_ROWS = 512  # rows per touched expert from which TMA is timed by default: the GPU's time then dwarfs the host's
+
+
 def _many_rows(p: Problem) -> str | None:
+    pairs, touched = p.T * p.k, min(p.E, p.T * p.k)
+    if pairs >= TMA_ROWS * touched:
+        return None
     if not config.moe_tma:
-        return "off by default: lighter on the GPU, heavier on the host (MLP_FUSER_MOE_TMA=1 times it)"
+        return (f"{pairs} pairs over {touched} experts: < {TMA_ROWS} rows each, where TMA's heavier host can bound a "
+                "prefill (MLP_FUSER_MOE_TMA=1 times it from 97)")
     if kmoe.rows_bucket(p.T, p.k, p.E) == 128:  # more than 96 rows per touched expert
         return None
-    return f"{p.T * p.k} pairs over {min(p.E, p.T * p.k)} experts: <= 96 rows each (TMA measured at about 128)"
+    return f"{pairs} pairs over {touched} experts: <= 96 rows each (TMA measured at about 128)"
 
 
 def _grouped_mm_ok(p: Problem) -> str | None:
