@@ -15,7 +15,7 @@ from test_moe_backward import BAR, CASES, NAMES, check, grads64, make_case, op_c
 import mlp_fuser
 from mlp_fuser import config
 from mlp_fuser.kernels import moe_backward as kbwd
-from mlp_fuser.kernels.moe import moe_experts
+from mlp_fuser.kernels.moe import experts_plan, moe_experts, tma_why_not
 from mlp_fuser.ops import moe
 from mlp_fuser.reference import rel_err
 
@@ -35,7 +35,8 @@ def kept(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path="sorted"):
 KERNEL_CASES = [("silu_concat", "sorted", "triton"), ("gelu_interleaved_bias_transposed", "sorted_fused", "triton"),
                 ("plain_gelu_bias", "sorted", "triton"), ("gpt_oss_clamped", "sorted_fused", "grouped"),
                 ("silu_clamp_after", "sorted", "triton"), ("silu_concat", "sorted_fused", "grouped"),
-                ("one_token_many_experts", "unsorted", "triton")]
+                ("one_token_many_experts", "unsorted", "triton"), ("silu_concat", "sorted_tma", "triton"),
+                ("plain_gelu_bias", "sorted_tma", "grouped")]
 
 
 @pytest.mark.parametrize(("name", "path", "wgrad"), KERNEL_CASES, ids=["-".join(c) for c in KERNEL_CASES])
@@ -48,6 +49,8 @@ def test_kept_gate_up_gives_the_recomputed_gradients(name, path, wgrad):
         with pytest.raises(NotImplementedError, match="bfloat16 only"):
             kbwd.moe_backward(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, dy, wgrad=wgrad)
         return
+    if path == "sorted_tma":  # its own kernels run (the interpreter reads TMA boxes), not the pointer path's
+        assert tma_why_not(x, w_gu, w_d, inter) is None
     with poisoned_empty():
         y, gu = kept(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path)
         y0 = moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path)
@@ -56,6 +59,11 @@ def test_kept_gate_up_gives_the_recomputed_gradients(name, path, wgrad):
     check(got, grads64(x, ids, wts, w_gu, b_gu, w_d, b_d, gate, dy), BAR[torch.float32])
     if BITWISE:
         assert torch.equal(y, y0)
+    if path == "sorted_tma":  # its weight tiles come transposed (another order of the sums): gu against the pointer
+        _, gu_ptr = kept(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, "sorted")  # path's, within fp32 rounding
+        valid = ((ids >= 0) & (ids < E)).reshape(-1)  # dropped pairs' rows are never written
+        assert rel_err(gu[valid], gu_ptr[valid]) < 1e-6
+    elif BITWISE:
         assert all(same(a, b) for a, b in zip(got, want)), [n for n, a, b in zip(NAMES, got, want) if not same(a, b)]
 
 
@@ -73,6 +81,21 @@ def test_kept_gate_up_fp16_against_float64(name):
     y64 = moe.reference(*(t.cpu().double() if t is not None and t.is_floating_point() else t
                           for t in (x, ids.cpu(), wts, w_gu, b_gu, w_d, b_d)), gate)
     assert rel_err(y.cpu(), y64) <= BAR[torch.float16]
+
+
+@pytest.mark.parametrize("path", ["sorted", "sorted_fused", "sorted_tma"])
+def test_planned_forward_keeps_what_the_unplanned_one_keeps(path):
+    """``experts_plan(save_gu=True)`` (the op's forward under "save") returns y and gu bit for bit as ``moe_experts``
+    with a gu buffer, on every path the op's table may choose for it."""
+    T, k, E, H, I, act, gate, gated, inter, bias, transposed = CASES["silu_concat"]
+    x, ids, wts, w_gu, b_gu, w_d, b_d, _ = make_case(T, k, E, H, I, torch.float32, gated, bias, transposed, seed=5)
+    with poisoned_empty():
+        y, gu = experts_plan(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path, save_gu=True)(
+            x, ids, wts, w_gu, b_gu, w_d, b_d)
+        y0, gu0 = kept(x, ids, wts, w_gu, b_gu, w_d, b_d, act, inter, path)
+    valid = ((ids >= 0) & (ids < E)).reshape(-1)  # dropped pairs' rows are never written
+    assert not valid.all() and torch.equal(y, y0) and torch.equal(gu[valid], gu0[valid])
+    assert torch.isfinite(gu[valid]).all()
 
 
 def test_kept_gate_up_checked():

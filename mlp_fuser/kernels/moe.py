@@ -262,7 +262,20 @@ def _moe_gate_up_kernel(
             stride_xm, stride_xk, GATE_STEP * stride_wn, stride_wk, GATE_STEP * stride_wn, stride_wk,
             GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
-    if SAVE_GU:  # training, backward "save": g and u with their biases per pair, rounded as stored; h from those
+    h = kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, N, UP_ROW,
+                    GATED, HAS_BIAS, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, N, UP_ROW,
+                GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr, ACT: tl.constexpr,
+                ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
+                UP_OFFSET: tl.constexpr, SAVE_GU: tl.constexpr):
+    """h in fp32 from gate/up's accumulators; with SAVE_GU (training, backward "save") g and u with their biases
+    first stored per pair, rounded as stored, and h computed from those."""
+    if SAVE_GU:
         if HAS_BIAS:
             acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
                                             GATED, GATE_STEP)
@@ -271,13 +284,10 @@ def _moe_gate_up_kernel(
         n_gu = 2 * N if GATED else N
         store_gu(gu_ptr, pairs.to(tl.int64), g, u, offs_n, mask_m[:, None] & mask_n[None, :], n_gu, UP_ROW, GATED,
                  GATE_STEP)
-        h = expert_epilogue(g.to(tl.float32), u.to(tl.float32), b_ptr, e, offs_n, mask_n, stride_be, stride_bn,
-                            UP_ROW, GATED, False, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
-    else:
-        h = expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
-                            GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
-    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        return expert_epilogue(g.to(tl.float32), u.to(tl.float32), b_ptr, e, offs_n, mask_n, stride_be, stride_bn,
+                               UP_ROW, GATED, False, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    return expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
+                           GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
 
 
 @triton.jit
@@ -416,11 +426,11 @@ def _moe_combine_kernel(
 @triton.jit
 def _moe_gate_up_tma_kernel(
     x_ptr, w_desc, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-    S, K_TOP, N, K, UP_ROW, ROWS, stride_xm, stride_xk, stride_be, stride_bn,
+    S, K_TOP, N, K, UP_ROW, ROWS, stride_xm, stride_xk, stride_be, stride_bn, gu_ptr,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr = False,
 ):
     # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of h ----------------------------------
     pid_b = tl.program_id(0)
@@ -447,8 +457,8 @@ def _moe_gate_up_tma_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    h = expert_epilogue(acc_g, acc_u, b_ptr, e.to(tl.int64), offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED,
-                        HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
+    h = kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e.to(tl.int64), offs_n, mask_n, stride_be, stride_bn,
+                    N, UP_ROW, GATED, HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -686,9 +696,7 @@ def moe_gate_up(x: Tensor, routing: Routing | None, w_gu: Tensor, b_gu: Tensor |
         if counts is not None:  # no kernel to zero them
             counts.zero_()
         return h
-    if gu is not None and (gu.shape != (S, w_gu.shape[1]) or gu.dtype != x.dtype or not gu.is_contiguous()):
-        raise ValueError(f"moe_gate_up: gu must be a contiguous {x.dtype} tensor of shape {(S, w_gu.shape[1])}, not "
-                         f"{gu.dtype} {tuple(gu.shape)}")
+    _check_gu(gu, S, w_gu, x.dtype)
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
         raise ValueError(f"moe_gate_up: counts must be a contiguous int32 tensor, not {counts.dtype} {counts.stride()}")
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
@@ -901,12 +909,20 @@ def _desc(w: Tensor, cfg: dict):
     return kept_desc(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
 
 
+def _check_gu(gu: Tensor | None, S: int, w_gu: Tensor, dtype: torch.dtype) -> None:
+    if gu is not None and (gu.shape != (S, w_gu.shape[1]) or gu.dtype != dtype or not gu.is_contiguous()):
+        raise ValueError(f"moe_gate_up: gu must be a contiguous {dtype} tensor of shape {(S, w_gu.shape[1])}, not "
+                         f"{gu.dtype} {tuple(gu.shape)}")
+
+
 def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
-                    config: dict) -> Tensor:
-    """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None)."""
+                    config: dict, gu: Tensor | None = None) -> Tensor:
+    """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None);
+    ``gu``: as ``moe_gate_up``'s (the pre-activations kept per pair)."""
     T, H = x.shape
     S = T * routing.k
     gated, _, up_row = _gate_up_layout(w_gu, I, False)
+    _check_gu(gu, S, w_gu, x.dtype)
     h = torch.empty((S, I), dtype=x.dtype, device=x.device)
     n_blocks = routing.block_expert.shape[0]
     if n_blocks == 0 or I == 0:
@@ -916,8 +932,10 @@ def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | No
     launch(_moe_gate_up_tma_kernel, grid,
            x, _desc(w_gu, config), b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
            S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0), b.stride(-1),
+           gu if gu is not None else h,
            GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
-           BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+           BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SAVE_GU=gu is not None,
+           **_launch_opts(config))
     return h
 
 
@@ -1021,14 +1039,14 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     ``fp8.Fp8Experts`` of float8 weights w_gu and w_d (W8A16: tiles dequantized in registers; sorted_tma then runs
     sorted); ``a8``: with them, x and h quantized per row and 128 columns and multiplied on the fp8 tensor cores
     (W8A8, the grouped paths; "pairs" stays W8A16). ``gu``: the gate/up kernel also stores the pre-activations there
-    (``moe_gate_up``'s ``gu``, the training forward of backward "save"): the grouped paths but on W8A16 weights only
-    (sorted_tma then runs sorted)."""
+    (``moe_gate_up``'s ``gu``, the training forward of backward "save"): the grouped paths and sorted_tma, on float8
+    weights W8A16 only (sorted_tma then runs sorted)."""
     T, k = ids.shape
     E, H, I = w_d.shape
     s_gu, s_d = scales if scales is not None else (None, None)
     if gu is not None and (path == "pairs" or (scales is not None and a8)):
         raise ValueError(f"moe_experts: the {'W8A8' if a8 else path} path keeps no pre-activations (gu)")
-    if (scales is not None or gu is not None) and path == "sorted_tma":
+    if scales is not None and path == "sorted_tma":
         path = "sorted"
     if scales is not None and a8 and path != "pairs":
         return _experts_a8(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, s_gu, s_d)
@@ -1047,7 +1065,7 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
         else:
             up = cfg("gate_up_tma")
             routing = moe_align(ids, E, up["BLOCK_M"])
-            h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up)
+            h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up, gu)
             return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, cfg("down_tma"), rows_dtype(x.dtype)), ids, E,
                                x.dtype)
     no_memset, pdl = _FUSED.get(path, (False, False))
@@ -1112,17 +1130,19 @@ def experts_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor
     the gate/up kernel (the grouped paths on float weights, non-empty problems)."""
     T, k = ids.shape
     E, H, I = w_d.shape
-    if save_gu and (scales is not None or path not in _GROUPED or T * k == 0 or I == 0 or H == 0 or E == 0):
-        raise ValueError(f"experts_plan: save_gu plans the grouped paths ({', '.join(_GROUPED)}) of float weights "
-                         f"for non-empty problems, not {path!r}")
+    if save_gu and (scales is not None or path not in (*_GROUPED, "sorted_tma") or T * k == 0 or I == 0 or H == 0
+                    or E == 0):
+        raise ValueError(f"experts_plan: save_gu plans the grouped paths ({', '.join(_GROUPED)}, sorted_tma) of float "
+                         f"weights for non-empty problems, not {path!r}")
     if scales is not None:
         return _fp8_plan(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, scales, a8)
-    if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0 or (
-            path == "sorted_tma" and tma_why_not(x, w_gu, w_d, interleaved) is not None):
+    if path == "sorted_tma" and tma_why_not(x, w_gu, w_d, interleaved) is not None:
+        path = "sorted"  # the same kernels with pointer loads
+    if path not in PATHS or T * k == 0 or I == 0 or H == 0 or E == 0:
         return lambda x, ids, wts, w_gu, b_gu, w_d, b_d: moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act,
                                                                      interleaved, path, configs)
     if path == "sorted_tma":
-        return _tma_plan(x, ids, w_gu, w_d, act, configs or {})
+        return _tma_plan(x, ids, w_gu, w_d, act, configs or {}, save_gu)
     if path != "pairs":
         return _grouped_plan(x, ids, wts, w_gu, b_gu, w_d, b_d, act, interleaved, path, configs or {}, save_gu)
     cfgs = configs or {}
@@ -1235,21 +1255,26 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
     return grouped_fp8
 
 
-def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, cfgs: dict):
+def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, cfgs: dict, save_gu: bool = False):
     """``experts_plan`` for sorted_tma: the routing's launch worked out once, each weight's descriptors kept with it
-    (``_desc``), the kernels through ``launch``; a weight that lost its 16-byte alignment takes ``moe_experts``."""
+    (``_desc``), the kernels through ``launch``; a weight that lost its 16-byte alignment takes ``moe_experts``.
+    ``save_gu``: (y, gu) returned, gu kept by the gate/up kernel."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    S, n_gu = T * k, w_gu.shape[1]
     up = cfgs.get("gate_up_tma") or default_config("gate_up_tma", T, k, E, H, I, x.dtype, x.device)
     down = cfgs.get("down_tma") or default_config("down_tma", T, k, E, H, I, x.dtype, x.device)
     align, rows = align_plan(ids, E, up["BLOCK_M"]), rows_dtype(x.dtype)
 
     def tma(x, ids, wts, w_gu, b_gu, w_d, b_d):
+        kept = torch.empty((S, n_gu), dtype=x.dtype, device=x.device) if save_gu else None
         if w_gu.data_ptr() % 16 or w_d.data_ptr() % 16:
-            return moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, False, "sorted_tma", cfgs)
-        routing = align(ids)
-        h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up)
-        return moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, down, rows), ids, E, x.dtype)
+            y = moe_experts(x, ids, wts, w_gu, b_gu, w_d, b_d, act, False, "sorted_tma", cfgs, gu=kept)
+        else:
+            routing = align(ids)
+            h = moe_gate_up_tma(x, routing, w_gu, b_gu, act, I, up, kept)
+            y = moe_combine(moe_down_tma(h, routing, wts, w_d, b_d, down, rows), ids, E, x.dtype)
+        return (y, kept) if save_gu else y
     return tma
 
 

@@ -298,7 +298,8 @@ def _forward_save_full(key, x, ids, wts, wgu, bgu, wd, bd, activation, interleav
         return y.view(x.shape), gu
     p = Problem(x.device.type, x.dtype, T, k, E, H, I, gate, bgu is not None or bd is not None)
     args = (x2, ids2, wts2, wgu, bgu, wd, bd, gate)
-    path = "sorted_fused" if experts.choose(p, args).name == "triton_moe_sorted_fused" else "sorted"
+    path = {"triton_moe_sorted_fused": "sorted_fused", "triton_moe_sorted_tma": "sorted_tma"}.get(
+        experts.choose(p, args).name, "sorted")
     plan = kmoe.experts_plan(*args[:-1], experts.expert_act(gate), gate.interleaved, path, save_gu=True)
     if key is not None:
         if len(_SAVING) >= _MAX_EAGER:
