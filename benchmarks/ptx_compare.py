@@ -20,10 +20,10 @@ parameters need no further normalisation; a kernel renamed in Python would show 
     python benchmarks/ptx_compare.py --wgmma
 
 The routed experts' launches at model sizes (the configs the GPU gets: Qwen3-30B-A3B at 2048 and 8192 tokens,
-GPT-OSS-20B at 8192, forward and backward), each compiled as above and assembled by Triton's ptxas for sm_90a: a
-kernel whose wgmma instructions ptxas serializes (C7515: an accumulator or register operand written by other
-instructions inside the pipeline) loses its overlap of loads and tensor-core work. Prints registers, spills and that
-warning per launch; exits 1 if any launch is serialized.
+GPT-OSS-20B at 8192, forward and backward; float8 experts' W8A8 forward at 2048), each compiled as above and
+assembled by Triton's ptxas for sm_90a: a kernel whose wgmma instructions ptxas serializes (C7515: an accumulator or
+register operand written by other instructions inside the pipeline) loses its overlap of loads and tensor-core work.
+Prints registers, spills and that warning per launch; exits 1 if any launch is serialized.
 """
 
 from __future__ import annotations
@@ -182,10 +182,11 @@ def dump(tree: str) -> dict[str, str]:
     return out
 
 
-WGMMA_CASES = {  # name -> (T, k, E, H, I, GPT-OSS's layout, biases and clamped activation)
-    "Qwen3-30B-A3B T=2048": (2048, 8, 128, 2048, 768, False),
-    "Qwen3-30B-A3B T=8192": (8192, 8, 128, 2048, 768, False),
-    "GPT-OSS-20B T=8192": (8192, 4, 32, 2880, 2880, True),
+WGMMA_CASES = {  # name -> (T, k, E, H, I, GPT-OSS's layout, biases and clamped activation, float8 weights W8A8)
+    "Qwen3-30B-A3B T=2048": (2048, 8, 128, 2048, 768, False, False),
+    "Qwen3-30B-A3B T=8192": (8192, 8, 128, 2048, 768, False, False),
+    "GPT-OSS-20B T=8192": (8192, 4, 32, 2880, 2880, True, False),
+    "Qwen3-30B-A3B FP8 T=2048": (2048, 8, 128, 2048, 768, False, True),
 }
 
 
@@ -200,7 +201,7 @@ def wgmma_check() -> int:
     launches = []
     common.Launcher.__call__ = lambda self, key, grid, *args, **kw: launches.append((self.kernel, args, kw))
     bad, seen = 0, set()
-    for case, (T, topk, E, H, I, oss) in WGMMA_CASES.items():
+    for case, (T, topk, E, H, I, oss, fp8) in WGMMA_CASES.items():
         def empty(*shape):  # nothing runs: the values are never read
             return torch.empty(*shape, dtype=torch.bfloat16)
         x, dy, wts = empty(T, H), empty(T, H), empty(T, topk)
@@ -211,8 +212,15 @@ def wgmma_check() -> int:
         else:
             gu, d, bgu, bd, act = empty(E, 2 * I, H), empty(E, H, I), None, None, k.moe.ExpertAct()
         launches.clear()
-        k.moe.moe_experts(x, ids, wts, gu, bgu, d, bd, act, oss)
-        k.moe_backward.moe_backward(x, ids, wts, gu, bgu, d, bd, act, oss, dy)
+        if fp8:  # the forward only (frozen float8 experts train through the bf16-tile backward)
+            scales = [k.fp8.fp8_experts(torch.empty(w.shape, dtype=torch.float8_e4m3fn),
+                                        torch.ones(E, w.shape[1] // 128, w.shape[2] // 128), (128, 128), gated=i == 0)
+                      for i, w in enumerate((gu, d))]
+            k.moe.moe_experts(x, ids, wts, scales[0].w, None, scales[1].w, None, act, False, scales=tuple(scales),
+                              a8=True)
+        else:
+            k.moe.moe_experts(x, ids, wts, gu, bgu, d, bd, act, oss)
+            k.moe_backward.moe_backward(x, ids, wts, gu, bgu, d, bd, act, oss, dy)
         for kernel, args, kwargs in launches:
             for desc, ptx in compile_launch(kernel, args, kwargs).items():
                 tile = ",".join(f"{n}={kwargs[n]}" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
