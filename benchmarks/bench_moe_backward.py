@@ -400,7 +400,9 @@ def matmul_tflops(n: int = 8192) -> float:
     """The bf16 matmul peak measured now: TFLOP/s of an n × n × n torch.mm (cuBLAS), CUDA-graph median."""
     from triton.testing import do_bench_cudagraph
 
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    # a generator of its own: a capture that failed above (a row timed eagerly) can leave the default one mid-capture
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     return 2 * n ** 3 / (do_bench_cudagraph(lambda: a @ b, rep=200) * 1e-3) / 1e12
 
 
