@@ -20,9 +20,10 @@ parameters need no further normalisation; a kernel renamed in Python would show 
     python benchmarks/ptx_compare.py --wgmma
 
 The routed experts' launches at model sizes (the configs the GPU gets: Qwen3-30B-A3B at 2048 and 8192 tokens,
-GPT-OSS-20B at 8192, forward and backward; float8 experts' W8A8 forward at 2048), each compiled as above and
-assembled by Triton's ptxas for sm_90a: a kernel whose wgmma instructions ptxas serializes (C7515: an accumulator or
-register operand written by other instructions inside the pipeline) loses its overlap of loads and tensor-core work.
+GPT-OSS-20B at 8192, forward and backward; float8 experts' W8A8 forward at 2048, pointer and TMA kernels), each
+compiled as above and assembled by Triton's ptxas for sm_90a: a kernel whose wgmma instructions ptxas serializes
+(C7515: an accumulator or register operand written by other instructions inside the pipeline) loses its overlap of
+loads and tensor-core work.
 Prints registers, spills and that warning per launch; exits 1 if any launch is serialized.
 """
 
@@ -182,11 +183,13 @@ def dump(tree: str) -> dict[str, str]:
     return out
 
 
-WGMMA_CASES = {  # name -> (T, k, E, H, I, GPT-OSS's layout, biases and clamped activation, float8 weights W8A8)
+WGMMA_CASES = {  # name -> (T, k, E, H, I, GPT-OSS's layout, biases and clamped activation, float8 weights W8A8: the
+    # sorted path, or the one named)
     "Qwen3-30B-A3B T=2048": (2048, 8, 128, 2048, 768, False, False),
     "Qwen3-30B-A3B T=8192": (8192, 8, 128, 2048, 768, False, False),
     "GPT-OSS-20B T=8192": (8192, 4, 32, 2880, 2880, True, False),
     "Qwen3-30B-A3B FP8 T=2048": (2048, 8, 128, 2048, 768, False, True),
+    "Qwen3-30B-A3B FP8 TMA T=2048": (2048, 8, 128, 2048, 768, False, "sorted_tma"),  # float8 weight boxes
 }
 
 
@@ -216,8 +219,13 @@ def wgmma_check() -> int:
             scales = [k.fp8.fp8_experts(torch.empty(w.shape, dtype=torch.float8_e4m3fn),
                                         torch.ones(E, w.shape[1] // 128, w.shape[2] // 128), (128, 128), gated=i == 0)
                       for i, w in enumerate((gu, d))]
-            k.moe.moe_experts(x, ids, wts, scales[0].w, None, scales[1].w, None, act, False, scales=tuple(scales),
-                              a8=True)
+            path = fp8 if isinstance(fp8, str) else "sorted"
+            real, k.moe.tma_why_not = k.moe.tma_why_not, lambda *a: None  # CPU tensors: as if on a Hopper GPU
+            try:
+                k.moe.moe_experts(x, ids, wts, scales[0].w, None, scales[1].w, None, act, False, path,
+                                  scales=tuple(scales), a8=True)
+            finally:
+                k.moe.tma_why_not = real
         else:
             k.moe.moe_experts(x, ids, wts, gu, bgu, d, bd, act, oss)
             k.moe_backward.moe_backward(x, ids, wts, gu, bgu, d, bd, act, oss, dy)

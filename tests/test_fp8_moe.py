@@ -17,7 +17,7 @@ from mlp_fuser.dispatch import fp8_experts
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels import moe as kmoe
 from mlp_fuser.ops import quant_moe
-from mlp_fuser.reference import rel_err
+from mlp_fuser.reference import Gate, rel_err
 
 FP8 = torch.float8_e4m3fn
 # (format, block): per 32 x 64 block, gate and up quantized apart (I not a multiple of the block), per channel, per
@@ -227,6 +227,7 @@ def test_experts_kernels_read_float8_weights(path, fmt, block):
 PLAN_CASES = [(path, a8, fmt, block, False) for path in ("sorted", "sorted_fused_nomemset", "unsorted", "unsorted_pdl")
               for a8 in (False, True) for fmt, block in (("block", (32, 64)), ("channel", None))]
 PLAN_CASES += [(path, a8, "block", (32, 64), True) for path in ("sorted", "unsorted_pdl") for a8 in (False, True)]
+PLAN_CASES += [("sorted_tma", True, "block", (32, 64), False), ("sorted_tma", True, "channel", None, True)]  # TMA
 
 
 @pytest.mark.parametrize("path,a8,fmt,block,lowp", PLAN_CASES)
@@ -429,3 +430,83 @@ def test_experts_kernels_w8a8(path, fmt, block):
     assert expected.abs().max() > 0.1
     assert rel_err(y.cpu(), expected, math.inf) < BAR
     assert rel_err(y.cpu(), reference64(x64, ids64, wts64, wgu64, wd64), math.inf) > 1e-3  # x was quantized
+
+
+# ---- W8A8 with the float8 weight tiles read as TMA boxes (sorted_tma) ------------------------------------------
+
+
+def tma_case(fmt, block, seed):
+    """A W8A8 case for the TMA kernels: H = 160 (two 128-column activation blocks, a K tail), expert 2 of 4 routed no
+    row, the others' row counts no multiple of the interpreter's BLOCK_M of 16, sentinel ids among them."""
+    (x, ids, wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64) = kernel_case(fmt, block, seed=seed, T=23, H=160)
+    g = torch.Generator().manual_seed(seed)
+    ids64 = torch.tensor([0, 1, 3])[torch.randint(0, 3, ids64.shape, generator=g)]
+    ids64 = torch.where(torch.rand(ids64.shape, generator=g) < 0.15, sentinels(g, ids64.shape, 4), ids64)
+    counts = [int((ids64 == e).sum()) for e in range(4)]
+    assert counts[2] == 0 and any(c % 16 for c in counts)
+    return (x, ids64.to(ids.device), wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64)
+
+
+@pytest.mark.parametrize("fmt,block", [FORMATS[0], FORMATS[1], FORMATS[2], ("block", (16, 32))])
+def test_sorted_tma_w8a8_reads_float8_boxes(fmt, block, monkeypatch):
+    """sorted_tma on float8 weights with float8 activations runs its TMA kernels (float8 weight boxes, x8 and h8
+    gathered by pointer, each K step scaled by x's and the weights' scales), against float64 of W8A8's semantics
+    and against the pointer kernels (the same tiles under the interpreter: the same bits); outputs start as NaN."""
+    (x, ids, wts, fgu, fd), ref = tma_case(fmt, block, seed=31)
+    calls = []
+    for name in ("moe_gate_up_tma", "moe_down_tma"):
+        real = getattr(kmoe, name)
+        monkeypatch.setattr(kmoe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    assert kmoe.tma_why_not(x, fgu.w, fd.w, False) is None
+    with poisoned_empty():
+        y = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, "sorted_tma",
+                             scales=(fgu, fd), a8=True)
+    assert calls == ["moe_gate_up_tma", "moe_down_tma"]
+    expected = reference64_a8(*ref, KERNEL_DTYPE)
+    assert expected.abs().max() > 0.1 and y.dtype == KERNEL_DTYPE
+    assert rel_err(y.cpu(), expected, math.inf) < BAR
+    pointer = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, "sorted",
+                               scales=(fgu, fd), a8=True)
+    if HAS_CUDA:  # other tiles on the GPU: other sums' orders
+        assert rel_err(y, pointer, math.inf) < BAR
+    else:
+        assert torch.equal(y, pointer)
+
+
+def test_fp8_sorted_tma_row_forced_and_planned(monkeypatch):
+    """The dispatcher's TMA row: forced, the op plans sorted_tma W8A8 and gives the pointer row's output (bit for bit
+    under the interpreter); the plan replays another call of the signature (another layer's weights and scales); a
+    candidate from 64 rows per touched expert; where gate and up rows interleave or rows are no 16-byte multiple, it
+    says why not."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
+    calls = []
+    real = kmoe.experts_plan
+    monkeypatch.setattr(kmoe, "experts_plan", lambda *a, **kw: calls.append((a[9], kw["a8"])) or real(*a, **kw))
+    dev = KERNEL_DEVICE
+
+    def layer(seed):
+        x, ids, wts, (wgu, sgu, wd, sd), _ = case("block", (32, 64), T=23, H=160, seed=seed)
+        return (x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
+
+    one, two = layer(32), layer(33)
+    outs = {}
+    for row in ("fp8_moe_sorted_tma_w8a8", "fp8_moe_sorted_w8a8"):
+        monkeypatch.setattr(config, "force_impl", row)
+        outs[row] = [quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64)) for args in (one, two)]
+    assert calls == [("sorted_tma", True), ("sorted", True)]  # one plan per row, replayed on the second layer
+    for a, b in zip(*outs.values()):
+        assert (rel_err(a, b, math.inf) < BAR) if HAS_CUDA else torch.equal(a, b)
+    monkeypatch.setattr(config, "force_impl", None)
+
+    def problem(T, H=160, interleaved=False):
+        (x, ids, wts, fgu, fd), _ = kernel_case("block", (32, 64), seed=34, T=T, H=H, interleaved=interleaved)
+        return fp8_experts.problem(x, ids, fgu, fd, Gate("silu", interleaved=interleaved))
+
+    names = [i.name for i in fp8_experts.eligible(problem(86))]  # 258 pairs over 4 experts: 64.5 rows each
+    assert names == ["fp8_moe_sorted_w8a8", "fp8_moe_sorted_tma_w8a8"]
+    assert "< 64 rows each" in fp8_experts.describe(problem(85))
+    interleaved = fp8_experts.describe(problem(86, interleaved=True))
+    assert "fp8_moe_sorted_tma_w8a8: gate and up rows interleaved" in interleaved
+    assert "16-byte multiples" in fp8_experts.describe(problem(86, H=104))

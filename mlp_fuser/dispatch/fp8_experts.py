@@ -78,6 +78,26 @@ def _one_token(p: Problem) -> str | None:
     return f"{p.tokens} tokens > 1 (every pair its own block would read an expert shared by tokens again)"
 
 
+def _tma_ok(p: Problem) -> str | None:
+    """``kmoe.tma_shape_why_not`` for the float8 weights (rows of H and I bytes in 16-byte multiples, gate and up
+    rows apart); a call whose weights are not contiguous and 16-byte aligned (``kmoe.tma_why_not``) runs the
+    pointer kernels."""
+    gate, (w_d, *_) = p.shapes[2], p.shapes[4]  # shapes: (x's dtype, k, gate, gate/up's layout, down's layout)
+    _, H, I = w_d
+    device = torch.device(p.device) if p.index is None else torch.device(p.device, p.index)
+    return kmoe.tma_shape_why_not(device, fp8_kernels.FP8, H, I, gate is not None and gate.interleaved)
+
+
+TMA_ROWS = 64  # rows per touched expert from which the TMA row is timed: BLOCK_M 64 tiles about full
+
+
+def _many_rows(p: Problem) -> str | None:
+    touched = max(1, min(p.pairs, p.shapes[4][0][0]))  # of w_down's E experts
+    if p.pairs >= TMA_ROWS * touched:
+        return None
+    return f"{p.pairs} pairs over {touched} experts: < {TMA_ROWS} rows each (TMA's W8A8 tiles are 64 rows)"
+
+
 def _no_kernels(p: Problem) -> str | None:  # the dequantized copy only where no kernel row runs (forcing runs it)
     return None if kernels_run(p) or _scale_blocks(p) else "the kernels run it"
 
@@ -113,6 +133,9 @@ IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (els
     # token up: faster than a GEMV per pair on FP8 weights (benchmarks/NOTES.md, "FP8 routed experts")
     _row("fp8_moe_sorted_w8a8", "sorted", True, (_a8_on, _a8_blocks)),
     _row("fp8_moe_sorted_w8a16", "sorted", False, worth=(_a8_off,)),  # the sorted GEMMs, the weights cast on chip
+    # the sorted W8A8 GEMMs with the float8 weight tiles read as TMA boxes (x and h gathered by pointer): timed
+    # against the pointer row where each touched expert has a 64-row tile's worth
+    _row("fp8_moe_sorted_tma_w8a8", "sorted_tma", True, (_a8_on, _a8_blocks, _tma_ok), (_many_rows,)),
     # one token: every pair its own block, no routing sort, down+combine in one launch (PDL: down overlaps, Hopper)
     _row("fp8_moe_unsorted_w8a8", "unsorted", True, (_a8_on, _a8_blocks), (_one_token,)),
     _row("fp8_moe_unsorted_pdl_w8a8", "unsorted_pdl", True, (_a8_on, _a8_blocks), (_one_token,)),

@@ -157,11 +157,7 @@ def fp8_gate_up_acc(
             xs = tl.load(xs_ptrs + k * BLOCK_K // 128, mask=mask_m, other=0.0)[:, None]
         wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
         if A8:
-            part = tl.dot(x, wg) * xs
-            if K_SCALED:
-                s_k = (k * BLOCK_K // SBK) * stride_sk
-                part = part * tl.load(sg_ptrs + s_k)[None, :]
-            acc_g += part
+            acc_g += a8_part(tl.dot(x, wg), xs, sg_ptrs, k * BLOCK_K, stride_sk, K_SCALED, SBK)
         elif K_SCALED:
             s_k = (k * BLOCK_K // SBK) * stride_sk
             acc_g += tl.dot(x, wg.to(x.dtype), input_precision=PRECISION) * tl.load(sg_ptrs + s_k)[None, :]
@@ -170,10 +166,7 @@ def fp8_gate_up_acc(
         if HAS_UP:
             wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
             if A8:
-                part = tl.dot(x, wu) * xs
-                if K_SCALED:
-                    part = part * tl.load(su_ptrs + s_k)[None, :]
-                acc_u += part
+                acc_u += a8_part(tl.dot(x, wu), xs, su_ptrs, k * BLOCK_K, stride_sk, K_SCALED, SBK)
             elif K_SCALED:
                 acc_u += tl.dot(x, wu.to(x.dtype), input_precision=PRECISION) * tl.load(su_ptrs + s_k)[None, :]
             else:
@@ -181,6 +174,23 @@ def fp8_gate_up_acc(
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wgk
         wu_ptrs += BLOCK_K * stride_wuk
+    return row_scaled(acc_g, acc_u, sg_ptrs, su_ptrs, HAS_UP, K_SCALED)
+
+
+@triton.jit
+def a8_part(part, xs, s_ptrs, k_off, stride_sk, K_SCALED: tl.constexpr, SBK: tl.constexpr):
+    """One W8A8 K step's fp8 product (fp32) at K offset ``k_off`` times x's rows' scales ``xs`` (BLOCK_M, 1) and,
+    where the weight's scales change along K (K_SCALED), its rows' scales of that K block (``s_ptrs``: column 0 of
+    each row's scale row, ``scale_rows``)."""
+    part = part * xs
+    if K_SCALED:
+        part = part * tl.load(s_ptrs + (k_off // SBK) * stride_sk)[None, :]
+    return part
+
+
+@triton.jit
+def row_scaled(acc_g, acc_u, sg_ptrs, su_ptrs, HAS_UP: tl.constexpr, K_SCALED: tl.constexpr):
+    """The float8 accumulators after the K loop: times their rows' one scale where it does not change along K."""
     if not K_SCALED:
         acc_g = acc_g * tl.load(sg_ptrs)[None, :]
         if HAS_UP:
@@ -427,12 +437,16 @@ def _moe_combine_kernel(
 def _moe_gate_up_tma_kernel(
     x_ptr, w_desc, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW, ROWS, stride_xm, stride_xk, stride_be, stride_bn, gu_ptr,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW, xs_ptr, stride_xs,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr = False,
+    A8: tl.constexpr = False, K_SCALED: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1,
 ):
     # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of h ----------------------------------
+    # (A8: x float8 with its scales per row and 128 columns at xs_ptr, the weight float8 with its scales at s_ptr as
+    # the pointer kernel's FP8 branch reads them, each K step's product scaled as there: ``a8_part``)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_b >= tl.load(num_blocks_ptr):
@@ -440,23 +454,36 @@ def _moe_gate_up_tma_kernel(
     e = tl.load(block_expert_ptr + pid_b)
     pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     mask_m = pairs < S
+    tokens = pairs // K_TOP
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (pairs // K_TOP)[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     # gate rows e·ROWS + n, up rows e·ROWS + UP_ROW + n: a box past the expert's rows only feeds masked columns
     row_g = e * ROWS + pid_n * BLOCK_N
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if A8:  # the expert's scale rows for these columns, x's rows' scales
+        sg_ptrs, su_ptrs = scale_rows(s_ptr, e.to(tl.int64), offs_n, N, stride_se, stride_sn, 1, UP_SOFF, UP_SROW, SBN)
+        xs_ptrs = xs_ptr + tokens * stride_xs
 
     # -- x gathered by pointer, weight boxes by TMA (zero past K), two fp32 accumulators -----------
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
-        acc_g = tl.dot(x, w_desc.load([row_g, k]).T, acc_g, input_precision=PRECISION)
-        if GATED:
-            acc_u = tl.dot(x, w_desc.load([row_g + UP_ROW, k]).T, acc_u, input_precision=PRECISION)
+        if A8:
+            xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[:, None]
+            acc_g += a8_part(tl.dot(x, w_desc.load([row_g, k]).T), xs, sg_ptrs, k, stride_sk, K_SCALED, SBK)
+            if GATED:
+                acc_u += a8_part(tl.dot(x, w_desc.load([row_g + UP_ROW, k]).T), xs, su_ptrs, k, stride_sk,
+                                 K_SCALED, SBK)
+        else:
+            acc_g = tl.dot(x, w_desc.load([row_g, k]).T, acc_g, input_precision=PRECISION)
+            if GATED:
+                acc_u = tl.dot(x, w_desc.load([row_g + UP_ROW, k]).T, acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
+    if A8:
+        acc_g, acc_u = row_scaled(acc_g, acc_u, sg_ptrs, su_ptrs, GATED, K_SCALED)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
     h = kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e.to(tl.int64), offs_n, mask_n, stride_be, stride_bn,
                     N, UP_ROW, GATED, HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -467,10 +494,13 @@ def _moe_gate_up_tma_kernel(
 def _moe_down_tma_kernel(
     h_ptr, w_desc, b_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, stride_be, stride_bn, stride_wt, stride_wj,
+    s_ptr, stride_se, stride_sn, stride_sk, xs_ptr, stride_xs,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A8: tl.constexpr = False, K_SCALED: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1,
 ):
     # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of the output -------------------------
+    # (A8: h float8, scaled as in the gate/up kernel)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_b >= tl.load(num_blocks_ptr):
@@ -481,17 +511,26 @@ def _moe_down_tma_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * K + offs_k[None, :]
     row_w = e * N + pid_n * BLOCK_N  # rows of Wd[e] in the (E·H, I) view
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if A8:
+        s_rows, _ = scale_rows(s_ptr, e.to(tl.int64), offs_n, N, stride_se, stride_sn, 1, 0, 0, SBN)
+        xs_ptrs = xs_ptr + pairs * stride_xs
 
     # -- h rows by pointer, Wd[e] boxes by TMA ---------------------------------------------------
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         h = tl.load(h_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
-        acc = tl.dot(h, w_desc.load([row_w, k]).T, acc, input_precision=PRECISION)
+        if A8:
+            xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[:, None]
+            acc += a8_part(tl.dot(h, w_desc.load([row_w, k]).T), xs, s_rows, k, stride_sk, K_SCALED, SBK)
+        else:
+            acc = tl.dot(h, w_desc.load([row_w, k]).T, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
+    if A8:
+        acc, _ = row_scaled(acc, acc, s_rows, s_rows, False, K_SCALED)
 
     # -- epilogue: bias, routing weight; one fp32 row per pair --------------------------------------
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=mask_n,
                        other=0.0).to(tl.float32)[None, :]
@@ -904,9 +943,24 @@ def tma_why_not(x: Tensor, w_gu: Tensor, w_d: Tensor, interleaved: bool) -> str 
     return None
 
 
-def _desc(w: Tensor, cfg: dict):
-    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes, kept with the weight."""
-    return kept_desc(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
+def _desc(w: Tensor, cfg: dict, block_k: int | None = None):
+    """The (E·rows, K) view of a stacked weight as a descriptor of (BLOCK_N, BLOCK_K) boxes (``block_k``: BLOCK_K as
+    the scales cut it), kept with the weight."""
+    return kept_desc(w, cfg["BLOCK_N"], block_k or cfg["BLOCK_K"])
+
+
+def _tma_a8(scale, block_k: int, xs: Tensor | None, up_row: int | None = None) -> tuple[tuple, dict]:
+    """The TMA kernels' scale integers (``_scale_args``, with UP_SOFF and UP_SROW where ``up_row`` is given: the
+    gate/up kernel's; ``_a8_args``) and constexprs: W8A8 where ``scale`` and ``xs`` are given (BLOCK_K cut to lie in
+    one activation and one weight scale block, ``_scale_constexprs``), else stand-ins never read."""
+    scale_ints = _scale_args(scale, up_row or 0)
+    ints = (*scale_ints[:4], *(scale_ints[4:] if up_row is not None else ()), *_a8_args(xs))
+    if scale is None:
+        return ints, {"A8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k}
+    if xs is None:
+        raise ValueError("the sorted_tma kernels read float8 weights with float8 activations only (W8A8: xs)")
+    c = _scale_constexprs(scale, block_k, True)
+    return ints, {"A8": True, "K_SCALED": c["K_SCALED"], "SBN": c["SBN"], "SBK": c["SBK"], "BLOCK_K": c["BLOCK_K"]}
 
 
 def _check_gu(gu: Tensor | None, S: int, w_gu: Tensor, dtype: torch.dtype) -> None:
@@ -916,33 +970,36 @@ def _check_gu(gu: Tensor | None, S: int, w_gu: Tensor, dtype: torch.dtype) -> No
 
 
 def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
-                    config: dict, gu: Tensor | None = None) -> Tensor:
+                    config: dict, gu: Tensor | None = None, scale=None, xs: Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> Tensor:
     """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None);
-    ``gu``: as ``moe_gate_up``'s (the pre-activations kept per pair)."""
+    ``gu``: as ``moe_gate_up``'s (the pre-activations kept per pair). ``scale`` and ``xs``: W8A8, as ``moe_gate_up``
+    takes them (float8 boxes, x float8 gathered by pointer; h in ``out_dtype``)."""
     T, H = x.shape
     S = T * routing.k
     gated, _, up_row = _gate_up_layout(w_gu, I, False)
     _check_gu(gu, S, w_gu, x.dtype)
-    h = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    h = torch.empty((S, I), dtype=out_dtype or x.dtype, device=x.device)
     n_blocks = routing.block_expert.shape[0]
     if n_blocks == 0 or I == 0:
         return h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     grid = (n_blocks, cdiv(I, config["BLOCK_N"]))
+    ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], xs, up_row)
     launch(_moe_gate_up_tma_kernel, grid,
-           x, _desc(w_gu, config), b, h, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-           S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0), b.stride(-1),
-           gu if gu is not None else h,
+           x, _desc(w_gu, config, const_a8["BLOCK_K"]), b, h, routing.sorted_pairs, routing.block_expert,
+           routing.num_blocks, S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0),
+           b.stride(-1), gu if gu is not None else h, *ints_a8,
            GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
-           BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SAVE_GU=gu is not None,
+           BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], SAVE_GU=gu is not None, **const_a8,
            **_launch_opts(config))
     return h
 
 
 def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None, config: dict,
-                 rows: torch.dtype = torch.float32) -> Tensor:
+                 rows: torch.dtype = torch.float32, scale=None, xs: Tensor | None = None) -> Tensor:
     """``moe_down`` with Wd read through TMA: out (S, H) per pair in ``rows``' dtype, the rows of dropped pairs
-    unwritten."""
+    unwritten; ``scale`` and ``xs`` (h's): W8A8, as in ``moe_gate_up_tma``."""
     S, I = h.shape
     H = w_d.shape[1]
     out = torch.empty((S, H), dtype=rows, device=h.device)
@@ -952,11 +1009,12 @@ def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Ten
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
     grid = (n_blocks, cdiv(H, config["BLOCK_N"]))
+    ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], xs)
     launch(_moe_down_tma_kernel, grid,
-           h, _desc(w_d, config), b, wts, out, routing.sorted_pairs, routing.block_expert, routing.num_blocks,
-           S, routing.k, H, I, b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1),
+           h, _desc(w_d, config, const_a8["BLOCK_K"]), b, wts, out, routing.sorted_pairs, routing.block_expert,
+           routing.num_blocks, S, routing.k, H, I, b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *ints_a8,
            HAS_BIAS=b_d is not None, PRECISION=dot_precision(h.dtype), BLOCK_M=routing.block_m,
-           BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], **_launch_opts(config))
+           BLOCK_N=config["BLOCK_N"], **const_a8, **_launch_opts(config))
     return out
 
 
@@ -1046,7 +1104,7 @@ def moe_experts(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, b_gu: Tensor 
     s_gu, s_d = scales if scales is not None else (None, None)
     if gu is not None and (path == "pairs" or (scales is not None and a8)):
         raise ValueError(f"moe_experts: the {'W8A8' if a8 else path} path keeps no pre-activations (gu)")
-    if scales is not None and path == "sorted_tma":
+    if scales is not None and path == "sorted_tma" and not a8:
         path = "sorted"
     if scales is not None and a8 and path != "pairs":
         return _experts_a8(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, s_gu, s_d)
@@ -1093,6 +1151,16 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
     def cfg(kind: str) -> dict:
         return _fp8_config(kind, configs, True, T, k, E, H, I, x)
 
+    if path == "sorted_tma":
+        if tma_why_not(x, w_gu, w_d, interleaved) is None:
+            up = cfg("gate_up_tma")
+            routing = moe_align(ids, E, up["BLOCK_M"])
+            xq, xs = quantize_rows(x)
+            h = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=s_gu, xs=xs, out_dtype=x.dtype)
+            hq, hs = quantize_rows(h)
+            out = moe_down_tma(hq, routing, wts, w_d, None, cfg("down_tma"), rows_dtype(x.dtype), s_d, hs)
+            return moe_combine(out, ids, E, x.dtype)
+        path = "sorted"  # the same GEMMs with pointer loads
     no_memset, pdl = _FUSED.get(path, (False, False))
     up, down = cfg("gate_up"), cfg("down")
     qx, qh = quant_in_gemm(s_gu, up, T * k), quant_in_gemm(s_d, down, T * k)
@@ -1110,11 +1178,11 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
 def _fp8_config(kind: str, configs: dict | None, a8: bool, T: int, k: int, E: int, H: int, I: int,
                 x: Tensor) -> dict:
     """The grouped GEMMs' config on float8 weights: the one given, else W8A8's own tiles from 64 rows per expert
-    (``moe_tuning.FP8_W8A8``), else the bf16 table's."""
+    (``moe_tuning.FP8_W8A8``; its TMA kernels' at any size), else the bf16 table's."""
     given = (configs or {}).get(kind)
     if given:
         return given
-    if a8 and not INTERPRET and rows_bucket(T, k, E) >= 64:
+    if a8 and not INTERPRET and (kind.endswith("_tma") or rows_bucket(T, k, E) >= 64):
         return dict(moe_tuning.FP8_W8A8[kind])
     return default_config(kind, T, k, E, H, I, x.dtype, x.device)
 
@@ -1169,6 +1237,8 @@ def _fp8_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, ac
     problems through ``moe_experts``."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    if path == "sorted_tma" and a8 and T * k and I and H and E and tma_why_not(x, w_gu, w_d, interleaved) is None:
+        return _fp8_tma_plan(x, ids, w_gu, w_d, act, configs, scales)
     if path in _GROUPED and T * k and I and H and E:
         return _fp8_grouped_plan(x, ids, wts, w_gu, w_d, act, interleaved, path, configs, scales, a8)
     if path != "pairs" or T * k == 0 or I == 0 or H == 0 or E == 0:
@@ -1253,6 +1323,28 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
             comb(out, None, ids, y, *ints_c)
         return y
     return grouped_fp8
+
+
+def _fp8_tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, configs: dict | None,
+                  scales: tuple):
+    """``experts_plan`` for sorted_tma on float8 weights, W8A8: the routing's and the quantizations' launches worked
+    out once, the weights' descriptors kept with them (``_desc``), the GEMMs through ``launch``; a call whose weight
+    lost its 16-byte alignment takes ``moe_experts`` (the pointer kernels)."""
+    T, k = ids.shape
+    E, H, I = w_d.shape
+    up, down = (_fp8_config(kind, configs, True, T, k, E, H, I, x) for kind in ("gate_up_tma", "down_tma"))
+    align, rows = align_plan(ids, E, up["BLOCK_M"]), rows_dtype(x.dtype)
+    quant_x, quant_h = _quantize_plan(T, H), _quantize_plan(T * k, I)
+
+    def tma_a8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
+        if w_gu.data_ptr() % 16 or w_d.data_ptr() % 16:
+            return moe_experts(x, ids, wts, w_gu, None, w_d, None, act, False, "sorted", configs, scales, True)
+        routing = align(ids)
+        xq, xs = quant_x(x)
+        h = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=scales[0], xs=xs, out_dtype=x.dtype)
+        hq, hs = quant_h(h)
+        return moe_combine(moe_down_tma(hq, routing, wts, w_d, None, down, rows, scales[1], hs), ids, E, x.dtype)
+    return tma_a8
 
 
 def _tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, cfgs: dict, save_gu: bool = False):

@@ -53,7 +53,11 @@ H200: dict[str, dict[int, list[dict]]] = {
 
 # W8A8 grouped GEMMs (fp8 x and weights, scales per K step) from 64 rows per expert, 128-wide K steps (an H100 sweep,
 # benchmarks/NOTES.md, "FP8 routed experts"); gate/up on 8 warps (on 4 it spills); fewer rows take the bf16 table's.
-FP8_W8A8 = {"gate_up": _cfg(64, 64, 128, 8, 3), "down": _cfg(64, 128, 128, 4, 3)}
+# The TMA kernels' (float8 weight boxes, sorted_tma): the best of a 16-point grid (BLOCK_M 64/128, BLOCK_N 64/128, 4/8
+# warps, 3/4 stages) for each kernel alone at T = 2048, Qwen3-30B-A3B and Mixtral-8x7B alike (one H200; BLOCK_M 128
+# far slower at 128 rows per expert).
+FP8_W8A8 = {"gate_up": _cfg(64, 64, 128, 8, 3), "down": _cfg(64, 128, 128, 4, 3),
+            "gate_up_tma": _cfg(64, 128, 128, 4, 3), "down_tma": _cfg(64, 128, 128, 4, 4)}
 
 # (compute capability, SM count) -> its table. The H100 SXM shares the H200's key (GH100, 132 SMs): its table too.
 TUNED: dict[tuple[tuple[int, int], int], dict[str, dict[int, list[dict]]]] = {
