@@ -183,18 +183,4 @@ def test_smollm2_gguf_is_found():
     assert os.path.getsize(os.path.join(d, name)) > 50_000_000
 
 
-@pytest.mark.slow
-def test_demo_end_to_end():
-    """The demo as a newcomer runs it: identical tokens, a timing table, the CPU note (without a GPU). Its compiled
-    variant (most of its time on the CPU) is examples/generate_smollm2.py's test: the same model compiled with the
-    backend through a KV-cache generate."""
-    r = run_cli("demo", "--tokens", "12", "--repeats", "1", "--no-compile", timeout=1500)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = r.stdout
-    assert "mlp_fuser.explain(model, input_ids)" in out
-    assert "Tokens identical: yes" in out
-    for variant in ("unfused (eager)", "mlp_fuser.patch (eager)"):
-        assert variant in out.split("== Timing")[1]
-    if not HAS_CUDA:
-        assert "Triton kernels run on CUDA" in out
-    assert "loading SmolLM2" in r.stderr
+# The demo's end-to-end test is tests/test_smollm2.py::test_demo_end_to_end: it shares that file's loaded SmolLM2.
