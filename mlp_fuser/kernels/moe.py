@@ -273,7 +273,8 @@ def _moe_gate_up_kernel(
             GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
     h = kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, N, UP_ROW,
-                    GATED, HAS_BIAS, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU)
+                    GATED, HAS_BIAS, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU,
+                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -282,9 +283,10 @@ def _moe_gate_up_kernel(
 def kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, N, UP_ROW,
                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_STEP: tl.constexpr, ACT: tl.constexpr,
                 ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
-                UP_OFFSET: tl.constexpr, SAVE_GU: tl.constexpr):
+                UP_OFFSET: tl.constexpr, SAVE_GU: tl.constexpr, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """h in fp32 from gate/up's accumulators; with SAVE_GU (training, backward "save") g and u with their biases
-    first stored per pair, rounded as stored, and h computed from those."""
+    first stored per pair (``store_gu``; ``offs_n`` = col0 + arange(BLOCK_N)), rounded as stored, and h computed from
+    those."""
     if SAVE_GU:
         if HAS_BIAS:
             acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
@@ -293,7 +295,7 @@ def kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e, offs_n, mask_n, s
         u = acc_u.to(gu_ptr.dtype.element_ty)
         n_gu = 2 * N if GATED else N
         store_gu(gu_ptr, pairs.to(tl.int64), g, u, offs_n, mask_m[:, None] & mask_n[None, :], n_gu, UP_ROW, GATED,
-                 GATE_STEP)
+                 GATE_STEP, mask_m, col0, BLOCK_M, BLOCK_N)
         return expert_epilogue(g.to(tl.float32), u.to(tl.float32), b_ptr, e, offs_n, mask_n, stride_be, stride_bn,
                                UP_ROW, GATED, False, GATE_STEP, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET)
     return expert_epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW, GATED, HAS_BIAS,
@@ -301,13 +303,47 @@ def kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e, offs_n, mask_n, s
 
 
 @triton.jit
-def store_gu(ptr, rows, g, u, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr):
+def pair_cols(mask_m, col0, N_GU, BLOCK_N: tl.constexpr):
+    """The contiguous columns 2·col0 .. 2·col0 + 2·BLOCK_N of a row layout with gate and up interleaved, and their
+    mask for rows ``mask_m``."""
+    cols = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+    return cols, mask_m[:, None] & (cols < N_GU)[None, :]
+
+
+@triton.jit
+def store_gu(ptr, rows, g, u, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr,
+             mask_m, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """g (and u) stored in Wgu's row layout at ``rows`` of a (rows, N_GU) tensor: gate column GATE_STEP·n, up
-    UP_ROW + GATE_STEP·n."""
+    UP_ROW + GATE_STEP·n (``offs_n`` = col0 + arange(BLOCK_N)). Gate and up interleaved (GATE_STEP 2): joined in
+    registers and stored as one contiguous (BLOCK_M, 2·BLOCK_N) tile, the same values at the same addresses as two
+    scalar stores of every other element (GPT-OSS, T = 8192, H200: the backward's act kernel took 6.8 ms with those,
+    5.0 without storing [dg du] at all; the forward's gate/up kernel keeping g and u 3.9 ms, 2.0 without)."""
     base = ptr + rows[:, None] * N_GU
-    tl.store(base + (offs_n * GATE_STEP)[None, :], g, mask=mask)
-    if GATED:
-        tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], u, mask=mask)
+    if GATED and GATE_STEP == 2:
+        cols, mask2 = pair_cols(mask_m, col0, N_GU, BLOCK_N)
+        tl.store(base + cols[None, :], tl.reshape(tl.join(g, u), (BLOCK_M, 2 * BLOCK_N)), mask=mask2)
+    else:
+        tl.store(base + (offs_n * GATE_STEP)[None, :], g, mask=mask)
+        if GATED:
+            tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], u, mask=mask)
+
+
+@triton.jit
+def load_gu(ptr, rows, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr,
+            mask_m, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(g, u) in fp32 from Wgu's row layout at ``rows`` (``store_gu``'s); u zero without GATED. Interleaved: one
+    contiguous (BLOCK_M, 2·BLOCK_N) tile, split in registers."""
+    base = ptr + rows[:, None] * N_GU
+    if GATED and GATE_STEP == 2:
+        cols, mask2 = pair_cols(mask_m, col0, N_GU, BLOCK_N)
+        gu = tl.load(base + cols[None, :], mask=mask2, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        g = tl.load(base + (offs_n * GATE_STEP)[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.zeros_like(g)
+        if GATED:
+            u = tl.load(base + (UP_ROW + offs_n * GATE_STEP)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return g, u
 
 
 @triton.jit
@@ -485,7 +521,8 @@ def _moe_gate_up_tma_kernel(
         acc_g, acc_u = row_scaled(acc_g, acc_u, sg_ptrs, su_ptrs, GATED, K_SCALED)
 
     h = kept_or_not(acc_g, acc_u, gu_ptr, pairs, mask_m, b_ptr, e.to(tl.int64), offs_n, mask_n, stride_be, stride_bn,
-                    N, UP_ROW, GATED, HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU)
+                    N, UP_ROW, GATED, HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU,
+                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 

@@ -43,11 +43,13 @@ from .moe import (
     _launch_opts,
     add_gate_up_bias,
     default_config,
+    load_gu,
     moe_combine,
     moe_down,
     moe_gate_up,
     paired_rows,
     scale_rows,
+    store_gu,
 )
 from .moe_grouped_wgrad import compact_rows
 from .moe_routing import Routing, moe_align
@@ -207,7 +209,7 @@ def _moe_bwd_act_kernel(
 
     # -- epilogue: biases, h, A'(g, u) · (w_p dh'), dw_p's partial over these columns -------------------
     if SAVED:  # the forward's g and u (biases in), as it stored them per pair
-        acc_g, acc_u = _load_gu(gu_ptr, pairs.to(tl.int64), offs_n, mask_m[:, None] & mask_n[None, :], N_GU, UP_ROW,
+        acc_g, acc_u = load_gu(gu_ptr, pairs.to(tl.int64), offs_n, mask_m[:, None] & mask_n[None, :], N_GU, UP_ROW,
                                 GATED, GATE_STEP, mask_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     elif HAS_BGU:
         acc_g, acc_u = add_gate_up_bias(acc_g, acc_u, bgu_ptr, e, offs_n, mask_n, stride_be, stride_bn, UP_ROW,
@@ -228,11 +230,11 @@ def _moe_bwd_act_kernel(
     dg = dg.to(dgu_ptr.dtype.element_ty)
     du = du.to(dgu_ptr.dtype.element_ty)
     if PAIR_DGU:  # per pair: the Triton dx and wgrad kernels read it so
-        _store_gu(dgu_ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP, mask_m, pid_n * BLOCK_N,
+        store_gu(dgu_ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP, mask_m, pid_n * BLOCK_N,
                   BLOCK_M, BLOCK_N)
     if COPY:  # grouped_mm's [dg du] in compact sorted order, and each pair's row there (grouped dx sums them)
         srows = compact_rows(pid_b, e, shift_ptr, BLOCK_M)
-        _store_gu(dgus_ptr, srows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP, mask_m, pid_n * BLOCK_N,
+        store_gu(dgus_ptr, srows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED, GATE_STEP, mask_m, pid_n * BLOCK_N,
                   BLOCK_M, BLOCK_N)
         tl.store(crow_ptr + rows, srows.to(tl.int32), mask=mask_m & (pid_n == 0))
     if SORTED:  # the weight gradients' grouped_mm operands in compact sorted order: h, [dg du]'s bias sums per block
@@ -245,49 +247,6 @@ def _moe_bwd_act_kernel(
                 tl.store(sums + UP_ROW, tl.sum(tl.where(mask, du.to(tl.float32), 0.0), axis=0), mask=mask_n)
     else:
         tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=mask)
-
-
-@triton.jit
-def _pair_cols(mask_m, col0, N_GU, BLOCK_N: tl.constexpr):
-    """The contiguous columns 2·col0 .. 2·col0 + 2·BLOCK_N of a row layout with gate and up interleaved, and their
-    mask for rows ``mask_m``."""
-    cols = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
-    return cols, mask_m[:, None] & (cols < N_GU)[None, :]
-
-
-@triton.jit
-def _store_gu(ptr, rows, dg, du, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr,
-              mask_m, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[dg du] stored in Wgu's row layout at ``rows`` (columns ``offs_n`` = col0 + arange(BLOCK_N)). Gate and up
-    interleaved (GATE_STEP 2): joined in registers and stored as one contiguous (BLOCK_M, 2·BLOCK_N) tile, the same
-    values at the same addresses as two scalar stores of every other element (GPT-OSS, T = 8192, H200: the act
-    kernel took 6.8 ms with those, 5.0 without storing [dg du] at all)."""
-    base = ptr + rows[:, None] * N_GU
-    if GATED and GATE_STEP == 2:
-        cols, mask2 = _pair_cols(mask_m, col0, N_GU, BLOCK_N)
-        tl.store(base + cols[None, :], tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N)), mask=mask2)
-    else:
-        tl.store(base + (offs_n * GATE_STEP)[None, :], dg, mask=mask)
-        if GATED:
-            tl.store(base + (UP_ROW + offs_n * GATE_STEP)[None, :], du, mask=mask)
-
-
-@triton.jit
-def _load_gu(ptr, rows, offs_n, mask, N_GU, UP_ROW, GATED: tl.constexpr, GATE_STEP: tl.constexpr,
-             mask_m, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(g, u) in fp32 from Wgu's row layout at ``rows`` (``moe.store_gu``'s); u zero without GATED. Interleaved: one
-    contiguous (BLOCK_M, 2·BLOCK_N) tile, split in registers (as ``_store_gu``)."""
-    base = ptr + rows[:, None] * N_GU
-    if GATED and GATE_STEP == 2:
-        cols, mask2 = _pair_cols(mask_m, col0, N_GU, BLOCK_N)
-        gu = tl.load(base + cols[None, :], mask=mask2, other=0.0).to(tl.float32)
-        g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
-    else:
-        g = tl.load(base + (offs_n * GATE_STEP)[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.zeros_like(g)
-        if GATED:
-            u = tl.load(base + (UP_ROW + offs_n * GATE_STEP)[None, :], mask=mask, other=0.0).to(tl.float32)
-    return g, u
 
 
 @triton.jit
