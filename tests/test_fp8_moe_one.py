@@ -1,0 +1,113 @@
+"""The one-launch FP8 experts kernel (``kernels/moe_one.py``: gate/up, h on chip, down and the combine in one
+launch) against float64 on the weights the scales describe: block scales with K tails, per-channel scales, sentinel
+ids, slices of I past its end, GPT-OSS's gate, plain experts, a few tokens, the plan's kept accumulator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty
+from test_fp8_moe import case, reference64
+
+from mlp_fuser.kernels import fp8 as K8
+from mlp_fuser.kernels import moe as kmoe
+from mlp_fuser.kernels import moe_one
+from mlp_fuser.reference import rel_err
+
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 is not tested (conftest)
+BAR = 2e-2 if HAS_CUDA else 5e-3  # W8A16: h rounded to x's dtype once, y once (test_fp8_moe's bar)
+
+
+def one_case(fmt, block, T=1, k=4, E=6, H=200, I=80, seed=0, interleaved=False, gated=True, sentinel=None):
+    """Device inputs (x, ids, wts, Fp8Experts of gate/up and down) and the float64 reference's (x, ids, wts, the
+    weights the scales describe); ``sentinel``: that id in pair (0, 1)."""
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block, T=T, k=k, E=E, H=H, I=I, gated=gated,
+                                                          seed=seed)
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + t))[:k] for t in range(T)])
+    if sentinel is not None:
+        ids[0, 1] = sentinel
+    x = (x * 4).to(DTYPE)  # outputs of O(1)
+    dev = KERNEL_DEVICE
+    fgu = K8.fp8_experts(wgu.to(dev), sgu.to(dev), block, gated=gated, interleaved=interleaved)
+    fd = K8.fp8_experts(wd.to(dev), sd.to(dev), block)
+    return (x.to(dev), ids.to(dev), wts.to(dev), fgu, fd), (x, ids, wts, wgu64, wd64)
+
+
+# (format, block, H, I, config): 128 x 128 blocks, gate and up quantized apart (I 80: not a block's multiple), H 200
+# a K tail of gate/up (BLOCK_K 128) and I 80 a slice past I's end (BLOCK_I 32); 128-blocks along I = 256 (down's
+# scales change between slices) with N steps of 64 over H 200 (the rotated start, a tail) and K steps of 64 (two a
+# scale block); per channel; 32 x 64
+# blocks (BLOCK_K halved to 64, BLOCK_I 32 dividing 64); the finish as a launch of its own
+CASES = [
+    ("apart", (128, 128), 200, 80, None),
+    ("block", (128, 128), 200, 256, dict(BLOCK_N=64, BLOCK_K=64)),
+    ("channel", None, 96, 40, None),
+    ("block", (32, 64), 96, 48, dict(BLOCK_I=16, BLOCK_N=32)),
+    ("apart", (128, 128), 200, 80, dict(FINISH=False)),
+]
+
+
+@pytest.mark.parametrize("fmt,block,H,I,cfg", CASES, ids=str)
+def test_one_launch_matches_float64(fmt, block, H, I, cfg):
+    (x, ids, wts, fgu, fd), ref = one_case(fmt, block, H=H, I=I, seed=1)
+    with poisoned_empty():
+        y = moe_one.moe_one(x, ids, wts, fgu, fd, config=cfg)
+    assert y.dtype == DTYPE and y.shape == x.shape
+    expected = reference64(*ref)
+    assert expected.abs().max() > 0.1
+    assert rel_err(y.cpu(), expected, math.inf) < BAR
+
+
+@pytest.mark.parametrize("sentinel", [6, 2**31 - 1])
+def test_one_launch_sentinel_contributes_nothing(sentinel):
+    """A sentinel id (>= E) among the token's top-k: its programs count themselves in and add nothing; a token of
+    sentinels alone gets zeros."""
+    (x, ids, wts, fgu, fd), ref = one_case("apart", (128, 128), seed=2, sentinel=sentinel)
+    with poisoned_empty():
+        y = moe_one.moe_one(x, ids, wts, fgu, fd)
+    assert rel_err(y.cpu(), reference64(*ref), math.inf) < BAR
+    with poisoned_empty():
+        none = moe_one.moe_one(x, torch.full_like(ids, sentinel), wts, fgu, fd)
+    assert torch.equal(none, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_one_launch_gates(interleaved):
+    """GPT-OSS's gate (clamped, up + 1) with gate and up rows concatenated or interleaved (scale rows follow);
+    plain experts, act(x @ W1ᵀ) with gelu."""
+    (x, ids, wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64) = one_case("block", (32, 64), H=96, I=48, seed=3,
+                                                                        interleaved=interleaved)
+    act = kmoe.ExpertAct("silu", limit=0.7, up_offset=1.0)
+    with poisoned_empty():
+        y = moe_one.moe_one(x * 3, ids, wts, fgu, fd, act, interleaved)
+    expected = reference64(x64 * 3, ids64, wts64, wgu64, wd64, limit=0.7, up_offset=1.0, interleaved=interleaved)
+    assert rel_err(y.cpu(), expected, math.inf) < BAR
+    (x, ids, wts, fgu, fd), ref = one_case("channel", None, H=96, I=48, seed=4, gated=False)
+    with poisoned_empty():
+        y = moe_one.moe_one(x, ids, wts, fgu, fd, kmoe.ExpertAct("gelu"))
+    assert rel_err(y.cpu(), reference64(*ref, act="gelu", gated=False), math.inf) < BAR
+
+
+def test_one_launch_plan_keeps_its_accumulator_zeroed():
+    """A plan for three tokens called again on another call's inputs and scales (another layer's): the kernel sets
+    its kept accumulator and counter back to 0, so each call stands alone."""
+    (x, ids, wts, fgu, fd), ref = one_case("apart", (128, 128), T=3, seed=5)
+    (x2, ids2, wts2, fgu2, fd2), ref2 = one_case("apart", (128, 128), T=3, seed=6)
+    plan = moe_one.one_plan(x, ids, wts, fgu, fd)
+    for (xx, ii, ww, gu, d), r in (((x, ids, wts, fgu, fd), ref), ((x2, ids2, wts2, fgu2, fd2), ref2),
+                                   ((x, ids, wts, fgu, fd), ref)):
+        with poisoned_empty():
+            y = plan(xx, ii, ww, gu.w, None, d.w, None, (gu, d))
+        assert rel_err(y.cpu(), reference64(*r), math.inf) < BAR
+
+
+def test_one_config_fits_the_scale_blocks():
+    (_, _, _, fgu, fd), _ = one_case("block", (16, 16), H=96, I=48)
+    assert moe_one.one_config(fgu, fd) == dict(moe_one.DEFAULT, BLOCK_K=16, BLOCK_I=16)
+    (_, _, _, fgu, fd), _ = one_case("channel", None, H=96, I=48)
+    assert moe_one.one_config(fgu, fd) == moe_one.DEFAULT  # one scale along K: nothing to fit
+    assert moe_one.one_why_not(fgu, fd) is None
+    (_, _, _, fgu, fd), _ = one_case("block", (32, 8), H=96, I=48)
+    assert "8 wide along K" in moe_one.one_why_not(fgu, fd)
