@@ -12,7 +12,8 @@ y[t] = Σ_j w[t, j] o_p. Given dy, three kinds of launch, none synchronising wit
   ``moe_combine`` in j order. Or (``dgrad="grouped"``) torch's grouped GEMM on the act kernel's compact sorted copy
   of [dg du] (``COPY``) and Wgu as stored, summed per token by ``moe_grouped_wgrad.grouped_dx``.
 - ``_moe_wgrad_kernel``, per (expert, BLOCK_N rows, BLOCK_K columns of dW[e]): loops over that expert's blocks,
-  dWd[e] = Σ (w_p dy[t])ᵀ h_p and dWgu[e] = Σ [dg du]_pᵀ x[t], the bias gradient summed by the column-0 programs.
+  dWd[e] = Σ (w_p dy[t])ᵀ h_p and dWgu[e] = Σ [dg du]_pᵀ x[t], the bias gradient summed by the column-0 programs
+  in a pass of their own after their tile.
   Or (``wgrad="grouped"``) torch's grouped GEMM on expert-sorted copies of the operands, which the act kernel
   writes (``SORTED``) or ``moe_grouped_wgrad`` gathers.
 
@@ -306,8 +307,8 @@ def _wgrad_tile(
     mask_n = offs_n < N
     mask_k = offs_k < K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for blk in range(tl.load(expert_start_ptr + e), tl.load(expert_start_ptr + e + 1)):
+    first, end = tl.load(expert_start_ptr + e), tl.load(expert_start_ptr + e + 1)
+    for blk in range(first, end):
         pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = pairs < S
         tokens = pairs // K_TOP
@@ -325,18 +326,31 @@ def _wgrad_tile(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if SCALED:
             s = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
-            a_f = a.to(tl.float32) * s.to(tl.float32)[None, :]
             # b, not a: an A operand changed in registers serializes the wgmmas (ptxas C7515, sm_90a)
             b = (b.to(tl.float32) * s.to(tl.float32)[:, None]).to(b_ptr.dtype.element_ty)
-        else:
-            a_f = a.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if HAS_DB:
-            acc_b += tl.sum(a_f, axis=1)
     out = dw_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn + offs_k[None, :] * stride_dk
     tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
     if HAS_DB:
-        if pid_k == 0:  # one program per row tile sums the bias gradient
+        if pid_k == 0:  # one program per row tile sums the bias gradient, in a pass of its own over a after its dW
+            # tile: in the loop above, a's fp32 (BLOCK_N, BLOCK_M) copy and its row sums beside the accumulator took
+            # GPT-OSS's dWd launch to 255 registers and 120 bytes of spills (sm_90a), for a sum one program in
+            # cdiv(K, BLOCK_K) keeps
+            acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for blk in range(first, end):
+                pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+                mask_m = pairs < S
+                tokens = pairs // K_TOP
+                if A_BY_TOKEN:
+                    rows_a = tokens.to(tl.int64)
+                else:
+                    rows_a = pairs.to(tl.int64)
+                a_f = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
+                              mask=mask_n[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+                if SCALED:
+                    s = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
+                    a_f = a_f * s.to(tl.float32)[None, :]
+                acc_b += tl.sum(a_f, axis=1)
             tl.store(db_ptr + e * stride_dbe + offs_n * stride_dbn, acc_b.to(db_ptr.dtype.element_ty),
                      mask=mask_n)
 
