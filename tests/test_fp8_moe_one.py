@@ -1,6 +1,7 @@
 """The one-launch FP8 experts kernel (``kernels/moe_one.py``: gate/up, h on chip, down and the combine in one
 launch) against float64 on the weights the scales describe: block scales with K tails, per-channel scales, sentinel
-ids, slices of I past its end, GPT-OSS's gate, plain experts, a few tokens, the plan's kept accumulator."""
+ids, slices of I past its end, GPT-OSS's gate, plain experts, a few tokens, the plan's kept accumulator; and its row
+in the FP8 experts table (``fp8_moe_one_launch``): forced through the op, where it is timed, why not elsewhere."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE, poisoned_empty
 from test_fp8_moe import case, reference64
 
+from mlp_fuser import config
+from mlp_fuser.dispatch import fp8_experts
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels import moe as kmoe
 from mlp_fuser.kernels import moe_one
-from mlp_fuser.reference import rel_err
+from mlp_fuser.ops import quant_moe
+from mlp_fuser.reference import Gate, rel_err
 
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 is not tested (conftest)
 BAR = 2e-2 if HAS_CUDA else 5e-3  # W8A16: h rounded to x's dtype once, y once (test_fp8_moe's bar)
@@ -111,3 +115,62 @@ def test_one_config_fits_the_scale_blocks():
     assert moe_one.one_why_not(fgu, fd) is None
     (_, _, _, fgu, fd), _ = one_case("block", (32, 8), H=96, I=48)
     assert "8 wide along K" in moe_one.one_why_not(fgu, fd)
+
+
+# ---- the dispatcher's row: fp8_moe_one_launch (dispatch/fp8_experts.py) ------------------------------------------
+
+
+def op_args(T, seed, fmt="apart", block=(128, 128)):
+    x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case(fmt, block, T=T, k=4, E=6, H=200, I=80, seed=seed)
+    ids = torch.stack([torch.randperm(6, generator=torch.Generator().manual_seed(seed + t))[:4] for t in range(T)])
+    dev = KERNEL_DEVICE
+    x = (x * 4).to(DTYPE)
+    args = (x.to(dev), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
+    return args, (x, ids, wts, wgu64, wd64)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_one_launch_row_forced_through_the_op(T, monkeypatch):
+    """config.force_impl runs the row through quant_moe_mlp: its plan built once for the signature and replayed on
+    another layer's scales (of the same views), within the W8A16 bar of float64; three tokens (forced: not timed
+    there) run too."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(fp8_experts, "_PLANS", {})
+    monkeypatch.setattr(config, "force_impl", "fp8_moe_one_launch")
+    plans = []
+    real = moe_one.one_plan
+    monkeypatch.setattr(moe_one, "one_plan", lambda *a, **kw: plans.append(a[0].shape) or real(*a, **kw))
+    args, ref = op_args(T, seed=20)
+    with poisoned_empty():
+        y = quant_moe.quant_moe_mlp(*args, "silu", block=(128, 128))
+    assert rel_err(y.cpu(), reference64(*ref), math.inf) < BAR
+    with poisoned_empty():
+        y2 = quant_moe.quant_moe_mlp(*args[:6], args[6] * 2, "silu", block=(128, 128))  # down's scales doubled
+    assert rel_err(y2.float(), 2 * y.float(), math.inf) < 2e-3
+    assert len(plans) == 1
+
+
+def test_one_launch_row_says_why_not(monkeypatch):
+    """A candidate at one token under either setting of config.fp8_w8a8 (timed against the two-launch rows); not
+    timed from two tokens; scale blocks 8 wide along K, and CPU tensors without the interpreter, say why it cannot
+    run them; forcing it there raises."""
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+
+    def problem(T, block=(128, 128), fmt="apart"):
+        (x, ids, _, fgu, fd), _ = one_case(fmt, block, T=T)
+        return fp8_experts.problem(x.cpu(), ids.cpu(), fgu, fd, Gate("silu"))
+
+    for w8a8 in (True, False):
+        monkeypatch.setattr(config, "fp8_w8a8", w8a8)
+        names = [i.name for i in fp8_experts.eligible(problem(1))]
+        assert "fp8_moe_one_launch" in names and len(names) > 1
+    assert "fp8_moe_one_launch: candidate" in fp8_experts.describe(problem(1))
+    assert "fp8_moe_one_launch: not timed: 2 tokens > 1" in fp8_experts.describe(problem(2))
+    assert ("fp8_moe_one_launch: w_gate_up's scale blocks are 8 wide along K"
+            in fp8_experts.describe(problem(1, (32, 8), "block")))
+    monkeypatch.setattr(config, "triton_on_cpu", False)
+    assert "fp8_moe_one_launch: x is on cpu: the FP8 kernels run on CUDA" in fp8_experts.describe(problem(1))
+    monkeypatch.setattr(config, "force_impl", "fp8_moe_one_launch")
+    with pytest.raises(ValueError, match="cannot run"):
+        fp8_experts.eligible(problem(1))

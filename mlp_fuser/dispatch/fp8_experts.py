@@ -1,12 +1,13 @@
 """The FP8 routed experts' paths (``quant_moe_mlp``: ``ops/quant_moe.py``) and those of its backward
 (``quant_moe_mlp_backward``: dx and d topk_weights, ``BACKWARD_IMPLS``) as rows of the one dispatcher's tables
 (``core``). The forward's rows are timed where more than one is a candidate (one token: the sorted and the unsorted
-paths), as the bf16 experts' are: once per key, GPU time for calls being captured in CUDA graphs, wall time for plain
-calls; elsewhere (one candidate, the CPU, ``config.autotune`` off) the first candidate runs, or the one
-``config.force_impl`` names. A row's ``fn(x2, ids2, wts2, fgu, fd, gate)`` takes the call flattened to (T, H) and
-(T, k), the checked weights (``kernels.fp8.Fp8Experts``) and the ``Gate``; the kernels' rows run through a launch plan
-(``kernels.moe.experts_plan``) built when a signature's row is chosen and kept with the choice (``run``). The backward
-is not timed: from the top down, the first row that runs a call runs it.
+paths and the one-launch kernel, ``kernels/moe_one.py``), as the bf16 experts' are: once per key, GPU time for calls
+being captured in CUDA graphs, wall time for plain calls; elsewhere (one candidate, the CPU, ``config.autotune`` off)
+the first candidate runs, or the one ``config.force_impl`` names. A row's ``fn(x2, ids2, wts2, fgu, fd, gate)`` takes
+the call flattened to (T, H) and (T, k), the checked weights (``kernels.fp8.Fp8Experts``) and the ``Gate``; the
+kernels' rows run through a launch plan (``kernels.moe.experts_plan``, ``kernels.moe_one.one_plan``) built when a
+signature's row is chosen and kept with the choice (``run``). The backward is not timed: from the top down, the first
+row that runs a call runs it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..activations import get_activation
 from ..kernels import fp8 as fp8_kernels
 from ..kernels import moe as kmoe
 from ..kernels import moe_backward as kbwd
+from ..kernels import moe_one as kone
 from ..kernels.common import next_power_of_2
 from ..reference import Gate, reference_experts
 from . import core
@@ -123,11 +125,24 @@ def dequantized(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> 
     return reference_experts(x2, ids2, wts2, wgu, None, wd, None, gate)
 
 
+def _one_launch() -> tuple:
+    """(fn, plan) of the one-launch kernel (``kernels/moe_one.py``): gate/up, h in registers, down and the combine
+    in one launch, W8A16 (x as it is, each float8 tile dequantized in registers)."""
+    def plan(args: tuple):
+        x2, ids2, wts2, fgu, fd, gate = args
+        return kone.one_plan(x2, ids2, wts2, fgu, fd, expert_act(gate), gate.interleaved)
+
+    def fn(x2, ids2, wts2, fgu, fd, gate: Gate) -> Tensor:
+        return plan((x2, ids2, wts2, fgu, fd, gate))(x2, ids2, wts2, fgu.w, None, fd.w, None, (fgu, fd))
+    return fn, plan
+
+
 def _row(name: str, path: str, a8: bool, why=(), worth=()) -> Impl:
     fn, plan = _kernels(path, a8)
     return Impl(name, fn, None, None, why=(kernels_run, _scale_blocks, *why), worth=worth, plan=plan)
 
 
+_ONE = _one_launch()
 IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (else the first runs); sorted first
     # the sorted grouped GEMMs on the fp8 tensor cores, x and h quantized (transformers' dynamic scheme); from one
     # token up: faster than a GEMV per pair on FP8 weights (benchmarks/NOTES.md, "FP8 routed experts")
@@ -141,6 +156,11 @@ IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (els
     _row("fp8_moe_unsorted_pdl_w8a8", "unsorted_pdl", True, (_a8_on, _a8_blocks), (_one_token,)),
     _row("fp8_moe_unsorted_w8a16", "unsorted", False, worth=(_one_token, _a8_off)),
     _row("fp8_moe_unsorted_pdl_w8a16", "unsorted_pdl", False, worth=(_one_token, _a8_off)),
+    # one token in ONE launch: h born in registers, each pair's slice of I adding its part of y by fp32 atomics, the
+    # last program casting y (benchmarks/NOTES.md, "One token in one launch"). W8A16 under either setting of
+    # config.fp8_w8a8: x unquantized errs less than transformers' W8A8, so the timing alone decides
+    Impl("fp8_moe_one_launch", _ONE[0], None, None, why=(kernels_run, _scale_blocks), worth=(_one_token,),
+         plan=_ONE[1]),
     # each expert's weights dequantized to x's dtype, then aten: where no kernel row runs
     Impl("aten_dequantize", dequantized, None, None, worth=(_no_kernels,)),
 ]
