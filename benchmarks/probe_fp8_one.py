@@ -1,5 +1,5 @@
 # ruff: noqa: B008, B023, E501, F821  (a probe: deleted once its finding is in NOTES)
-"""Probe (not in the repo): the one-launch FP8 experts kernel (mlp_fuser/kernels/moe_one.py, the dispatcher's row
+"""Probe (kept until its GPU run): the one-launch FP8 experts kernel (mlp_fuser/kernels/moe_one.py, the dispatcher's row
 fp8_moe_one_launch) at ONE token on CUDA, against the two-launch row unsorted_pdl (W8A8 and W8A16), our bf16 op
 (mlp_fuser::moe_mlp on the dequantized weights) and the FP8 op as the dispatcher chooses; Qwen3-30B-A3B and
 Mixtral-8x7B experts, 128 x 128 block scales, bf16 x; plus a BLOCK_I x warps (x stages) grid of the new kernel.
