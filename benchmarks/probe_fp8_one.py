@@ -4,7 +4,8 @@ fp8_moe_one_launch) at ONE token on CUDA, against the two-launch row unsorted_pd
 (mlp_fuser::moe_mlp on the dequantized weights) and the FP8 op as the dispatcher chooses; Qwen3-30B-A3B and
 Mixtral-8x7B experts, 128 x 128 block scales, bf16 x; plus a BLOCK_I x warps (x stages) grid of the new kernel.
 
-    cd <repo>; ln -sfn $PWD/patterns mlp_fuser/patterns; PYTHONPATH=$PWD python benchmarks/probe_fp8_one.py [--quick]
+    cd <repo>; ln -sfn $PWD/patterns mlp_fuser/patterns; MLP_FUSER_FP8_ONE_LAUNCH=1 PYTHONPATH=$PWD \
+        python benchmarks/probe_fp8_one.py [--quick]     (the env: the op's own choice may take the row)
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/probe_fp8_one.py --cpu-check   # the script's logic
 
 Times: triton.testing.do_bench_cudagraph medians, µs per call. "cold": each timed replay runs R routings of distinct

@@ -40,6 +40,7 @@ def test_bench_fp8_times_each_one_token_experts_row(monkeypatch):
     """At one token the experts rows the FP8 table times (sorted, unsorted, one launch) are each timed forced, beside
     the op, in a column of their own; from two tokens the one row runs alone; the op's row is named."""
     monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernels under the interpreter
+    monkeypatch.setattr(config, "fp8_one_launch", True)  # off by default until checked on a GPU
     monkeypatch.setattr(fp8_experts, "_PLANS", {})
     case = bench_fp8.TINY_CASES["tiny_experts"]
     setup = bench_fp8.Experts(case.dims, "cpu", torch.float32, torch.Generator().manual_seed(0))

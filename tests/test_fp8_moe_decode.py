@@ -115,7 +115,7 @@ def test_quantized_in_the_gemm_only_at_decode_on_128_column_steps():
 
 W8A8_ROWS = ["fp8_moe_sorted_w8a8", "fp8_moe_unsorted_w8a8", "fp8_moe_unsorted_pdl_w8a8"]
 W8A16_ROWS = ["fp8_moe_sorted_w8a16", "fp8_moe_unsorted_w8a16", "fp8_moe_unsorted_pdl_w8a16"]
-ONE = "fp8_moe_one_launch"  # W8A16 in one launch, timed at one token under either scheme (test_fp8_moe_one.py)
+ONE = "fp8_moe_one_launch"  # W8A16 in one launch, timed at one token under config.fp8_one_launch (test_fp8_moe_one.py)
 
 
 def one_token(fmt, gated, seed, device=KERNEL_DEVICE):
@@ -186,6 +186,9 @@ def test_one_token_rows_are_candidates_at_one_token_only(monkeypatch):
     wherever it can."""
     p1, args = _problem(1, monkeypatch, device="cpu")  # the CPU's rule for choosing: no timing, the first row
     p2, _ = _problem(2, monkeypatch, device="cpu")
+    assert names(fp8_experts.eligible(p1)) == W8A8_ROWS and names(fp8_experts.eligible(p2)) == W8A8_ROWS[:1]
+    assert f"{ONE}: not timed: mlp_fuser.config.fp8_one_launch is off" in fp8_experts.describe(p1)
+    monkeypatch.setattr(config, "fp8_one_launch", True)
     assert names(fp8_experts.eligible(p1)) == [*W8A8_ROWS, ONE] and names(fp8_experts.eligible(p2)) == W8A8_ROWS[:1]
     assert fp8_experts.choose(p1, args).name == "fp8_moe_sorted_w8a8"  # the CPU: no timing, the first
     assert "fp8_moe_unsorted_pdl_w8a8: not timed: 2 tokens > 1" in fp8_experts.describe(p2)
@@ -227,7 +230,7 @@ def test_one_token_choice_is_timed_once_and_kept_with_its_plans(monkeypatch):
     assert timed == [] and fp8_experts._PLANS == {} and fp8_experts.chosen(p) is None
     capturing[0] = False
     y = fp8_experts.run(x, ids, wts, fgu, fd, gate, ("sig",))
-    assert timed == [[*W8A8_ROWS, ONE]]
+    assert timed == [W8A8_ROWS]  # the one-launch row off by default (config.fp8_one_launch)
     assert fp8_experts.chosen(p) == "fp8_moe_unsorted_w8a8 (graphs: fp8_moe_unsorted_pdl_w8a8)"
     assert plans == ["sorted", "unsorted", "unsorted_pdl"]  # the captured call's, then the kept choice's two
     assert torch.equal(fp8_experts.run(x, ids, wts, fgu, fd, gate, ("sig",)), y)

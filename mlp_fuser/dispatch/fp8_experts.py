@@ -100,6 +100,10 @@ def _many_rows(p: Problem) -> str | None:
     return f"{p.pairs} pairs over {touched} experts: < {TMA_ROWS} rows each (TMA's W8A8 tiles are 64 rows)"
 
 
+def _one_launch_on(p: Problem) -> str | None:  # a worth check: forcing runs it
+    return None if config.fp8_one_launch else "mlp_fuser.config.fp8_one_launch is off (not yet checked on a GPU)"
+
+
 def _no_kernels(p: Problem) -> str | None:  # the dequantized copy only where no kernel row runs (forcing runs it)
     return None if kernels_run(p) or _scale_blocks(p) else "the kernels run it"
 
@@ -158,9 +162,10 @@ IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (els
     _row("fp8_moe_unsorted_pdl_w8a16", "unsorted_pdl", False, worth=(_one_token, _a8_off)),
     # one token in ONE launch: h born in registers, each pair's slice of I adding its part of y by fp32 atomics, the
     # last program casting y (benchmarks/NOTES.md, "One token in one launch"). W8A16 under either setting of
-    # config.fp8_w8a8: x unquantized errs less than transformers' W8A8, so the timing alone decides
-    Impl("fp8_moe_one_launch", _ONE[0], None, None, why=(kernels_run, _scale_blocks), worth=(_one_token,),
-         plan=_ONE[1]),
+    # config.fp8_w8a8: x unquantized errs less than transformers' W8A8, so the timing alone decides; timed only under
+    # config.fp8_one_launch until checked on a GPU
+    Impl("fp8_moe_one_launch", _ONE[0], None, None, why=(kernels_run, _scale_blocks),
+         worth=(_one_token, _one_launch_on), plan=_ONE[1]),
     # each expert's weights dequantized to x's dtype, then aten: where no kernel row runs
     Impl("aten_dequantize", dequantized, None, None, worth=(_no_kernels,)),
 ]
