@@ -581,6 +581,17 @@ def _moe_down_tma_kernel(
 
 
 @triton.jit
+def gemv_step(w_ptrs, x, w_mask, s_ptrs, k_off, stride_sk, K_SCALED: tl.constexpr, SBK: tl.constexpr):
+    """One K step of a GEMV on a (BLOCK_N, BLOCK_K) weight tile (bf16, or float8 cast in registers): each row's fp32
+    sum of w · x (x (1, BLOCK_K) fp32), times the row's scale of the K block at ``k_off`` where the scales change along
+    K (``s_ptrs``: ``scale_rows``'; BLOCK_K divides SBK)."""
+    part = tl.sum(tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+    if K_SCALED:
+        part = part * tl.load(s_ptrs + (k_off // SBK) * stride_sk)
+    return part
+
+
+@triton.jit
 def _moe_gate_up_pairs_kernel(
     x_ptr, ids_ptr, w_ptr, b_ptr, h_ptr,
     E, K_TOP, N, K, UP_ROW,
@@ -610,19 +621,15 @@ def _moe_gate_up_pairs_kernel(
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if FP8:  # float8 weights (cast in registers below): the expert's scale rows
         sg_ptrs, su_ptrs = scale_rows(s_ptr, e, offs_n, N, stride_se, stride_sn, GATE_STEP, UP_SOFF, UP_SROW, SBN)
+    else:  # never read (K_SCALED is off)
+        sg_ptrs, su_ptrs = s_ptr, s_ptr
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)[None, :]
         w_mask = mask_n[:, None] & (offs_k[None, :] < k_left)
-        part_g = tl.sum(tl.load(wg_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
-        if K_SCALED:  # a scale per K block: this step's (BLOCK_K divides SBK)
-            part_g = part_g * tl.load(sg_ptrs + (k * BLOCK_K // SBK) * stride_sk)
-        acc_g += part_g
+        acc_g += gemv_step(wg_ptrs, x, w_mask, sg_ptrs, k * BLOCK_K, stride_sk, K_SCALED, SBK)
         if GATED:
-            part_u = tl.sum(tl.load(wu_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
-            if K_SCALED:
-                part_u = part_u * tl.load(su_ptrs + (k * BLOCK_K // SBK) * stride_sk)
-            acc_u += part_u
+            acc_u += gemv_step(wu_ptrs, x, w_mask, su_ptrs, k * BLOCK_K, stride_sk, K_SCALED, SBK)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk

@@ -293,6 +293,23 @@ def _moe_bwd_dx_fp8_kernel(
 
 
 @triton.jit
+def _a_block(a_ptr, sorted_ptr, blk, S, K_TOP, offs_n, mask_n, stride_am, stride_an, A_BY_TOKEN: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """Sorted block ``blk`` of an expert's pairs: a's (BLOCK_N, BLOCK_M) tile read transposed (its row the pair's,
+    or with A_BY_TOKEN its token's), the pairs, their tokens and which are real."""
+    pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < S
+    tokens = pairs // K_TOP
+    if A_BY_TOKEN:
+        rows_a = tokens.to(tl.int64)
+    else:
+        rows_a = pairs.to(tl.int64)
+    a = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
+                mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+    return a, pairs, tokens, mask_m
+
+
+@triton.jit
 def _wgrad_tile(
     e, pid_n, pid_k, a_ptr, b_ptr, wts_ptr, dw_ptr, db_ptr, sorted_ptr, expert_start_ptr,
     S, K_TOP, N, K,
@@ -309,19 +326,12 @@ def _wgrad_tile(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     first, end = tl.load(expert_start_ptr + e), tl.load(expert_start_ptr + e + 1)
     for blk in range(first, end):
-        pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-        mask_m = pairs < S
-        tokens = pairs // K_TOP
-        if A_BY_TOKEN:
-            rows_a = tokens.to(tl.int64)
-        else:
-            rows_a = pairs.to(tl.int64)
+        a, pairs, tokens, mask_m = _a_block(a_ptr, sorted_ptr, blk, S, K_TOP, offs_n, mask_n, stride_am, stride_an,
+                                            A_BY_TOKEN, BLOCK_M)
         if B_BY_TOKEN:
             rows_b = tokens.to(tl.int64)
         else:
             rows_b = pairs.to(tl.int64)
-        a = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
-                    mask=mask_n[:, None] & mask_m[None, :], other=0.0)  # (BLOCK_N, BLOCK_M), read transposed
         b = tl.load(b_ptr + rows_b[:, None] * stride_bm + offs_k[None, :] * stride_bk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if SCALED:
@@ -338,15 +348,9 @@ def _wgrad_tile(
             # cdiv(K, BLOCK_K) keeps
             acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for blk in range(first, end):
-                pairs = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-                mask_m = pairs < S
-                tokens = pairs // K_TOP
-                if A_BY_TOKEN:
-                    rows_a = tokens.to(tl.int64)
-                else:
-                    rows_a = pairs.to(tl.int64)
-                a_f = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_n[:, None] * stride_an,
-                              mask=mask_n[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+                a_f, pairs, tokens, mask_m = _a_block(a_ptr, sorted_ptr, blk, S, K_TOP, offs_n, mask_n, stride_am,
+                                                      stride_an, A_BY_TOKEN, BLOCK_M)
+                a_f = a_f.to(tl.float32)
                 if SCALED:
                     s = tl.load(wts_ptr + tokens * stride_wt + (pairs % K_TOP) * stride_wj, mask=mask_m, other=0.0)
                     a_f = a_f * s.to(tl.float32)[None, :]

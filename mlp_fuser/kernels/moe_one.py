@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .common import Prepared, cdiv
 from .fp8 import _zeroed_once
-from .moe import ExpertAct, _gate_up_layout, _scale_args, gated_act, scale_rows
+from .moe import ExpertAct, _gate_up_layout, _scale_args, gated_act, gemv_step, scale_rows
 
 # a K step of gate/up and an N step of down both move 8 KB of float8 (2·32·128, 256·32): with 4 stages about 24 KB
 # in flight per program, 192 programs for Qwen3-30B-A3B (k 8, I 768)
@@ -82,15 +82,9 @@ def _moe_one_kernel(
             k_left = H - k * BLOCK_K
             kmask = offs_k < k_left
             xk = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            part_g = tl.sum(tl.load(wg_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32) * xk, axis=1)
-            if G_K_SCALED:  # this K step's block scale (BLOCK_K divides G_SBK)
-                part_g = part_g * tl.load(sg_ptrs + (k * BLOCK_K // G_SBK) * stride_sgk)
-            acc_g += part_g
+            acc_g += gemv_step(wg_ptrs, xk, kmask[None, :], sg_ptrs, k * BLOCK_K, stride_sgk, G_K_SCALED, G_SBK)
             if GATED:
-                part_u = tl.sum(tl.load(wu_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32) * xk, axis=1)
-                if G_K_SCALED:
-                    part_u = part_u * tl.load(su_ptrs + (k * BLOCK_K // G_SBK) * stride_sgk)
-                acc_u += part_u
+                acc_u += gemv_step(wu_ptrs, xk, kmask[None, :], su_ptrs, k * BLOCK_K, stride_sgk, G_K_SCALED, G_SBK)
             x_ptrs += BLOCK_K * stride_xk
             wg_ptrs += BLOCK_K * stride_gk
             wu_ptrs += BLOCK_K * stride_gk
