@@ -45,8 +45,14 @@ def _decode_graph_inputs(model) -> list[tuple[str, torch.Tensor, bool]]:
 def test_fp8_decode_step_inputs_are_the_models_tensors_or_its_arguments():
     """The FP8 Qwen3-MoE twin (attention's FP8Linear, the router, FP8Experts), patched: every input of the compiled
     decode step is one of the model's parameters or buffers (static for CUDA graphs) or the step's own arguments;
-    the only non-static ones are the step's token ids, positions and mask, as unpatched bf16."""
+    the only non-static ones are the step's token ids, positions and mask, as unpatched bf16. Each FP8 layer is one
+    input (its packed buffer: ``patch.packed``), never its float8 weight or scales apart, so the FP8 step has no more
+    inputs than the bf16 model's (each input costs host time on every call: benchmarks/NOTES.md, "FP8 weights")."""
+    from mlp_fuser.patch import packed
+
     bg = _bench_generate()
+    bf16 = bg.build("qwen3moe", "cpu", torch.bfloat16, True, 2)
+    mlp_fuser.patch(bf16)
     model = bg.fp8_twin(bg.build("qwen3moe", "cpu", torch.bfloat16, True, 2))
     mlp_fuser.patch(model)
     ours = {id(t) for t in (*model.parameters(), *model.buffers())}
@@ -56,5 +62,8 @@ def test_fp8_decode_step_inputs_are_the_models_tensors_or_its_arguments():
     assert not strays, f"graph inputs that are neither the model's tensors nor the step's arguments: {strays}"
     copied = sorted(name for name, _, static in inputs if not static)
     assert copied == sorted(f"l_kwargs_{a}_" for a in STEP_ARGS), f"non-static inputs (copied each replay): {copied}"
-    scales = [name for name, e, _ in inputs if id(e) in ours and e.dtype == torch.float32 and "scale_inv" in name]
-    assert len(scales) == 2 * 6, f"the FP8 scales as inputs: {scales}"  # q, k, v, o, gate_up, down a layer
+    apart = [name for name, e, _ in inputs if id(e) in ours and (e.dtype == torch.float8_e4m3fn or "scale" in name)]
+    assert not apart, f"float8 weights or scales as inputs of their own: {apart}"
+    packs = [name for name, e, _ in inputs if packed.BUFFER in name]
+    assert len(packs) == 2 * 5, f"the packed FP8 layers as inputs: {packs}"  # q, k, v, o, the experts a layer
+    assert len(inputs) <= len(_decode_graph_inputs(bf16))

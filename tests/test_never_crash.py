@@ -42,16 +42,24 @@ def _ids():
 def _snapshot(model):
     """What must not change: every module's instance forward, the state_dict's tensors (by storage and value)."""
     forwards = {p: m.__dict__.get("forward") for p, m in model.named_modules()}
-    state = {k: (v.data_ptr(), v.dtype, v.detach().float().clone()) for k, v in model.state_dict().items()}
+    state = {k: (v.data_ptr(), v.dtype, v.detach().float().clone(), v.untyped_storage().nbytes())
+             for k, v in model.state_dict().items()}
     return forwards, state
+
+
+def _packed_fp8(k: str, dtype) -> bool:
+    """A tensor ``patch`` packs (``patch.packed``): an FP8 layer's float8 weight or its scales. Unpatch gives each
+    its own storage again (the same values), not the storage it had before patch."""
+    return dtype == torch.float8_e4m3fn or k.endswith("weight_scale_inv")
 
 
 def _assert_unchanged(model, before, ref):
     forwards, state = _snapshot(model)
     assert forwards == before[0] and "forward" not in model.__dict__ and not mlp_fuser.is_patched(model)
     assert state.keys() == before[1].keys()
-    for k, (ptr, dtype, v) in state.items():
-        assert (ptr, dtype) == before[1][k][:2] and torch.equal(v, before[1][k][2]), k
+    for k, (ptr, dtype, v, nbytes) in state.items():
+        assert dtype == before[1][k][1] and torch.equal(v, before[1][k][2]) and nbytes == before[1][k][3], k
+        assert ptr == before[1][k][0] or _packed_fp8(k, dtype), k
     with torch.no_grad():
         torch.testing.assert_close(model(_ids()).logits, ref, rtol=0, atol=0)
 

@@ -31,9 +31,9 @@ from ..graph.backend import FilterFn, check_filter, make_backend, pass_options
 from ..graph.fx_pass import NearMiss
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
-from . import compressed, hf
-from .experts import BACKWARD, FusedExpertsForward, fp8_near_miss, fuse_experts, spec
-from .fp8 import FusedFp8Linear, fuse_fp8_linear, fuse_fp8_module, weight_near_miss
+from . import compressed, hf, packed
+from .experts import BACKWARD, FusedExpertsForward, fp8_names, fp8_near_miss, fuse_experts, spec
+from .fp8 import FusedFp8Linear, fp8_children, fuse_fp8_linear, fuse_fp8_module, weight_near_miss
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 from .router import FusedRouterForward, fuse_router
 
@@ -131,6 +131,7 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             switched = _switchable(model, fused)
             for path in switched:
                 hf.select(model.get_submodule(path).config, hf.NAME)
+            _pack(model, fused)
             fused = {p: f for p, f in fused.items() if not _same_config(model, p, switched)}
             for path, forward in fused.items():
                 model.get_submodule(path).forward = forward
@@ -152,6 +153,19 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
     if merge_gate_up:
         model.__dict__[_MERGED] = _merge(model, _gate_up_paths(_proven(model, filter_fn, pass_options(**options))))
     return model
+
+
+def _pack(model: nn.Module, fused: dict) -> None:
+    """Each fused FP8 layer's float8 weights and scales as one buffer (``packed``): one graph input a layer."""
+    for path, forward in fused.items():
+        module = model.get_submodule(path)
+        if isinstance(forward, FusedFp8Linear):
+            packed.pack(module, ("weight", "weight_scale_inv"))
+        elif isinstance(forward, FusedExpertsForward) and spec(module).fp8 is not None:
+            packed.pack(module, fp8_names(bool(spec(module).consts[0])))
+        elif isinstance(forward, FusedModuleForward):
+            for child in fp8_children(module):
+                packed.pack(child, ("weight", "weight_scale_inv"))
 
 
 def _keep_compressed(model: nn.Module, fused: dict) -> list:
@@ -354,6 +368,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     merged = model.__dict__.pop(_MERGED, None)
     if merged:
         _split(model, merged)
+    for module in model.modules():
+        packed.unpack(module, apart=True)
     paths = model.__dict__.pop(_MODULES, None)
     for path in paths or ():  # patched per module, or unpickled from such a model
         module = model.get_submodule(path)

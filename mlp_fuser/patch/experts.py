@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .. import compat, config
 from ..ops import quant_moe
 from ..ops.moe import Gate, eager_moe_mlp, gates
+from . import packed
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
 BACKWARD = "_mlp_fuser_moe_backward"  # patch(backward=...) on an experts module: what it keeps for its backward
@@ -185,8 +186,8 @@ def _spec(module: nn.Module) -> Spec:
 def fp8_scales(module: nn.Module, gated: bool) -> tuple[Tensor, Tensor] | None:
     """(gate/up's scales, down's) of FP8 experts (a ``*_scale_inv`` beside each weight, as ``FP8Experts`` holds them),
     else None."""
-    s = getattr(module, "gate_up_proj_scale_inv" if gated else "up_proj_scale_inv", None)
-    sd = getattr(module, "down_proj_scale_inv", None)
+    names = fp8_names(gated)
+    s, sd = getattr(module, names[1], None), getattr(module, names[3], None)
     return (s, sd) if isinstance(s, Tensor) and isinstance(sd, Tensor) else None
 
 
@@ -279,10 +280,18 @@ def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: T
     """FP8 experts through ``quant_moe_mlp``: the float8 weights and their scales as stored, y in x's dtype."""
     gated, activation, interleaved, limit, clamp_after, up_offset = s.consts
     fmt, block = s.fp8
-    w, sc = (self.gate_up_proj, self.gate_up_proj_scale_inv) if gated else (self.up_proj, self.up_proj_scale_inv)
+    ws = packed.read(self.__dict__) if compiling else None  # one graph input for the four (patch packed them)
+    if ws is None:
+        ws = tuple(getattr(self, n) for n in fp8_names(gated))
     op = torch.ops.mlp_fuser.quant_moe_mlp.default if compiling else quant_moe.eager_quant_moe_mlp
-    return op(hidden_states, top_k_index, top_k_weights, w, sc, self.down_proj, self.down_proj_scale_inv, activation,
-              fmt, list(block) if block is not None else None, interleaved, limit, clamp_after, up_offset)
+    return op(hidden_states, top_k_index, top_k_weights, *ws, activation, fmt,
+              list(block) if block is not None else None, interleaved, limit, clamp_after, up_offset)
+
+
+def fp8_names(gated: bool) -> tuple[str, str, str, str]:
+    """FP8 experts' weights and scales in ``quant_moe_mlp``'s order, as ``FP8Experts`` names them."""
+    w = "gate_up_proj" if gated else "up_proj"
+    return w, f"{w}_scale_inv", "down_proj", "down_proj_scale_inv"
 
 
 class FusedExpertsForward:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import compat
 from ..ops import quant
-from . import compressed, modules
+from . import compressed, modules, packed
 from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in, fused_forward, in_each_mode
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -169,10 +169,12 @@ def _direct(op_name: str, children: list[str], activation: str, block, maker: st
 
     def direct(m, x):
         args, biases = [], []
+        compiling = torch.compiler.is_compiling()
         for name in children:
             child = m["_modules"][name]
             b = child._parameters.get("bias")
-            args += [*_read(child, maker), b]
+            ws = packed.read(child.__dict__) if compiling else None  # one graph input for weight and scales
+            args += [*(ws or _read(child, maker)), b]
             biases.append(b)
         blocks = list(block) if block is not None else None
         if compat.plain_call(x, biases):
@@ -194,6 +196,11 @@ def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
                                   for training, (op, children, act, _) in found.items()})
 
 
+def fp8_children(module: nn.Module) -> list[nn.Module]:
+    """The projections of an FP8 MLP module that hold transformers' FP8Linear weights (what ``packed`` can hold)."""
+    return [c for c in _projections(module) if (st := _stored(c)) is not None and st[3] == "transformers"]
+
+
 class FusedFp8Linear:
     """The forward ``patch`` installs on a lone FP8 linear layer (attention's, a shared expert's) where transformers'
     own FP8 kernel does not load: ``quant_linear`` with the layer's weight, scales and bias as stored.
@@ -210,9 +217,14 @@ class FusedFp8Linear:
         if args or kwargs or not isinstance(x, Tensor):
             return type(self.module).forward(self.module, x, *args, **kwargs)
         p = self.state["_parameters"]
-        w, s, b = p["weight"], p.get("weight_scale_inv"), p.get("bias")
-        if s is None:
-            s = self.state["_buffers"]["weight_scale_inv"]
+        b = p.get("bias")
+        ws = packed.read(self.state) if torch.compiler.is_compiling() else None  # one graph input for both
+        if ws is not None:
+            w, s = ws
+        else:
+            w, s = p["weight"], p.get("weight_scale_inv")
+            if s is None:
+                s = self.state["_buffers"]["weight_scale_inv"]
         block = list(self.block) if self.block is not None else None
         if compat.plain_call(x, (b,)):
             return quant.compute_linear(x, w, s, b, "fp8_e4m3", block)

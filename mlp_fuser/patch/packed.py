@@ -1,0 +1,105 @@
+"""A module's float8 weights and their scales stored as one buffer, so a compiled step reads one tensor per layer
+where it read two (an ``FP8Linear``) or four (``FP8Experts``).
+
+Each tensor a compiled step reads is a graph input with its own guards and per-call checks in Dynamo, AOTAutograd
+and the CUDA-graph tree: about 3 µs each on an H200, which doubled the FP8 decode step's host time against bf16's
+(benchmarks/NOTES.md, "FP8 weights"). ``patch`` packs what it fuses: the weights and scales are copied into one
+uint8 buffer (a non-persistent buffer of the module, so ``state_dict`` is unchanged) and each Parameter stays the
+same object, its ``.data`` now a view of that buffer; no byte is held twice. Eager calls read the Parameters;
+compiled ones read the buffer and take the same views inside the graph (free: no kernel, no copy).
+
+``unpatch`` gives each tensor its own storage again (same objects, same values). Replacing a packed tensor on its
+module (``module.weight = ...``, ``load_state_dict(assign=True)``) drops the packing: a compiled step then reads
+the module's tensors again (``param.data = ...`` is not seen: ``unpatch`` first). ``.to()`` after ``patch`` gives
+the buffer and each tensor their own copies (the same bytes; twice the memory): move the model before patching it.
+``copy.deepcopy`` likewise: torch clones each Parameter on its own, so the copy holds its packed layers twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+BUFFER = "_mlp_fuser_fp8"  # the bytes: a non-persistent uint8 buffer of the module
+LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: ((name, byte offset, bytes, dtype, shape), ...)
+_ALIGN = 256  # each tensor's first byte: the kernels' loads want 16-byte aligned pointers; TMA 128 bytes
+
+
+def _tensor(module: nn.Module, name: str) -> Tensor | None:
+    t = module._parameters.get(name)
+    return t if t is not None else module._buffers.get(name)
+
+
+def pack(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """Store ``module``'s tensors ``names`` (parameters or buffers) in one buffer; True where they are (now or
+    already). Left as they are: tensors on several devices, not contiguous, or a subclass. (The FP8 ops give float8
+    weights and their scales no gradient, whether they ask for one or not.)"""
+    ts = [_tensor(module, n) for n in names]
+    if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in ts):
+        return False
+    if len({t.device for t in ts}) != 1:
+        return False
+    if is_packed(module, names):
+        return True
+    layout, offset = [], 0
+    for n, t in zip(names, ts):
+        layout.append((n, offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
+        offset = -(-(offset + layout[-1][2]) // _ALIGN) * _ALIGN
+    buf = torch.empty(offset, dtype=torch.uint8, device=ts[0].device)
+    with torch.no_grad():
+        for t, view in zip(ts, views(buf, tuple(layout))):
+            view.copy_(t)
+            t.data = view
+    module.register_buffer(BUFFER, buf, persistent=False)
+    module.__dict__[LAYOUT] = tuple(layout)
+    return True
+
+
+def is_packed(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether ``module``'s tensors ``names`` are views of its packed buffer, in its layout."""
+    buf, layout = module._buffers.get(BUFFER), module.__dict__.get(LAYOUT)
+    if buf is None or layout is None or tuple(e[0] for e in layout) != tuple(names):
+        return False
+    return is_packed_in(module, buf, layout)
+
+
+def is_packed_in(module: nn.Module, buf: Tensor, layout: tuple) -> bool:
+    base = buf.data_ptr()
+    return all((t := _tensor(module, n)) is not None and t.data_ptr() == base + off and t.dtype == dt
+               and tuple(t.shape) == shape for n, off, _, dt, shape in layout)
+
+
+def unpack(module: nn.Module, apart: bool = False) -> None:
+    """Drop ``module``'s packing: its compiled steps read its tensors again, which stay views of the same bytes or,
+    ``apart``, get a storage each again (as before ``pack``; one layer's bytes copied at a time)."""
+    layout = module.__dict__.pop(LAYOUT, None)
+    buf = module._buffers.pop(BUFFER, None)
+    if apart and layout is not None and buf is not None and is_packed_in(module, buf, layout):
+        with torch.no_grad():
+            for name, *_ in layout:
+                t = _tensor(module, name)
+                t.data = t.data.clone()
+
+
+def views(buf: Tensor, layout: tuple) -> tuple[Tensor, ...]:
+    """The packed tensors as views of ``buf`` (in a compiled graph: reinterpretations of its input, no kernel)."""
+    return tuple(buf[off:off + size].view(dt).view(shape) for _, off, size, dt, shape in layout)
+
+
+def read(state: dict) -> tuple[Tensor, ...] | None:
+    """In compiled code: the packed tensors of the module whose ``__dict__`` is ``state``, in their layout's order;
+    None where it holds none (then read the module's own)."""
+    layout = state.get(LAYOUT)
+    buf = state["_buffers"].get(BUFFER) if layout is not None else None
+    return views(buf, layout) if buf is not None else None
+
+
+def _replaced(module: nn.Module, name: str, value):
+    """Global registration hook: a packed tensor replaced on its module ends the packing (the buffer would be stale)."""
+    layout = module.__dict__.get(LAYOUT)
+    if layout is not None and name != BUFFER and any(e[0] == name for e in layout):
+        unpack(module)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_replaced)
+torch.nn.modules.module.register_module_buffer_registration_hook(_replaced)
