@@ -58,8 +58,9 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   output, T·k·2I elements a layer, and the backward skips that grouped GEMM (``mlp_fuser::moe_mlp_save``). Read at
   each call of the switch; by the backend when it compiles a graph.
 - ``fp8_one_launch`` (``MLP_FUSER_FP8_ONE_LAUNCH=1``, default False): let the FP8 experts' dispatcher also time
-  ``fp8_moe_one_launch`` at one token (gate/up, h and down in one launch: ``kernels/moe_one.py``). Off until it has
-  been checked and timed on a GPU (benchmarks/NOTES.md, "One token in one launch"); ``force_impl`` can force it.
+  ``fp8_moe_one_launch`` at up to 64 token-expert pairs (gate/up, h and down in one launch: ``kernels/moe_one.py``).
+  Off until it has been checked and timed on a GPU (benchmarks/NOTES.md, "One token in one launch");
+  ``force_impl`` can force it.
 """
 
 from __future__ import annotations

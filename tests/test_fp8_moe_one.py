@@ -153,8 +153,8 @@ def test_one_launch_row_forced_through_the_op(T, monkeypatch):
 
 def test_one_launch_row_says_why_not(monkeypatch):
     """Off by default (config.fp8_one_launch); on, a candidate at one token under either setting of config.fp8_w8a8
-    (timed against the two-launch rows); not timed from two tokens; scale blocks 8 wide along K, and CPU tensors
-    without the interpreter, say why it cannot run them; forcing it there raises."""
+    (timed against the two-launch rows) and at a few pairs of mostly distinct experts, not beyond; scale blocks 8
+    wide along K, and CPU tensors without the interpreter, say why it cannot run them; forcing it there raises."""
     monkeypatch.setattr(config, "triton_on_cpu", True)
 
     def problem(T, block=(128, 128), fmt="apart"):
@@ -171,7 +171,8 @@ def test_one_launch_row_says_why_not(monkeypatch):
         names = [i.name for i in fp8_experts.eligible(problem(1))]
         assert "fp8_moe_one_launch" in names and len(names) > 1
     assert "fp8_moe_one_launch: candidate" in fp8_experts.describe(problem(1))
-    assert "fp8_moe_one_launch: not timed: 2 tokens > 1" in fp8_experts.describe(problem(2))
+    assert "fp8_moe_one_launch: candidate" in fp8_experts.describe(problem(2))  # 8 pairs over 6 experts
+    assert "fp8_moe_one_launch: not timed: 12 pairs over at most 6 experts" in fp8_experts.describe(problem(3))
     assert ("fp8_moe_one_launch: w_gate_up's scale blocks are 8 wide along K"
             in fp8_experts.describe(problem(1, (32, 8), "block")))
     monkeypatch.setattr(config, "triton_on_cpu", False)
