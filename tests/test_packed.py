@@ -45,7 +45,7 @@ def test_patch_packs_each_fp8_layer_with_the_same_parameters_values_and_bytes():
     assert len(layers) == 14  # 2 layers x q, k, v, o, gate, up, down
     for m in layers:
         buf = m._buffers[packed.BUFFER]
-        assert buf.dtype == torch.uint8 and packed.is_packed(m, ("weight", "weight_scale_inv"))
+        assert buf.dtype == torch.float8_e4m3fn and packed.is_packed(m, ("weight", "weight_scale_inv"))
         for t in (m.weight, m.weight_scale_inv):
             assert buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel()
     for n, p in model.named_parameters():
@@ -114,7 +114,7 @@ def test_deepcopy_of_a_patched_model_reads_its_own_bytes():
     twin = copy.deepcopy(model)
     a, b = _fp8_layers(model)[0], _fp8_layers(twin)[0]
     assert b._buffers[packed.BUFFER].data_ptr() != a._buffers[packed.BUFFER].data_ptr()
-    assert torch.equal(b._buffers[packed.BUFFER], a._buffers[packed.BUFFER])
+    assert torch.equal(b._buffers[packed.BUFFER].view(torch.uint8), a._buffers[packed.BUFFER].view(torch.uint8))
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
     try:

@@ -4,7 +4,7 @@ where it read two (an ``FP8Linear``) or four (``FP8Experts``).
 Each tensor a compiled step reads is a graph input with its own guards and per-call checks in Dynamo, AOTAutograd
 and the CUDA-graph tree: about 3 µs each on an H200, which doubled the FP8 decode step's host time against bf16's
 (benchmarks/NOTES.md, "FP8 weights"). ``patch`` packs what it fuses: the weights and scales are copied into one
-uint8 buffer (a non-persistent buffer of the module, so ``state_dict`` is unchanged) and each Parameter stays the
+byte buffer (a non-persistent buffer of the module, so ``state_dict`` is unchanged) and each Parameter stays the
 same object, its ``.data`` now a view of that buffer; no byte is held twice. Eager calls read the Parameters;
 compiled ones read the buffer and take the same views inside the graph (free: no kernel, no copy).
 
@@ -45,7 +45,9 @@ def pack(module: nn.Module, names: tuple[str, ...]) -> bool:
     for n, t in zip(names, ts):
         layout.append((n, offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
         offset = -(-(offset + layout[-1][2]) // _ALIGN) * _ALIGN
-    buf = torch.empty(offset, dtype=torch.uint8, device=ts[0].device)
+    # the bytes typed as the weights (float8) where they are bytes: their views then need no dtype view in the graph
+    # (a same-size dtype view may lower to a bitcast kernel, a copy of the weight, in some Inductor versions)
+    buf = torch.zeros(offset, dtype=ts[0].dtype if ts[0].element_size() == 1 else torch.uint8, device=ts[0].device)
     with torch.no_grad():
         for t, view in zip(ts, views(buf, tuple(layout))):
             view.copy_(t)
@@ -83,7 +85,11 @@ def unpack(module: nn.Module, apart: bool = False) -> None:
 
 def views(buf: Tensor, layout: tuple) -> tuple[Tensor, ...]:
     """The packed tensors as views of ``buf`` (in a compiled graph: reinterpretations of its input, no kernel)."""
-    return tuple(buf[off:off + size].view(dt).view(shape) for _, off, size, dt, shape in layout)
+    out = []
+    for _, off, size, dt, shape in layout:
+        b = buf[off:off + size]
+        out.append((b if dt == buf.dtype else b.view(dt)).view(shape))
+    return tuple(out)
 
 
 def read(state: dict) -> tuple[Tensor, ...] | None:
