@@ -183,13 +183,16 @@ def test_generate_benchmark_fp8_paths_beside_their_bf16_paths(tmp_path):
     assert all(d is None or isinstance(d, int) for d in fp8["diverges_from"].values())
     assert 1e-3 < rows[4]["logits_rel_err"] < 0.1  # FP8's own error against fp32, no more
     assert 0 < rows[4]["logits_rel_err_fp8_ref"] < 0.1  # against transformers' FP8 (x quantized; here not: CPU)
+    from mlp_fuser.patch import packed
+
     model = bench_generate.build("1b", "cpu", torch.float32, True)
     stored = 0
     for name, mod in model.named_modules():
         for p in mod.parameters(recurse=False):
-            if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            if isinstance(mod, torch.nn.Linear) and name != "lm_head":  # patch packs weight and scales, each aligned
                 N, K = p.shape
-                stored += N * K + math.ceil(N / 128) * math.ceil(K / 128) * 4
+                stored += sum(-(-n // packed._ALIGN) * packed._ALIGN
+                              for n in (N * K, math.ceil(N / 128) * math.ceil(K / 128) * 4))
             else:
                 stored += p.numel() * 4
     stored += sum(b.numel() * 4 for b in model.buffers())  # the rotary embedding's

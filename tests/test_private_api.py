@@ -41,6 +41,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("mlp_fuser/patch/fp8.py", "_modules"): _MODULE_DICTS,
     ("mlp_fuser/patch/fp8.py", "_parameters"): _MODULE_DICTS,
     ("mlp_fuser/patch/fp8.py", "_buffers"): _MODULE_DICTS,
+    ("mlp_fuser/patch/packed.py", "_parameters"): _MODULE_DICTS,
+    ("mlp_fuser/patch/packed.py", "_buffers"): _MODULE_DICTS,
 }
 
 
