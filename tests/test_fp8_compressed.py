@@ -15,6 +15,7 @@ from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
 from mlp_fuser.ops import quant
+from mlp_fuser.patch import packed
 from mlp_fuser.reference import rel_err
 
 ct = pytest.importorskip("compressed_tensors")
@@ -259,3 +260,6 @@ def test_patched_mlps_compile_with_the_backend(checkpoint):
         ref, out = mlp(x), torch.compile(mlp, backend=backend)(x)
     assert rel_err(out, ref) < 1e-6 and _dtypes(model, "mlp") == {K8.FP8}
     assert len(graphs) == 1 and "quant_gated_mlp" in graphs[0]
+    # each projection's float8 weight and weight_scale packed into one buffer: one graph input each (patch.packed)
+    assert all(packed.is_packed(c, ("weight", "weight_scale")) for c in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    assert "weight_scale" not in graphs[0] and graphs[0].count(packed.BUFFER) >= 3

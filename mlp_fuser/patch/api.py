@@ -164,8 +164,8 @@ def _pack(model: nn.Module, fused: dict) -> None:
         elif isinstance(forward, FusedExpertsForward) and spec(module).fp8 is not None:
             packed.pack(module, fp8_names(bool(spec(module).consts[0])))
         elif isinstance(forward, FusedModuleForward):
-            for child in fp8_children(module):
-                packed.pack(child, ("weight", "weight_scale_inv"))
+            for child, names in fp8_children(module):
+                packed.pack(child, names)
 
 
 def _keep_compressed(model: nn.Module, fused: dict) -> list:

@@ -196,9 +196,14 @@ def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
                                   for training, (op, children, act, _) in found.items()})
 
 
-def fp8_children(module: nn.Module) -> list[nn.Module]:
-    """The projections of an FP8 MLP module that hold transformers' FP8Linear weights (what ``packed`` can hold)."""
-    return [c for c in _projections(module) if (st := _stored(c)) is not None and st[3] == "transformers"]
+_SCALES = {"transformers": "weight_scale_inv", "compressed-tensors": "weight_scale"}  # the scales beside ``weight``
+
+
+def fp8_children(module: nn.Module) -> list[tuple[nn.Module, tuple[str, str]]]:
+    """The projections of an FP8 MLP module whose float8 weight and scales ``packed`` can hold, with their names in
+    ``_read``'s order: transformers' FP8Linear and compressed-tensors' layers (torchao's subclass weights: not)."""
+    return [(c, ("weight", _SCALES[st[3]])) for c in _projections(module)
+            if (st := _stored(c)) is not None and st[3] in _SCALES]
 
 
 class FusedFp8Linear:
