@@ -146,3 +146,9 @@ def test_pack_leaves_what_it_cannot_hold():
     assert not packed.pack(f, ("weight", "weight_scale_inv"))
     assert packed.BUFFER not in f._buffers
     assert not packed.pack(f, ("weight", "no_such_tensor"))
+    meta = FP8Linear(256, 128, block_size=(128, 128)).to("meta")
+    assert not packed.pack(meta, ("weight", "weight_scale_inv"))
+    hooked = FP8Linear(256, 128, block_size=(128, 128))
+    hooked._hf_hook = object()  # accelerate's offloading: the weights move in and out at each call
+    assert not packed.pack(hooked, ("weight", "weight_scale_inv")) and packed.BUFFER not in hooked._buffers
+    assert packed.pack(FP8Linear(256, 128, block_size=(128, 128)), ("weight", "weight_scale_inv"))

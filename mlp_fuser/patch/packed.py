@@ -32,12 +32,13 @@ def _tensor(module: nn.Module, name: str) -> Tensor | None:
 
 def pack(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Store ``module``'s tensors ``names`` (parameters or buffers) in one buffer; True where they are (now or
-    already). Left as they are: tensors on several devices, not contiguous, or a subclass. (The FP8 ops give float8
-    weights and their scales no gradient, whether they ask for one or not.)"""
+    already). Left as they are: tensors on several devices or on meta, not contiguous, or a subclass, and modules
+    whose tensors accelerate moves at each call (an ``_hf_hook``: the buffer would keep where they were). (The FP8
+    ops give float8 weights and their scales no gradient, whether they ask for one or not.)"""
     ts = [_tensor(module, n) for n in names]
     if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in ts):
         return False
-    if len({t.device for t in ts}) != 1:
+    if len({t.device for t in ts}) != 1 or ts[0].device.type == "meta" or hasattr(module, "_hf_hook"):
         return False
     if is_packed(module, names):
         return True
