@@ -57,10 +57,9 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   "recompute" keeps only the op's inputs and recomputes gate/up in the backward (least memory); "save" keeps gate/up's
   output, T·k·2I elements a layer, and the backward skips that grouped GEMM (``mlp_fuser::moe_mlp_save``). Read at
   each call of the switch; by the backend when it compiles a graph.
-- ``fp8_one_launch`` (``MLP_FUSER_FP8_ONE_LAUNCH=1``, default False): let the FP8 experts' dispatcher also time
-  ``fp8_moe_one_launch`` at up to 64 token-expert pairs (gate/up, h and down in one launch: ``kernels/moe_one.py``).
-  Off until it has been checked and timed on a GPU (benchmarks/NOTES.md, "One token in one launch");
-  ``force_impl`` can force it.
+- ``fp8_one_launch`` (``MLP_FUSER_FP8_ONE_LAUNCH=0`` turns it off; default True): let the FP8 experts' dispatcher
+  also time ``fp8_moe_one_launch`` at up to 64 token-expert pairs (gate/up, h and down in one launch:
+  ``kernels/moe_one.py``; checked and timed on an H100: benchmarks/NOTES.md, "One token in one launch").
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
     "check_routing": ("MLP_FUSER_CHECK_ROUTING", "0", _on_if_1),
     "fp8_w8a8": ("MLP_FUSER_FP8_W8A8", "1", _on_unless_0),
     "moe_backward": ("MLP_FUSER_MOE_BACKWARD", "recompute", str),
-    "fp8_one_launch": ("MLP_FUSER_FP8_ONE_LAUNCH", "0", _on_if_1),
+    "fp8_one_launch": ("MLP_FUSER_FP8_ONE_LAUNCH", "1", _on_unless_0),
 }
 
 

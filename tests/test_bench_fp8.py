@@ -38,9 +38,10 @@ def test_bench_fp8_tiny_through_the_cli(tmp_path, capsys):
 @pytest.mark.usefixtures("exact_fp8_casts")
 def test_bench_fp8_times_each_one_token_experts_row(monkeypatch):
     """At one token the experts rows the FP8 table times (sorted, unsorted, one launch) are each timed forced, beside
-    the op, in a column of their own; from two tokens the one row runs alone; the op's row is named."""
+    the op, in a column of their own; at a few pairs the sorted row and the one launch; past them the one row runs
+    alone; the op's row is named."""
     monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernels under the interpreter
-    monkeypatch.setattr(config, "fp8_one_launch", True)  # off by default until checked on a GPU
+    monkeypatch.setattr(config, "fp8_one_launch", True)
     monkeypatch.setattr(fp8_experts, "_PLANS", {})
     case = bench_fp8.TINY_CASES["tiny_experts"]
     setup = bench_fp8.Experts(case.dims, "cpu", torch.float32, torch.Generator().manual_seed(0))
@@ -53,9 +54,11 @@ def test_bench_fp8_times_each_one_token_experts_row(monkeypatch):
     assert bench_fp8.format_row(one).split("|")[at].strip() == ", ".join(
         f"{n.removeprefix('fp8_moe_')} {one['us'][n]:.1f}" for n in rows)
     assert config.force_impl is None  # each forced call restored it
-    five = bench_fp8.bench_row(case, setup, 5, None, "cpu")
-    assert set(five["us"]) == {"bf16_op", "fp8_op"} and five["impl"] == rows[0]
-    assert bench_fp8.format_row(five).split("|")[at].strip() == "–"
+    five = bench_fp8.bench_row(case, setup, 5, None, "cpu")  # 10 pairs of 8 experts: the one launch timed too
+    assert set(five["us"]) == {"bf16_op", "fp8_op", rows[0], rows[3]} and five["impl"] == rows[0]
+    many = bench_fp8.bench_row(case, setup, 16, None, "cpu")  # 32 pairs of 8 experts: the sorted row alone
+    assert set(many["us"]) == {"bf16_op", "fp8_op"} and many["impl"] == rows[0]
+    assert bench_fp8.format_row(many).split("|")[at].strip() == "–"
 
 
 def _emulated_scaled_mm(a, b, scale_a, scale_b, recipe, out_dtype):

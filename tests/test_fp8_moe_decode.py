@@ -115,7 +115,7 @@ def test_quantized_in_the_gemm_only_at_decode_on_128_column_steps():
 
 W8A8_ROWS = ["fp8_moe_sorted_w8a8", "fp8_moe_unsorted_w8a8", "fp8_moe_unsorted_pdl_w8a8"]
 W8A16_ROWS = ["fp8_moe_sorted_w8a16", "fp8_moe_unsorted_w8a16", "fp8_moe_unsorted_pdl_w8a16"]
-ONE = "fp8_moe_one_launch"  # W8A16 in one launch, timed at one token under config.fp8_one_launch (test_fp8_moe_one.py)
+ONE = "fp8_moe_one_launch"  # W8A16 in one launch, timed at a few pairs (test_fp8_moe_one.py)
 
 
 def one_token(fmt, gated, seed, device=KERNEL_DEVICE):
@@ -184,6 +184,7 @@ def test_one_token_rows_are_candidates_at_one_token_only(monkeypatch):
     """Which rows are timed: at T = 1 the sorted row and the unsorted ones of the config's scheme, from T = 2 the
     sorted row alone (nothing to time); where the kernels cannot run, the dequantized copy; a forced row runs
     wherever it can."""
+    monkeypatch.setattr(config, "fp8_one_launch", False)  # first the two-launch rows alone
     p1, args = _problem(1, monkeypatch, device="cpu")  # the CPU's rule for choosing: no timing, the first row
     p2, _ = _problem(2, monkeypatch, device="cpu")
     assert names(fp8_experts.eligible(p1)) == W8A8_ROWS and names(fp8_experts.eligible(p2)) == W8A8_ROWS[:1]
@@ -211,6 +212,7 @@ def test_one_token_choice_is_timed_once_and_kept_with_its_plans(monkeypatch):
     captures the graph one, each through a plan built once; a first call inside a capture takes the first row,
     untimed and unkept; T = 2 has one candidate and is not timed."""
     monkeypatch.setattr(dispatch_fp8, "why_not_kernels", lambda *a: None)
+    monkeypatch.setattr(config, "fp8_one_launch", False)  # the two-launch rows (the one launch: test_fp8_moe_one.py)
     real = fp8_experts.problem
     monkeypatch.setattr(fp8_experts, "problem", lambda *a: real(*a)._replace(device="cuda"))
     capturing = [False]
@@ -231,7 +233,7 @@ def test_one_token_choice_is_timed_once_and_kept_with_its_plans(monkeypatch):
     assert timed == [] and fp8_experts._PLANS == {} and fp8_experts.chosen(p) is None
     capturing[0] = False
     y = fp8_experts.run(x, ids, wts, fgu, fd, gate, ("sig",))
-    assert timed == [W8A8_ROWS]  # the one-launch row off by default (config.fp8_one_launch)
+    assert timed == [W8A8_ROWS]
     assert fp8_experts.chosen(p) == "fp8_moe_unsorted_w8a8 (graphs: fp8_moe_unsorted_pdl_w8a8)"
     assert plans == ["sorted", "unsorted", "unsorted_pdl"]  # the captured call's, then the kept choice's two
     assert torch.equal(fp8_experts.run(x, ids, wts, fgu, fd, gate, ("sig",)), y)

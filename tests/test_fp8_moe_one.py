@@ -152,16 +152,17 @@ def test_one_launch_row_forced_through_the_op(T, monkeypatch):
 
 
 def test_one_launch_row_says_why_not(monkeypatch):
-    """Off by default (config.fp8_one_launch); on, a candidate at one token under either setting of config.fp8_w8a8
-    (timed against the two-launch rows) and at a few pairs of mostly distinct experts, not beyond; scale blocks 8
-    wide along K, and CPU tensors without the interpreter, say why it cannot run them; forcing it there raises."""
+    """Off (config.fp8_one_launch, on by default): not timed; on, a candidate at one token under either setting of
+    config.fp8_w8a8 (timed against the two-launch rows) and at a few pairs of mostly distinct experts, not beyond;
+    scale blocks 8 wide along K, and CPU tensors without the interpreter, say why it cannot run them; forcing it
+    there raises."""
     monkeypatch.setattr(config, "triton_on_cpu", True)
 
     def problem(T, block=(128, 128), fmt="apart"):
         (x, ids, _, fgu, fd), _ = one_case(fmt, block, T=T)
         return fp8_experts.problem(x.cpu(), ids.cpu(), fgu, fd, Gate("silu"))
 
-    monkeypatch.setattr(config, "fp8_one_launch", False)  # the default until it is checked on a GPU
+    monkeypatch.setattr(config, "fp8_one_launch", False)
     assert "fp8_moe_one_launch" not in [i.name for i in fp8_experts.eligible(problem(1))]
     assert ("fp8_moe_one_launch: not timed: mlp_fuser.config.fp8_one_launch is off"
             in fp8_experts.describe(problem(1)))

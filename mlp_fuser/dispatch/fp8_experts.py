@@ -119,7 +119,7 @@ def _few_pairs(p: Problem) -> str | None:
 
 
 def _one_launch_on(p: Problem) -> str | None:  # a worth check: forcing runs it
-    return None if config.fp8_one_launch else "mlp_fuser.config.fp8_one_launch is off (not yet checked on a GPU)"
+    return None if config.fp8_one_launch else "mlp_fuser.config.fp8_one_launch is off"
 
 
 def _no_kernels(p: Problem) -> str | None:  # the dequantized copy only where no kernel row runs (forcing runs it)
@@ -180,8 +180,8 @@ IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (els
     _row("fp8_moe_unsorted_pdl_w8a16", "unsorted_pdl", False, worth=(_one_token, _a8_off)),
     # a few tokens in ONE launch: h born in registers, each pair's slice of I adding its part of y by fp32 atomics,
     # the last program casting y (benchmarks/NOTES.md, "One token in one launch"). W8A16 under either setting of
-    # config.fp8_w8a8: x unquantized errs less than transformers' W8A8, so the timing alone decides; timed only under
-    # config.fp8_one_launch until checked on a GPU
+    # config.fp8_w8a8: x unquantized errs less than transformers' W8A8, so the timing alone decides
+    # (config.fp8_one_launch off: not timed)
     Impl("fp8_moe_one_launch", _ONE[0], None, None, why=(kernels_run, _scale_blocks),
          worth=(_few_pairs, _one_launch_on), plan=_ONE[1]),
     # each expert's weights dequantized to x's dtype, then aten: where no kernel row runs
