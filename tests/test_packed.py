@@ -106,6 +106,27 @@ def test_replacing_a_packed_weight_ends_its_packing(how):
         torch._dynamo.reset()
 
 
+def test_a_bias_added_after_patch_ends_the_packing_and_counts():
+    """A lone FP8 linear's compiled call takes its block and whether it has a bias from the packing's constant (no
+    guard on the parameters dict): a bias registered after patch drops the packing, and the compiled model adds it."""
+    model, _ = _fp8_llama()
+    mlp_fuser.patch(model)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(4))
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.__dict__[packed.LAYOUT][1] == ((128, 128), False)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        old = _logits(compiled, ids)
+        q.bias = torch.nn.Parameter(torch.randn(q.weight.shape[0], generator=torch.Generator().manual_seed(5)))
+        assert packed.LAYOUT not in q.__dict__
+        want = _logits(model, ids)
+        assert not torch.allclose(want, old, rtol=1e-3, atol=1e-3)
+        assert torch.allclose(_logits(compiled, ids), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_deepcopy_of_a_patched_model_reads_its_own_bytes():
     """torch's deepcopy clones each Parameter apart from the buffer (documented: the copy holds those bytes twice);
     the copy's compiled step reads its own buffer, with the same values."""

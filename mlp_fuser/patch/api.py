@@ -160,7 +160,8 @@ def _pack(model: nn.Module, fused: dict) -> None:
     for path, forward in fused.items():
         module = model.get_submodule(path)
         if isinstance(forward, FusedFp8Linear):
-            packed.pack(module, ("weight", "weight_scale_inv"))
+            has_bias = getattr(module, "bias", None) is not None
+            packed.pack(module, ("weight", "weight_scale_inv"), (forward.block, has_bias))
         elif isinstance(forward, FusedExpertsForward) and spec(module).fp8 is not None:
             packed.pack(module, fp8_names(bool(spec(module).consts[0])))
         elif isinstance(forward, FusedModuleForward):

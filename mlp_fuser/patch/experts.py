@@ -280,9 +280,8 @@ def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: T
     """FP8 experts through ``quant_moe_mlp``: the float8 weights and their scales as stored, y in x's dtype."""
     gated, activation, interleaved, limit, clamp_after, up_offset = s.consts
     fmt, block = s.fp8
-    ws = packed.read(self.__dict__) if compiling else None  # one graph input for the four (patch packed them)
-    if ws is None:
-        ws = tuple(getattr(self, n) for n in fp8_names(gated))
+    found = packed.read(self.__dict__) if compiling else None  # one graph input for the four (patch packed them)
+    ws = found[0] if found is not None else tuple(getattr(self, n) for n in fp8_names(gated))
     op = torch.ops.mlp_fuser.quant_moe_mlp.default if compiling else quant_moe.eager_quant_moe_mlp
     return op(hidden_states, top_k_index, top_k_weights, *ws, activation, fmt,
               list(block) if block is not None else None, interleaved, limit, clamp_after, up_offset)

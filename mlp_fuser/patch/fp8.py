@@ -173,8 +173,8 @@ def _direct(op_name: str, children: list[str], activation: str, block, maker: st
         for name in children:
             child = m["_modules"][name]
             b = child._parameters.get("bias")
-            ws = packed.read(child.__dict__) if compiling else None  # one graph input for weight and scales
-            args += [*(ws or _read(child, maker)), b]
+            found = packed.read(child.__dict__) if compiling else None  # one graph input for weight and scales
+            args += [*(found[0] if found is not None else _read(child, maker)), b]
             biases.append(b)
         blocks = list(block) if block is not None else None
         if compat.plain_call(x, biases):
@@ -221,15 +221,16 @@ class FusedFp8Linear:
     def __call__(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, Tensor):
             return type(self.module).forward(self.module, x, *args, **kwargs)
+        if torch.compiler.is_compiling() and (found := packed.read(self.state)) is not None:
+            # one graph input for weight and scales; block and bias presence from the packing's one constant, so
+            # that Dynamo guards neither this object's attributes nor the parameters dict (patch packed with them)
+            (w, s), (block, has_bias) = found
+            b = self.state["_parameters"]["bias"] if has_bias else None
+            return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", list(block) if block else None)
         p = self.state["_parameters"]
-        b = p.get("bias")
-        ws = packed.read(self.state) if torch.compiler.is_compiling() else None  # one graph input for both
-        if ws is not None:
-            w, s = ws
-        else:
-            w, s = p["weight"], p.get("weight_scale_inv")
-            if s is None:
-                s = self.state["_buffers"]["weight_scale_inv"]
+        w, s, b = p["weight"], p.get("weight_scale_inv"), p.get("bias")
+        if s is None:
+            s = self.state["_buffers"]["weight_scale_inv"]
         block = list(self.block) if self.block is not None else None
         if compat.plain_call(x, (b,)):
             return quant.compute_linear(x, w, s, b, "fp8_e4m3", block)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 BUFFER = "_mlp_fuser_fp8"  # the bytes: a non-persistent uint8 buffer of the module
-LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: ((name, byte offset, bytes, dtype, shape), ...)
+LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: (((name, offset, bytes, dtype, shape), ...), meta)
 _ALIGN = 256  # each tensor's first byte: the kernels' loads want 16-byte aligned pointers; TMA 128 bytes
 
 
@@ -30,17 +30,19 @@ def _tensor(module: nn.Module, name: str) -> Tensor | None:
     return t if t is not None else module._buffers.get(name)
 
 
-def pack(module: nn.Module, names: tuple[str, ...]) -> bool:
-    """Store ``module``'s tensors ``names`` (parameters or buffers) in one buffer; True where they are (now or
-    already). Left as they are: tensors on several devices or on meta, not contiguous, or a subclass, and modules
-    whose tensors accelerate moves at each call (an ``_hf_hook``: the buffer would keep where they were). (The FP8
-    ops give float8 weights and their scales no gradient, whether they ask for one or not.)"""
+def pack(module: nn.Module, names: tuple[str, ...], meta=None) -> bool:
+    """Store ``module``'s tensors ``names`` (parameters or buffers) in one buffer, ``meta`` (the caller's constants:
+    ints, strings, tuples) beside its layout; True where they are (now or already). Left as they are: tensors on
+    several devices or on meta, not contiguous, or a subclass, and modules whose tensors accelerate moves at each
+    call (an ``_hf_hook``: the buffer would keep where they were). (The FP8 ops give float8 weights and their
+    scales no gradient, whether they ask for one or not.)"""
     ts = [_tensor(module, n) for n in names]
     if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in ts):
         return False
     if len({t.device for t in ts}) != 1 or ts[0].device.type == "meta" or hasattr(module, "_hf_hook"):
         return False
     if is_packed(module, names):
+        module.__dict__[LAYOUT] = (module.__dict__[LAYOUT][0], meta)
         return True
     layout, offset = [], 0
     for n, t in zip(names, ts):
@@ -54,16 +56,16 @@ def pack(module: nn.Module, names: tuple[str, ...]) -> bool:
             view.copy_(t)
             t.data = view
     module.register_buffer(BUFFER, buf, persistent=False)
-    module.__dict__[LAYOUT] = tuple(layout)
+    module.__dict__[LAYOUT] = (tuple(layout), meta)  # one constant: Dynamo guards it with one comparison
     return True
 
 
 def is_packed(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Whether ``module``'s tensors ``names`` are views of its packed buffer, in its layout."""
-    buf, layout = module._buffers.get(BUFFER), module.__dict__.get(LAYOUT)
-    if buf is None or layout is None or tuple(e[0] for e in layout) != tuple(names):
+    buf, found = module._buffers.get(BUFFER), module.__dict__.get(LAYOUT)
+    if buf is None or found is None or tuple(e[0] for e in found[0]) != tuple(names):
         return False
-    return is_packed_in(module, buf, layout)
+    return is_packed_in(module, buf, found[0])
 
 
 def is_packed_in(module: nn.Module, buf: Tensor, layout: tuple) -> bool:
@@ -75,8 +77,9 @@ def is_packed_in(module: nn.Module, buf: Tensor, layout: tuple) -> bool:
 def unpack(module: nn.Module, apart: bool = False) -> None:
     """Drop ``module``'s packing: its compiled steps read its tensors again, which stay views of the same bytes or,
     ``apart``, get a storage each again (as before ``pack``; one layer's bytes copied at a time)."""
-    layout = module.__dict__.pop(LAYOUT, None)
+    found = module.__dict__.pop(LAYOUT, None)
     buf = module._buffers.pop(BUFFER, None)
+    layout = found[0] if found is not None else None
     if apart and layout is not None and buf is not None and is_packed_in(module, buf, layout):
         with torch.no_grad():
             for name, *_ in layout:
@@ -93,18 +96,18 @@ def views(buf: Tensor, layout: tuple) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def read(state: dict) -> tuple[Tensor, ...] | None:
-    """In compiled code: the packed tensors of the module whose ``__dict__`` is ``state``, in their layout's order;
-    None where it holds none (then read the module's own)."""
-    layout = state.get(LAYOUT)
-    buf = state["_buffers"].get(BUFFER) if layout is not None else None
-    return views(buf, layout) if buf is not None else None
+def read(state: dict) -> tuple[tuple[Tensor, ...], object] | None:
+    """In compiled code: (the packed tensors of the module whose ``__dict__`` is ``state`` in their layout's order, the
+    ``meta`` given to ``pack``); None where it holds none (then read the module's own)."""
+    found = state.get(LAYOUT)
+    buf = state["_buffers"].get(BUFFER) if found is not None else None
+    return (views(buf, found[0]), found[1]) if buf is not None else None
 
 
 def _replaced(module: nn.Module, name: str, value):
-    """Global registration hook: a packed tensor replaced on its module ends the packing (the buffer would be stale)."""
-    layout = module.__dict__.get(LAYOUT)
-    if layout is not None and name != BUFFER and any(e[0] == name for e in layout):
+    """Global registration hook: a tensor registered on a packed module (a packed one replaced, a bias added that
+    ``meta`` says is absent) ends the packing: the buffer or the meta would be stale."""
+    if name != BUFFER and LAYOUT in module.__dict__:
         unpack(module)
 
 
