@@ -35,6 +35,20 @@ def _logits(fn, ids):
         return fn(ids).logits
 
 
+def _compiled_follows(model, ids, change) -> None:
+    """``model`` compiled and run, then ``change()``d: the compiled model gives eager's new logits, not its old ones."""
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        old = _logits(compiled, ids)
+        change()
+        want = _logits(model, ids)
+        assert not torch.allclose(want, old, rtol=1e-3, atol=1e-3)
+        assert torch.allclose(_logits(compiled, ids), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_patch_packs_each_fp8_layer_with_the_same_parameters_values_and_bytes():
     model, _ = _fp8_llama()
     layers = _fp8_layers(model)
@@ -87,11 +101,9 @@ def test_replacing_a_packed_weight_ends_its_packing(how):
     model, _ = _fp8_llama()
     mlp_fuser.patch(model)
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(2))
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend="aot_eager")
-        old = _logits(compiled, ids)
-        gate = model.model.layers[1].mlp.gate_proj
+    gate = model.model.layers[1].mlp.gate_proj
+
+    def replace():
         new = torch.nn.Parameter((-gate.weight.float()).to(gate.weight.dtype), requires_grad=False)
         if how == "setattr":
             gate.weight = new
@@ -99,11 +111,8 @@ def test_replacing_a_packed_weight_ends_its_packing(how):
             gate.load_state_dict({"weight": new, "weight_scale_inv": gate.weight_scale_inv.detach().clone()},
                                  strict=False, assign=True)
         assert packed.BUFFER not in gate._buffers and packed.LAYOUT not in gate.__dict__
-        want = _logits(model, ids)
-        assert not torch.allclose(want, old, rtol=1e-3, atol=1e-3)
-        assert torch.allclose(_logits(compiled, ids), want, rtol=1e-5, atol=1e-5)
-    finally:
-        torch._dynamo.reset()
+
+    _compiled_follows(model, ids, replace)
 
 
 def test_a_bias_added_after_patch_ends_the_packing_and_counts():
@@ -114,17 +123,12 @@ def test_a_bias_added_after_patch_ends_the_packing_and_counts():
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(4))
     q = model.model.layers[0].self_attn.q_proj
     assert q.__dict__[packed.LAYOUT][1] == ((128, 128), False)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend="aot_eager")
-        old = _logits(compiled, ids)
+
+    def add_bias():
         q.bias = torch.nn.Parameter(torch.randn(q.weight.shape[0], generator=torch.Generator().manual_seed(5)))
         assert packed.LAYOUT not in q.__dict__
-        want = _logits(model, ids)
-        assert not torch.allclose(want, old, rtol=1e-3, atol=1e-3)
-        assert torch.allclose(_logits(compiled, ids), want, rtol=1e-5, atol=1e-5)
-    finally:
-        torch._dynamo.reset()
+
+    _compiled_follows(model, ids, add_bias)
 
 
 def test_deepcopy_of_a_patched_model_reads_its_own_bytes():

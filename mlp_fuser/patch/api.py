@@ -162,8 +162,8 @@ def _pack(model: nn.Module, fused: dict) -> None:
         if isinstance(forward, FusedFp8Linear):
             has_bias = getattr(module, "bias", None) is not None
             packed.pack(module, ("weight", "weight_scale_inv"), (forward.block, has_bias))
-        elif isinstance(forward, FusedExpertsForward) and spec(module).fp8 is not None:
-            packed.pack(module, fp8_names(bool(spec(module).consts[0])))
+        elif isinstance(forward, FusedExpertsForward) and (s := spec(module)).fp8 is not None:
+            packed.pack(module, fp8_names(bool(s.consts[0])))
         elif isinstance(forward, FusedModuleForward):
             for child, names in fp8_children(module):
                 packed.pack(child, names)

@@ -1,18 +1,20 @@
 """A module's float8 weights and their scales stored as one buffer, so a compiled step reads one tensor per layer
-where it read two (an ``FP8Linear``) or four (``FP8Experts``).
+where it read two (an ``FP8Linear``, a compressed-tensors layer) or four (``FP8Experts``).
 
-Each tensor a compiled step reads is a graph input with its own guards and per-call checks in Dynamo, AOTAutograd
-and the CUDA-graph tree: about 3 µs each on an H200, which doubled the FP8 decode step's host time against bf16's
-(benchmarks/NOTES.md, "FP8 weights"). ``patch`` packs what it fuses: the weights and scales are copied into one
-byte buffer (a non-persistent buffer of the module, so ``state_dict`` is unchanged) and each Parameter stays the
-same object, its ``.data`` now a view of that buffer; no byte is held twice. Eager calls read the Parameters;
-compiled ones read the buffer and take the same views inside the graph (free: no kernel, no copy).
+Each tensor a compiled step reads is a graph input with guards of its own; packed, the FP8 decode step has fewer
+inputs than the bf16 model's and fewer guard lines (benchmarks/NOTES.md, "One graph input per FP8 layer": the
+host time it was meant to cut turned out to be the modules' other guards). ``patch`` packs what it fuses: the
+weights and scales are copied into one byte buffer (a non-persistent buffer of the module, so ``state_dict`` is
+unchanged) and each Parameter stays the same object, its ``.data`` now a view of that buffer; no byte is held twice.
+Eager calls read the Parameters; compiled ones read the buffer and take the same views inside the graph (no kernel,
+no copy).
 
-``unpatch`` gives each tensor its own storage again (same objects, same values). Replacing a packed tensor on its
-module (``module.weight = ...``, ``load_state_dict(assign=True)``) drops the packing: a compiled step then reads
-the module's tensors again (``param.data = ...`` is not seen: ``unpatch`` first). ``.to()`` after ``patch`` gives
-the buffer and each tensor their own copies (the same bytes; twice the memory): move the model before patching it.
-``copy.deepcopy`` likewise: torch clones each Parameter on its own, so the copy holds its packed layers twice.
+``unpatch`` gives each tensor its own storage again (same objects, same values). Registering a tensor on a packed
+module (``module.weight = ...``, ``load_state_dict(assign=True)``, a bias added) drops the packing: a compiled step
+then reads the module's tensors again (``param.data = ...`` is not seen: ``unpatch`` first). ``.to()`` after
+``patch`` gives the buffer and each tensor their own copies (the same bytes; twice the memory): move the model
+before patching it. ``copy.deepcopy`` likewise: torch clones each Parameter on its own, so the copy holds its packed
+layers twice.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-BUFFER = "_mlp_fuser_fp8"  # the bytes: a non-persistent uint8 buffer of the module
+BUFFER = "_mlp_fuser_fp8"  # the bytes: a non-persistent buffer of the module (float8 where the weights are)
 LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: (((name, offset, bytes, dtype, shape), ...), meta)
 _ALIGN = 256  # each tensor's first byte: the kernels' loads want 16-byte aligned pointers; TMA 128 bytes
 
