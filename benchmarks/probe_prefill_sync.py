@@ -56,3 +56,7 @@ for name, fwd in fwds.items():
     print(f"{name:12s} top self CPU:")
     for e in top:
         print(f"    {e.key[:60]:60s} {e.count:6d} {e.self_cpu_time_total / 1e3:8.2f}")
+    kern = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: -e.self_device_time_total)
+    print(f"{name:12s} GPU total {sum(e.self_device_time_total for e in kern) / 1e3:8.2f} ms; top kernels (count, ms):")
+    for e in kern[:14]:
+        print(f"    {e.key[:70]:70s} {e.count:6d} {e.self_device_time_total / 1e3:8.2f}")

@@ -60,6 +60,9 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
 - ``fp8_one_launch`` (``MLP_FUSER_FP8_ONE_LAUNCH=0`` turns it off; default True): let the FP8 experts' dispatcher
   also time ``fp8_moe_one_launch`` at up to 64 token-expert pairs (gate/up, h and down in one launch:
   ``kernels/moe_one.py``; checked and timed on an H100: benchmarks/NOTES.md, "One token in one launch").
+- ``fp8_merge`` (``MLP_FUSER_FP8_MERGE=0`` turns it off; default True): the backend computes FP8 linears that read
+  one input and that ``patch`` packed side by side (q, k and v) as one GEMM (``graph/siblings.py``). Read by the
+  backend when it compiles a graph.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
     "fp8_w8a8": ("MLP_FUSER_FP8_W8A8", "1", _on_unless_0),
     "moe_backward": ("MLP_FUSER_MOE_BACKWARD", "recompute", str),
     "fp8_one_launch": ("MLP_FUSER_FP8_ONE_LAUNCH", "1", _on_unless_0),
+    "fp8_merge": ("MLP_FUSER_FP8_MERGE", "1", _on_unless_0),
 }
 
 
@@ -119,6 +123,7 @@ check_routing: bool
 fp8_w8a8: bool
 moe_backward: str
 fp8_one_launch: bool
+fp8_merge: bool
 
 
 def settings() -> dict[str, object]:

@@ -445,15 +445,15 @@ def test_quant_ops_pass_opcheck():
 # ---- patch on FP8Linear models ------------------------------------------------------------------------------
 
 
-def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2):
+def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2, hidden=256, kv_heads=2):
     """A tiny LLaMA of ``layers`` layers whose every Linear but lm_head is transformers' FP8Linear, beside a twin
     holding the same weights dequantized in plain Linears (what the FP8 model computes)."""
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=384, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=100)
     model = transformers.LlamaForCausalLM(cfg).eval()
     twin = copy.deepcopy(model)
     for (_, mod), (_, tmod) in zip(list(model.named_modules()), list(twin.named_modules())):

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import compat
+from .. import compat, config
 from .. import patterns as registry
 from ..activations import get_activation
 from ..ops import dense as ops
 from ..runtime.inductor import install as install_direct_calls
-from . import fx_pass
+from . import fx_pass, siblings
 
 log = logging.getLogger("mlp_fuser")
 _graph_ids = itertools.count()
@@ -143,7 +143,9 @@ def make_backend(
         if enabled:
             report = fx_pass.fuse_mlps(gm, filter_fn=filter_fn, root=root, leave_trained_experts=compiler is not None,
                                        **allowed)
-            log.info("mlp_fuser: graph %d: %s", gid, report.summary())
+            merged = siblings.merge(gm) if config.fp8_merge else 0  # q, k and v packed side by side: one GEMM
+            log.info("mlp_fuser: graph %d: %s%s", gid, report.summary(),
+                     f"; {merged} FP8 linears merged into GEMMs of their siblings" if merged else "")
             for m in report.near_misses:
                 log.debug("mlp_fuser: graph %d: not fused %s (%s): %s: %s", gid, m.path, m.pattern, m.check, m.reason)
         else:

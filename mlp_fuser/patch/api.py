@@ -157,16 +157,25 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
 
 def _pack(model: nn.Module, fused: dict) -> None:
     """Each fused FP8 layer's float8 weights and scales as one buffer (``packed``): one graph input a layer."""
+    siblings: dict[tuple, list] = {}  # (parent, what a merged GEMM needs alike) -> lone FP8 linears, in order
     for path, forward in fused.items():
         module = model.get_submodule(path)
         if isinstance(forward, FusedFp8Linear):
-            has_bias = getattr(module, "bias", None) is not None
-            packed.pack(module, ("weight", "weight_scale_inv"), (forward.block, has_bias))
+            meta = (forward.block, getattr(module, "bias", None) is not None)
+            s = packed.tensor(module, "weight_scale_inv")
+            alike = (path.rpartition(".")[0], module.weight.shape[1:], module.weight.dtype, None if s is None
+                     else (s.dtype, s.shape[1:]), meta)
+            siblings.setdefault(alike, []).append((module, meta))
         elif isinstance(forward, FusedExpertsForward) and (s := spec(module)).fp8 is not None:
             packed.pack(module, fp8_names(bool(s.consts[0])))
         elif isinstance(forward, FusedModuleForward):
             for child, names in fp8_children(module):
                 packed.pack(child, names)
+    names = ("weight", "weight_scale_inv")
+    for group in siblings.values():  # side by side where they fit: q, k and v then multiply as one weight
+        if not packed.pack_together([m for m, _ in group], names, [meta for _, meta in group]):
+            for module, meta in group:
+                packed.pack(module, names, meta)
 
 
 def _keep_compressed(model: nn.Module, fused: dict) -> list:

@@ -27,7 +27,8 @@ LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: (((name, offset, b
 _ALIGN = 256  # each tensor's first byte: the kernels' loads want 16-byte aligned pointers; TMA 128 bytes
 
 
-def _tensor(module: nn.Module, name: str) -> Tensor | None:
+def tensor(module: nn.Module, name: str) -> Tensor | None:
+    """The parameter or buffer ``name`` of ``module`` (None where it has neither)."""
     t = module._parameters.get(name)
     return t if t is not None else module._buffers.get(name)
 
@@ -38,7 +39,7 @@ def pack(module: nn.Module, names: tuple[str, ...], meta=None) -> bool:
     several devices or on meta, not contiguous, or a subclass, and modules whose tensors accelerate moves at each
     call (an ``_hf_hook``: the buffer would keep where they were). (The FP8 ops give float8 weights and their
     scales no gradient, whether they ask for one or not.)"""
-    ts = [_tensor(module, n) for n in names]
+    ts = [tensor(module, n) for n in names]
     if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in ts):
         return False
     if len({t.device for t in ts}) != 1 or ts[0].device.type == "meta" or hasattr(module, "_hf_hook"):
@@ -62,6 +63,39 @@ def pack(module: nn.Module, names: tuple[str, ...], meta=None) -> bool:
     return True
 
 
+def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list) -> bool:
+    """Siblings' tensors ``names`` in one buffer, each name's side by side (``[w1, w2, ..., s1, s2, ...]``), the
+    buffer registered on each and each with its own layout and meta: where the backend's graph sees the siblings
+    read one input (q, k and v), it multiplies their weights as one (``graph/siblings.py``). False, nothing done,
+    where ``pack`` would leave one alone, or a tensor's bytes would leave the next one unaligned."""
+    ts = [[tensor(m, n) for n in names] for m in modules]
+    flat = [t for row in ts for t in row]
+    if len(modules) < 2 or any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in flat):
+        return False
+    if len({t.device for t in flat}) != 1 or flat[0].device.type == "meta" or any(hasattr(m, "_hf_hook")
+                                                                                  for m in modules):
+        return False
+    if any(t.numel() * t.element_size() % (_ALIGN if j == 0 else 16) for row in ts for j, t in enumerate(row)):
+        return False  # the weights start where TMA reads them; the scales where 16-byte loads do
+    offsets, offset = [[0] * len(names) for _ in modules], 0
+    for j in range(len(names)):
+        offset = -(-offset // _ALIGN) * _ALIGN
+        for i, row in enumerate(ts):
+            offsets[i][j], offset = offset, offset + row[j].numel() * row[j].element_size()
+    buf = torch.zeros(-(-offset // _ALIGN) * _ALIGN, dtype=flat[0].dtype if flat[0].element_size() == 1
+                      else torch.uint8, device=flat[0].device)
+    for m, row, offs, meta in zip(modules, ts, offsets, metas):
+        layout = tuple((n, o, t.numel() * t.element_size(), t.dtype, tuple(t.shape))
+                       for n, t, o in zip(names, row, offs))
+        with torch.no_grad():
+            for t, view in zip(row, views(buf, layout)):
+                view.copy_(t)
+                t.data = view
+        m.register_buffer(BUFFER, buf, persistent=False)
+        m.__dict__[LAYOUT] = (layout, meta)
+    return True
+
+
 def is_packed(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Whether ``module``'s tensors ``names`` are views of its packed buffer, in its layout."""
     buf, found = module._buffers.get(BUFFER), module.__dict__.get(LAYOUT)
@@ -72,7 +106,7 @@ def is_packed(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 def is_packed_in(module: nn.Module, buf: Tensor, layout: tuple) -> bool:
     base = buf.data_ptr()
-    return all((t := _tensor(module, n)) is not None and t.data_ptr() == base + off and t.dtype == dt
+    return all((t := tensor(module, n)) is not None and t.data_ptr() == base + off and t.dtype == dt
                and tuple(t.shape) == shape for n, off, _, dt, shape in layout)
 
 
@@ -85,7 +119,7 @@ def unpack(module: nn.Module, apart: bool = False) -> None:
     if apart and layout is not None and buf is not None and is_packed_in(module, buf, layout):
         with torch.no_grad():
             for name, *_ in layout:
-                t = _tensor(module, name)
+                t = tensor(module, name)
                 t.data = t.data.clone()
 
 
