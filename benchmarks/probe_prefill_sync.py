@@ -1,4 +1,4 @@
-# ruff: noqa: B007, B023, E501, E702  (a probe: deleted once its finding is in NOTES)
+# ruff: noqa: B007, B023, E402, E501, E701, E702  (a probe: deleted once its finding is in NOTES)
 """Compiled prefill under no_grad, bf16 backend vs FP8 patched + backend: syncs, device mallocs, CUDA runtime calls."""
 import statistics
 import sys
@@ -60,3 +60,14 @@ for name, fwd in fwds.items():
     print(f"{name:12s} GPU total {sum(e.self_device_time_total for e in kern) / 1e3:8.2f} ms; top kernels (count, ms):")
     for e in kern[:14]:
         print(f"    {e.key[:70]:70s} {e.count:6d} {e.self_device_time_total / 1e3:8.2f}")
+import cProfile
+import pstats
+
+for name, fwd in fwds.items():
+    torch.cuda.synchronize()
+    p = cProfile.Profile(); p.enable()
+    for _ in range(3):
+        fwd()
+    p.disable(); torch.cuda.synchronize()
+    print(f"== {name}: 3 forwards under cProfile, by own time")
+    pstats.Stats(p).sort_stats("tottime").print_stats(22)

@@ -87,27 +87,36 @@ def test_backend_computes_q_k_v_as_one_gemm(monkeypatch, merge):
     assert rel_err(got, _logits(twin.double(), ids).float()) < 5e-2  # x quantized per token and block, as FP8Linear
 
 
-def test_linears_on_different_inputs_are_not_merged():
-    """Two FP8 linears packed side by side but called on different tensors (cross-attention's q and k): two calls,
-    each its own output."""
-    from transformers.integrations.finegrained_fp8 import FP8Linear
+class _Pair(torch.nn.Module):
+    """Two FP8 linears that ``patch`` packs side by side; ``forward`` says how they are called."""
 
-    from mlp_fuser.kernels.fp8 import quantize_blocks
+    def __init__(self, forward):
+        from transformers.integrations.finegrained_fp8 import FP8Linear
 
-    class Cross(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = FP8Linear(512, 128, block_size=(128, 128))
-            self.k_proj = FP8Linear(512, 128, block_size=(128, 128))
-            g = torch.Generator().manual_seed(2)
-            for p in (self.q_proj, self.k_proj):
-                w, s = quantize_blocks(torch.randn(128, 512, generator=g), (128, 128))
-                p.weight.data, p.weight_scale_inv.data = w, s
+        from mlp_fuser.kernels.fp8 import quantize_blocks
 
-        def forward(self, x, y):
-            return self.q_proj(x) - self.k_proj(y)
+        super().__init__()
+        self.q_proj = FP8Linear(512, 128, block_size=(128, 128))
+        self.k_proj = FP8Linear(512, 128, block_size=(128, 128))
+        g = torch.Generator().manual_seed(2)
+        for p in (self.q_proj, self.k_proj):
+            w, s = quantize_blocks(torch.randn(128, 512, generator=g), (128, 128))
+            p.weight.data, p.weight_scale_inv.data = w, s
+        self.fn = forward
 
-    m = Cross().eval()
+    def forward(self, x, y):
+        return self.fn(self, x, y)
+
+
+@pytest.mark.parametrize("how", ["different_inputs", "flattened", "merged"])
+def test_merged_only_on_one_input_and_where_the_outputs_views_hold(how):
+    """Called on different tensors (cross-attention's q and k), or with an output flattened by ``view`` (which a
+    column slice of the merged product cannot give): two calls. On one input, viewed by heads: one. Either way
+    eager's values."""
+    forward, calls = {"different_inputs": (lambda m, x, y: m.q_proj(x) - m.k_proj(y), 2),
+                      "flattened": (lambda m, x, y: m.q_proj(x).view(-1) - m.k_proj(x).view(-1), 2),
+                      "merged": (lambda m, x, y: m.q_proj(x).view(3, 2, 64) - m.k_proj(x).view(3, 2, 64), 1)}[how]
+    m = _Pair(forward).eval()
     mlp_fuser.patch(m)
     assert m.q_proj._buffers[packed.BUFFER] is m.k_proj._buffers[packed.BUFFER]
     g = torch.Generator().manual_seed(3)
@@ -118,7 +127,7 @@ def test_linears_on_different_inputs_are_not_merged():
             got = _compiled(m, graphs)(x, y)
     finally:
         torch._dynamo.reset()
-    assert _count(graphs) == 2
+    assert _count(graphs) == calls
     with torch.no_grad():
         assert rel_err(got, m(x, y)) < 1e-6
 

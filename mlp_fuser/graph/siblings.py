@@ -6,7 +6,9 @@ three times (benchmarks/NOTES.md, "q, k and v as one FP8 GEMM").
 The pass reads what the compiled ``FusedFp8Linear`` put in the graph: ``quant_linear(x, w, s, b, fmt, block)``
 with w and s views of one buffer input (``buf[a:b].view(shape)``, the scales with a dtype view between). It merges
 a run of such calls on the same x, buffer, format and block whose weights and scales are adjacent, every weight
-but the last in whole scale blocks. Anything else is left as it is.
+but the last in whole scale blocks, and whose outputs' ``view`` users hold on a column slice (checked on a meta
+tensor; symbolic sizes, as in a graph with dynamic shapes, are not checked and stay apart). Anything else is left as
+it is.
 """
 
 from __future__ import annotations
@@ -72,6 +74,33 @@ def _mergeable(a: _Read, b: _Read, block) -> bool:
             and an % block[0] == 0 and ar == an // block[0])
 
 
+def _views_hold(r: _Read, n_total: int) -> bool:
+    """Whether every ``view`` of ``r``'s output still holds where the output is its columns of an (..., n_total)
+    product (a column slice: strides of the wider rows); a view that cannot be checked counts as failing."""
+    value = r.node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() < 1:
+        return False
+    shape = tuple(value.shape)
+    strides, acc = [], 1
+    for d in reversed((*shape[:-1], n_total)):
+        strides.append(acc)
+        acc *= d
+    try:
+        cols = torch.empty_strided(shape, tuple(reversed(strides)), device="meta", dtype=value.dtype)
+    except Exception:  # a symbolic size: left unmerged
+        return False
+    for user in r.node.users:
+        if user.target in ("view", torch.Tensor.view) and user.args and user.args[0] is r.node:
+            dims = user.args[1] if len(user.args) == 2 and isinstance(user.args[1], (tuple, list)) else user.args[1:]
+            if user.kwargs or not all(isinstance(d, int) for d in dims):
+                return False
+            try:
+                cols.view(*dims)
+            except RuntimeError:
+                return False
+    return True
+
+
 def merge(gm: GraphModule) -> int:
     """Merge each run of sibling FP8 linears in ``gm``; the number of linears now computed in a merged one."""
     op = torch.ops.mlp_fuser.quant_linear.default
@@ -91,7 +120,7 @@ def merge(gm: GraphModule) -> int:
             if r is not None and run and _mergeable(run[-1], r, block):
                 run.append(r)
                 continue
-            if len(run) > 1:
+            if len(run) > 1 and all(_views_hold(r, sum(q.w[2][0] for q in run)) for r in run):
                 _rewrite(gm, run, x, buf, fmt, block, order)
                 merged += len(run)
             run = [r] if r is not None else []
