@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import requires_cuda
 from test_fp8 import _fp8_llama, rel_err
 
 import mlp_fuser
@@ -153,3 +154,30 @@ def test_a_replaced_sibling_leaves_the_merge_and_the_compiled_model_follows():
         assert _count(graphs[1:]) == 4  # recompiled: q, k, v and o apart
     finally:
         torch._dynamo.reset()
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 600])
+def test_merged_gemm_on_cuda_matches_the_unmerged_calls(monkeypatch, tokens):
+    """bf16 on the GPU through Inductor, at a decode size (the Triton W8A8 rows) and a prefill size (cuBLAS'
+    blockwise GEMM where it runs): merged and unmerged logits agree as closely as two FP8 runs can (x quantized the
+    same per token and block), and both are near the dequantized twin."""
+    model, twin = _model()
+    model.cuda()
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float32 and not name.endswith("scale_inv"):
+            p.data = p.data.bfloat16()
+    mlp_fuser.patch(model)
+    ids = torch.randint(0, 100, (1, tokens), generator=torch.Generator().manual_seed(5)).cuda()
+    got = {}
+    for merge in (False, True):
+        monkeypatch.setattr(config, "fp8_merge", merge)
+        torch._dynamo.reset()
+        try:
+            got[merge] = _logits(torch.compile(model, backend=mlp_fuser.backend), ids).float()
+        finally:
+            torch._dynamo.reset()
+    assert torch.isfinite(got[True]).all()
+    assert rel_err(got[True], got[False]) < 2e-2
+    ref = _logits(twin.double(), ids.cpu()).float()
+    assert rel_err(got[True].cpu(), ref) < 8e-2
