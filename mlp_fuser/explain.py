@@ -16,9 +16,16 @@ from . import compat
 from .activations import get_activation
 from .graph._dynamo_utils import fresh_code
 from .graph.fx_pass import CHECKS, NearMiss, PassReport, fuse_mlps
-from .patch import compressed, experts, quantized
+from .patch import compressed, experts, packed, quantized
 from .patch.api import fused_forwards_aside, original_forward
-from .patch.fp8 import fp8_site, fuse_fp8_linear, transformers_fp8_kernel_loads, weight_near_miss
+from .patch.fp8 import (
+    FP8_LINEAR_NAMES,
+    fp8_site,
+    fuse_fp8_linear,
+    sibling_groups,
+    transformers_fp8_kernel_loads,
+    weight_near_miss,
+)
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Report(PassReport):
     error: str | None = None  # what the forward raised under Dynamo, where it did
     verbose: bool = False  # str() gives the details
     fp8_linears: list[str] = field(default_factory=list)  # lone FP8 layers patch runs through the FP8 GEMM
+    fp8_side_by_side: list[str] = field(default_factory=list)  # of those, packed with siblings (patch/packed.py)
 
     def __bool__(self) -> bool:
         return bool(self.fused)
@@ -46,6 +54,10 @@ class Report(PassReport):
             where = ", ".join(p for p, _ in fold(self.fp8_linears))
             lines += ["", f"{len(self.fp8_linears)} other FP8 linear layer(s) run through mlp_fuser's FP8 GEMM under "
                           f"patch (transformers' FP8 kernel does not load here): {where}"]
+        if self.fp8_side_by_side:
+            where = ", ".join(p for p, _ in fold(self.fp8_side_by_side))
+            lines += [f"Packed side by side with their siblings (compiled with mlp_fuser.backend, those reading one "
+                      f"input run as one GEMM): {where}"]
         return lines
 
     def _tail(self) -> list[str]:
@@ -257,14 +269,16 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
         seen = {s.path for s in report.fused} | {m.path for m in report.near_misses}
         memo: dict = {}
         options = dict(activations=acts, patterns=pats)
+        lone: list = []  # the lone FP8 linears, (path, module, block)
         for path, module in model.named_modules():
             fused_here = any(s.path == path for s in report.fused)
             if not fused_here and (site := fp8_site(module, path, options) or experts.fp8_site(module, path)):
                 report.fused.append(site)  # the pass's near miss for its float8 weights, if any, no longer applies
                 report.near_misses = [m for m in report.near_misses if m.path != path]
                 seen |= {path, *(f"{path}.{name}" for name, _ in module.named_children())}
-            elif path not in seen and fuse_fp8_linear(module) is not None:
+            elif path not in seen and (lin := fuse_fp8_linear(module)) is not None:
                 report.fp8_linears.append(path)
+                lone.append((path, module, lin.block))
             elif ((path not in seen or fused_here and any(quantized.describe(c) for c in module.children()))
                   and (m := weight_near_miss(module, path, options, memo)) is not None):
                 report.fused = [s for s in report.fused if s.path != path]  # dequantized in forward: patch leaves it
@@ -272,6 +286,9 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
             elif (path not in seen or _float8(module)) and (why := experts.unfused_reason(module)) is not None:
                 report.near_misses = [m for m in report.near_misses if m.path != path]  # its weights' reason first
                 report.near_misses.append(NearMiss(path, "routed_experts", "experts", why))
+        for group in sibling_groups(lone):
+            if packed.together_why_not([m for _, m, _ in group], FP8_LINEAR_NAMES) is None:
+                report.fp8_side_by_side += [p for p, _, _ in group]
     return report
 
 

@@ -181,3 +181,16 @@ def test_merged_gemm_on_cuda_matches_the_unmerged_calls(monkeypatch, tokens):
     assert rel_err(got[True], got[False]) < 2e-2
     ref = _logits(twin.double(), ids.cpu()).float()
     assert rel_err(got[True].cpu(), ref) < 8e-2
+
+
+def test_explain_names_the_layers_packed_side_by_side():
+    """explain lists the lone FP8 layers that patch would pack with their siblings; none where their scales would
+    leave the next unaligned (head_dim 64: k's scales 8 bytes)."""
+    model, _ = _model(layers=1)
+    report = mlp_fuser.explain(model)
+    assert sorted(report.fp8_side_by_side) == sorted(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo")
+    assert "Packed side by side" in str(report)
+    apart, _ = _fp8_llama(layers=1)
+    report = mlp_fuser.explain(apart)
+    assert len(report.fp8_linears) == 4 and report.fp8_side_by_side == []
+    assert "Packed side by side" not in str(report)

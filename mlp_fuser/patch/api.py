@@ -33,7 +33,15 @@ from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
 from . import compressed, hf, packed
 from .experts import BACKWARD, FusedExpertsForward, fp8_names, fp8_near_miss, fuse_experts, spec
-from .fp8 import FusedFp8Linear, fp8_children, fuse_fp8_linear, fuse_fp8_module, weight_near_miss
+from .fp8 import (
+    FP8_LINEAR_NAMES,
+    FusedFp8Linear,
+    fp8_children,
+    fuse_fp8_linear,
+    fuse_fp8_module,
+    sibling_groups,
+    weight_near_miss,
+)
 from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module
 from .router import FusedRouterForward, fuse_router
 
@@ -157,25 +165,19 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
 
 def _pack(model: nn.Module, fused: dict) -> None:
     """Each fused FP8 layer's float8 weights and scales as one buffer (``packed``): one graph input a layer."""
-    siblings: dict[tuple, list] = {}  # (parent, what a merged GEMM needs alike) -> lone FP8 linears, in order
     for path, forward in fused.items():
         module = model.get_submodule(path)
-        if isinstance(forward, FusedFp8Linear):
-            meta = (forward.block, getattr(module, "bias", None) is not None)
-            s = packed.tensor(module, "weight_scale_inv")
-            alike = (path.rpartition(".")[0], module.weight.shape[1:], module.weight.dtype, None if s is None
-                     else (s.dtype, s.shape[1:]), meta)
-            siblings.setdefault(alike, []).append((module, meta))
-        elif isinstance(forward, FusedExpertsForward) and (s := spec(module)).fp8 is not None:
+        if isinstance(forward, FusedExpertsForward) and (s := spec(module)).fp8 is not None:
             packed.pack(module, fp8_names(bool(s.consts[0])))
         elif isinstance(forward, FusedModuleForward):
             for child, names in fp8_children(module):
                 packed.pack(child, names)
-    names = ("weight", "weight_scale_inv")
-    for group in siblings.values():  # side by side where they fit: q, k and v then multiply as one weight
-        if not packed.pack_together([m for m, _ in group], names, [meta for _, meta in group]):
-            for module, meta in group:
-                packed.pack(module, names, meta)
+    lone = [(p, model.get_submodule(p), f.block) for p, f in fused.items() if isinstance(f, FusedFp8Linear)]
+    for group in sibling_groups(lone):  # side by side where they fit: q, k and v then multiply as one weight
+        modules, metas = [m for _, m, _ in group], [meta for _, _, meta in group]
+        if not packed.pack_together(modules, FP8_LINEAR_NAMES, metas):
+            for module, meta in zip(modules, metas):
+                packed.pack(module, FP8_LINEAR_NAMES, meta)
 
 
 def _keep_compressed(model: nn.Module, fused: dict) -> list:

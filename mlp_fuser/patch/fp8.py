@@ -244,6 +244,23 @@ class FusedFp8Linear:
         return _plain_forward(self.module) if twin is None else FusedFp8Linear(twin, self.block)
 
 
+FP8_LINEAR_NAMES = ("weight", "weight_scale_inv")  # what ``patch`` packs of a lone FP8 linear
+
+
+def sibling_groups(lone: list[tuple[str, nn.Module, tuple | None]]) -> list[list[tuple[str, nn.Module, tuple]]]:
+    """Lone FP8 linears ``(path, module, block)`` grouped as ``patch`` packs them side by side: children of one
+    module alike in what one merged GEMM needs (K, dtypes, scale columns, block, a bias or none), in order; each
+    with its packing meta (block, has bias)."""
+    groups: dict[tuple, list] = {}
+    for path, module, block in lone:
+        meta = (block, getattr(module, "bias", None) is not None)
+        s = packed.tensor(module, "weight_scale_inv")
+        alike = (path.rpartition(".")[0], module.weight.shape[1:], module.weight.dtype,
+                 None if s is None else (s.dtype, s.shape[1:]), meta)
+        groups.setdefault(alike, []).append((path, module, meta))
+    return list(groups.values())
+
+
 def fuse_fp8_linear(module: nn.Module) -> FusedFp8Linear | None:
     """The fused forward for a lone FP8Linear layer when transformers' FP8 kernel does not load here, else None."""
     if not isinstance(module, nn.Linear) or "forward" in module.__dict__ or transformers_fp8_kernel_loads():

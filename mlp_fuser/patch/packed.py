@@ -68,15 +68,10 @@ def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list)
     buffer registered on each and each with its own layout and meta: where the backend's graph sees the siblings
     read one input (q, k and v), it multiplies their weights as one (``graph/siblings.py``). False, nothing done,
     where ``pack`` would leave one alone, or a tensor's bytes would leave the next one unaligned."""
+    if together_why_not(modules, names) is not None:
+        return False
     ts = [[tensor(m, n) for n in names] for m in modules]
     flat = [t for row in ts for t in row]
-    if len(modules) < 2 or any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in flat):
-        return False
-    if len({t.device for t in flat}) != 1 or flat[0].device.type == "meta" or any(hasattr(m, "_hf_hook")
-                                                                                  for m in modules):
-        return False
-    if any(t.numel() * t.element_size() % (_ALIGN if j == 0 else 16) for row in ts for j, t in enumerate(row)):
-        return False  # the weights start where TMA reads them; the scales where 16-byte loads do
     offsets, offset = [[0] * len(names) for _ in modules], 0
     for j in range(len(names)):
         offset = -(-offset // _ALIGN) * _ALIGN
@@ -94,6 +89,22 @@ def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list)
         m.register_buffer(BUFFER, buf, persistent=False)
         m.__dict__[LAYOUT] = (layout, meta)
     return True
+
+
+def together_why_not(modules: list[nn.Module], names: tuple[str, ...]) -> str | None:
+    """Why ``pack_together`` would leave these siblings apart, or None."""
+    ts = [[tensor(m, n) for n in names] for m in modules]
+    flat = [t for row in ts for t in row]
+    if len(modules) < 2:
+        return "no sibling to share a buffer with"
+    if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in flat):
+        return "a tensor missing, a subclass or not contiguous"
+    if len({t.device for t in flat}) != 1 or flat[0].device.type == "meta" or any(hasattr(m, "_hf_hook")
+                                                                                  for m in modules):
+        return "on several devices, on meta, or moved by accelerate at each call"
+    if any(t.numel() * t.element_size() % (_ALIGN if j == 0 else 16) for row in ts for j, t in enumerate(row)):
+        return "a weight or scales whose bytes would leave the next one unaligned"  # TMA reads weights; 16-byte loads
+    return None
 
 
 def is_packed(module: nn.Module, names: tuple[str, ...]) -> bool:
