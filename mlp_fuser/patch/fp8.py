@@ -80,15 +80,15 @@ def fp8_format(child: nn.Module) -> tuple[str, tuple[int, int] | None, str] | st
     return "fp8_e4m3", block, maker
 
 
+_SCALES = {"transformers": "weight_scale_inv", "compressed-tensors": "weight_scale"}  # the scales beside ``weight``
+
+
 def _read(child: nn.Module, maker: str) -> tuple[Tensor, Tensor]:
     """The float8 data and scales of a projection as ``_stored`` found them (read on every call)."""
     w = child._parameters["weight"]
     if maker == "torchao":
         return w.qdata, w.scale
-    if maker == "compressed-tensors":
-        return w, child._parameters["weight_scale"]
-    s = child._parameters.get("weight_scale_inv")
-    return w, s if s is not None else child._buffers["weight_scale_inv"]
+    return w, packed.tensor(child, _SCALES[maker])  # a parameter, or a buffer where the maker registered one
 
 
 def _operands(module: nn.Module, projs: list[nn.Module], options: dict) -> tuple | None:
@@ -194,9 +194,6 @@ def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
         return None
     return fused_forward(module, {training: (None, None, _direct(op, children, act, fmt[1], fmt[2]), None, None)
                                   for training, (op, children, act, _) in found.items()})
-
-
-_SCALES = {"transformers": "weight_scale_inv", "compressed-tensors": "weight_scale"}  # the scales beside ``weight``
 
 
 def fp8_children(module: nn.Module) -> list[tuple[nn.Module, tuple[str, str]]]:
