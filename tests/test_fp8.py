@@ -445,7 +445,7 @@ def test_quant_ops_pass_opcheck():
 # ---- patch on FP8Linear models ------------------------------------------------------------------------------
 
 
-def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2, hidden=256, kv_heads=2):
+def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2, hidden=256, kv_heads=2, attention_bias=False):
     """A tiny LLaMA of ``layers`` layers whose every Linear but lm_head is transformers' FP8Linear, beside a twin
     holding the same weights dequantized in plain Linears (what the FP8 model computes)."""
     transformers = pytest.importorskip("transformers")
@@ -453,7 +453,8 @@ def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2, hidden=256, 
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=384, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=100)
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=100,
+                                   attention_bias=attention_bias)
     model = transformers.LlamaForCausalLM(cfg).eval()
     twin = copy.deepcopy(model)
     for (_, mod), (_, tmod) in zip(list(model.named_modules()), list(twin.named_modules())):
@@ -467,6 +468,8 @@ def _fp8_llama(fmt_block=(128, 128), weight_dtype=K8.FP8, layers=2, hidden=256, 
                 q = (blocks / s[:, None, :, None]).to(K8.FP8).view_as(wp)[:N, :K].contiguous()
                 f = FP8Linear(K, N, block_size=fmt_block, has_bias=c.bias is not None)
                 f.weight.data, f.weight_scale_inv.data = q.to(weight_dtype), s
+                if c.bias is not None:
+                    f.bias.data = c.bias.data.clone()
                 setattr(mod, name, f)
                 getattr(tmod, name).weight.data = dequant64(q, s, fmt_block).float()
     return model, twin

@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 QUANT_LINEAR = torch.ops.mlp_fuser.quant_linear.default
 
 
-def _model(layers=2):
+def _model(layers=2, bias=False):
     """A tiny FP8 LLaMA whose q, k, v and o fit side by side (head_dim 128: k's scales one 16-byte row)."""
-    return _fp8_llama(layers=layers, hidden=512, kv_heads=1)
+    return _fp8_llama(layers=layers, hidden=512, kv_heads=1, attention_bias=bias)
 
 
 def _compiled(model, graphs):
@@ -69,12 +69,13 @@ def test_patch_packs_q_k_v_o_side_by_side_with_the_same_values():
     assert len(ptrs) == 4 and packed.BUFFER not in attn.q_proj._buffers
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_backend_computes_q_k_v_as_one_gemm(monkeypatch, merge):
+@pytest.mark.parametrize("merge,bias", [(True, False), (False, False), (True, True)])
+def test_backend_computes_q_k_v_as_one_gemm(monkeypatch, merge, bias):
     """Merged: per layer one quant_linear for q, k and v and one for o (the MLP is one quant_gated_mlp), the logits
-    eager's and the dequantized twin's; off (``config.fp8_merge``): four a layer."""
+    eager's and the dequantized twin's, with attention biases too (Qwen2's; concatenated); off
+    (``config.fp8_merge``): four a layer."""
     monkeypatch.setattr(config, "fp8_merge", merge)
-    model, twin = _model()
+    model, twin = _model(bias=bias)
     mlp_fuser.patch(model)
     ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
     graphs: list = []

@@ -5,7 +5,8 @@ three times (benchmarks/NOTES.md, "q, k and v as one FP8 GEMM").
 
 The pass reads what the compiled ``FusedFp8Linear`` put in the graph: ``quant_linear(x, w, s, b, fmt, block)``
 with w and s views of one buffer input (``buf[a:b].view(shape)``, the scales with a dtype view between). It merges
-a run of such calls on the same x, buffer, format and block whose weights and scales are adjacent, every weight
+a run of such calls on the same x, buffer, format and block (biases on all or none: theirs concatenated) whose
+weights and scales are adjacent, every weight
 but the last in whole scale blocks, and whose outputs' ``view`` users hold on a column slice (checked on a meta
 tensor; symbolic sizes, as in a graph with dynamic shapes, are not checked and stay apart). Anything else is left as
 it is.
@@ -57,7 +58,7 @@ def _view_of(n, buf_dtype_view: bool):
 
 
 def _read(n: Node) -> _Read | None:
-    if len(n.args) < 6 or n.kwargs or n.args[3] is not None:  # biases: not merged (each would need a copy)
+    if len(n.args) < 6 or n.kwargs or not (n.args[3] is None or isinstance(n.args[3], Node)):
         return None
     w = _view_of(n.args[1], False)
     s = _view_of(n.args[2], True) or _view_of(n.args[2], False)
@@ -101,6 +102,12 @@ def _views_hold(r: _Read, n_total: int) -> bool:
     return True
 
 
+def _biases_before(run: list[_Read], order: dict) -> bool:
+    """Whether each bias of the run exists before its first call (where the merged call goes)."""
+    first = min(order[r.node] for r in run)
+    return all(not isinstance(b := r.node.args[3], Node) or order.get(b, first) < first for r in run)
+
+
 def merge(gm: GraphModule) -> int:
     """Merge each run of sibling FP8 linears in ``gm``; the number of linears now computed in a merged one."""
     op = torch.ops.mlp_fuser.quant_linear.default
@@ -111,16 +118,18 @@ def merge(gm: GraphModule) -> int:
             block = n.args[5]
             r = _read(n)
             if r is not None and isinstance(block, (list, tuple)) and len(block) == 2:
-                groups.setdefault((n.args[0], r.buf, n.args[4], tuple(block)), []).append(r)
+                key = (n.args[0], r.buf, n.args[4], tuple(block), n.args[3] is None)  # all biased or none
+                groups.setdefault(key, []).append(r)
     merged = 0
-    for (x, buf, fmt, block), reads in groups.items():
+    for (x, buf, fmt, block, _), reads in groups.items():
         reads.sort(key=lambda r: r.w[0])
         run: list[_Read] = []
         for r in [*reads, None]:
             if r is not None and run and _mergeable(run[-1], r, block):
                 run.append(r)
                 continue
-            if len(run) > 1 and all(_views_hold(r, sum(q.w[2][0] for q in run)) for r in run):
+            if (len(run) > 1 and all(_views_hold(r, sum(q.w[2][0] for q in run)) for r in run)
+                    and _biases_before(run, order)):
                 _rewrite(gm, run, x, buf, fmt, block, order)
                 merged += len(run)
             run = [r] if r is not None else []
@@ -142,7 +151,9 @@ def _rewrite(gm: GraphModule, run: list[_Read], x: Node, buf: Node, fmt, block, 
         if run[0].s_dtype is not None:
             s = g.call_method("view", (s, run[0].s_dtype))
         s = g.call_method("view", (s, (sum(r.s[2][0] for r in run), cols)))
-        y = g.call_function(torch.ops.mlp_fuser.quant_linear.default, (x, w, s, None, fmt, list(block)))
+        biases = [r.node.args[3] for r in run]
+        b = None if biases[0] is None else g.call_function(torch.cat, (biases,))  # a few kB: one small copy
+        y = g.call_function(torch.ops.mlp_fuser.quant_linear.default, (x, w, s, b, fmt, list(block)))
         start = 0
         for r in run:
             n = r.w[2][0]
