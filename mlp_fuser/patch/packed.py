@@ -40,9 +40,7 @@ def pack(module: nn.Module, names: tuple[str, ...], meta=None) -> bool:
     call (an ``_hf_hook``: the buffer would keep where they were). (The FP8 ops give float8 weights and their
     scales no gradient, whether they ask for one or not.)"""
     ts = [tensor(module, n) for n in names]
-    if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in ts):
-        return False
-    if len({t.device for t in ts}) != 1 or ts[0].device.type == "meta" or hasattr(module, "_hf_hook"):
+    if _why_not([module], ts) is not None:
         return False
     if is_packed(module, names):
         module.__dict__[LAYOUT] = (module.__dict__[LAYOUT][0], meta)
@@ -51,16 +49,36 @@ def pack(module: nn.Module, names: tuple[str, ...], meta=None) -> bool:
     for n, t in zip(names, ts):
         layout.append((n, offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
         offset = -(-(offset + layout[-1][2]) // _ALIGN) * _ALIGN
+    _store(_buffer(offset, ts), [(module, ts, tuple(layout), meta)])
+    return True
+
+
+def _why_not(modules: list[nn.Module], ts: list[Tensor | None]) -> str | None:
+    """Why ``pack`` leaves the tensors ``ts`` of ``modules`` as they are, or None."""
+    if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in ts):
+        return "a tensor missing, a subclass or not contiguous"
+    if len({t.device for t in ts}) != 1 or ts[0].device.type == "meta" or any(hasattr(m, "_hf_hook")
+                                                                              for m in modules):
+        return "on several devices, on meta, or moved by accelerate at each call"
+    return None
+
+
+def _buffer(nbytes: int, ts: list[Tensor]) -> Tensor:
     # the bytes typed as the weights (float8) where they are bytes: their views then need no dtype view in the graph
     # (a same-size dtype view may lower to a bitcast kernel, a copy of the weight, in some Inductor versions)
-    buf = torch.zeros(offset, dtype=ts[0].dtype if ts[0].element_size() == 1 else torch.uint8, device=ts[0].device)
-    with torch.no_grad():
-        for t, view in zip(ts, views(buf, tuple(layout))):
-            view.copy_(t)
-            t.data = view
-    module.register_buffer(BUFFER, buf, persistent=False)
-    module.__dict__[LAYOUT] = (tuple(layout), meta)  # one constant: Dynamo guards it with one comparison
-    return True
+    return torch.zeros(nbytes, dtype=ts[0].dtype if ts[0].element_size() == 1 else torch.uint8, device=ts[0].device)
+
+
+def _store(buf: Tensor, entries) -> None:
+    """For each (module, its tensors, their layout in ``buf``, meta): the tensors copied in and made views of
+    ``buf``, which the module holds as its buffer with the layout and meta beside it."""
+    for module, ts, layout, meta in entries:
+        with torch.no_grad():
+            for t, view in zip(ts, views(buf, layout)):
+                view.copy_(t)
+                t.data = view
+        module.register_buffer(BUFFER, buf, persistent=False)
+        module.__dict__[LAYOUT] = (layout, meta)  # one constant: Dynamo guards it with one comparison
 
 
 def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list) -> bool:
@@ -71,37 +89,24 @@ def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list)
     if together_why_not(modules, names) is not None:
         return False
     ts = [[tensor(m, n) for n in names] for m in modules]
-    flat = [t for row in ts for t in row]
     offsets, offset = [[0] * len(names) for _ in modules], 0
     for j in range(len(names)):
         offset = -(-offset // _ALIGN) * _ALIGN
         for i, row in enumerate(ts):
             offsets[i][j], offset = offset, offset + row[j].numel() * row[j].element_size()
-    buf = torch.zeros(-(-offset // _ALIGN) * _ALIGN, dtype=flat[0].dtype if flat[0].element_size() == 1
-                      else torch.uint8, device=flat[0].device)
-    for m, row, offs, meta in zip(modules, ts, offsets, metas):
-        layout = tuple((n, o, t.numel() * t.element_size(), t.dtype, tuple(t.shape))
-                       for n, t, o in zip(names, row, offs))
-        with torch.no_grad():
-            for t, view in zip(row, views(buf, layout)):
-                view.copy_(t)
-                t.data = view
-        m.register_buffer(BUFFER, buf, persistent=False)
-        m.__dict__[LAYOUT] = (layout, meta)
+    layouts = [tuple((n, o, t.numel() * t.element_size(), t.dtype, tuple(t.shape)) for n, t, o in zip(names, row, offs))
+               for row, offs in zip(ts, offsets)]
+    _store(_buffer(-(-offset // _ALIGN) * _ALIGN, ts[0]), list(zip(modules, ts, layouts, metas)))
     return True
 
 
 def together_why_not(modules: list[nn.Module], names: tuple[str, ...]) -> str | None:
     """Why ``pack_together`` would leave these siblings apart, or None."""
-    ts = [[tensor(m, n) for n in names] for m in modules]
-    flat = [t for row in ts for t in row]
     if len(modules) < 2:
         return "no sibling to share a buffer with"
-    if any(t is None or type(t.data) is not Tensor or not t.is_contiguous() for t in flat):
-        return "a tensor missing, a subclass or not contiguous"
-    if len({t.device for t in flat}) != 1 or flat[0].device.type == "meta" or any(hasattr(m, "_hf_hook")
-                                                                                  for m in modules):
-        return "on several devices, on meta, or moved by accelerate at each call"
+    ts = [[tensor(m, n) for n in names] for m in modules]
+    if (why := _why_not(modules, [t for row in ts for t in row])) is not None:
+        return why
     if any(t.numel() * t.element_size() % (_ALIGN if j == 0 else 16) for row in ts for j, t in enumerate(row)):
         return "a weight or scales whose bytes would leave the next one unaligned"  # TMA reads weights; 16-byte loads
     return None
