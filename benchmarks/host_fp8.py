@@ -3,7 +3,8 @@
 The kernels' launches keep their whole Python path (``Launcher`` / ``Prepared`` cache look-ups, argument building)
 but the compiled launch is a no-op; the device checks say "a Hopper GPU". What remains is the Python and the torch
 allocations a call does on the host. Qwen3-30B-A3B-sized shapes: attention's q_proj (2048 -> 4096) through
-``patch``'s ``FusedFp8Linear`` and the routed experts (128 experts, I 768, top 8) through ``eager_quant_moe_mlp``.
+``patch``'s lone FP8 linear forward (``fp8_linear_forward``) and the routed experts (128 experts, I 768, top 8)
+through ``eager_quant_moe_mlp``.
 
     python benchmarks/host_fp8.py [--profile linear|experts] [--rows 1,32,2048] [--cublas] [--quant-launches]
 
@@ -34,7 +35,8 @@ from mlp_fuser.dispatch import fp8 as dfp8  # noqa: E402
 from mlp_fuser.kernels import common, fp8, moe, moe_routing  # noqa: E402
 from mlp_fuser.ops import moe as ops_moe  # noqa: E402
 from mlp_fuser.ops import quant, quant_moe  # noqa: E402
-from mlp_fuser.patch.fp8 import FusedFp8Linear  # noqa: E402
+from mlp_fuser.patch.fp8 import fp8_linear_forward  # noqa: E402
+from mlp_fuser.patch.modules import swapped_class  # noqa: E402
 
 
 def stub(cublas: bool = False) -> None:
@@ -112,7 +114,8 @@ def main() -> None:
         moe.FUSED_QUANT_MAX_PAIRS = 0
     torch.set_grad_enabled(False)
     H, E, I, K_TOP = 2048, 128, 768, 8
-    lin = FusedFp8Linear(linear_module(4096, H), (128, 128))
+    lin = linear_module(4096, H)
+    lin.__class__ = swapped_class(type(lin), fp8_linear_forward((128, 128)))  # what patch does to a lone FP8Linear
     wgu = torch.empty((E, 2 * I, H), dtype=fp8.FP8)
     sgu = torch.rand(E, 2 * I // 128, H // 128) + 0.5
     wd = torch.empty((E, H, I), dtype=fp8.FP8)
@@ -134,7 +137,7 @@ def main() -> None:
         def mlp(x2=x2):  # a dense gated MLP of the experts' I (down's K/128 = 6: its scales padded per call)
             return quant.quant_gated_mlp(x2, *dense, "silu", "fp8_e4m3", [128, 128])
 
-        def linear_op(x=x, w=lin.module.weight, s=lin.module.weight_scale_inv):  # the registered op, as Inductor calls
+        def linear_op(x=x, w=lin.weight, s=lin.weight_scale_inv):  # the registered op, as Inductor calls
             return torch.ops.mlp_fuser.quant_linear.default(x, w, s, None, "fp8_e4m3", [128, 128])
 
         def experts_op(x2=x2, ids=ids, wts=wts):
@@ -151,7 +154,7 @@ def main() -> None:
             pstats.Stats(p).sort_stats("tottime").print_stats(18)
             continue
         dense_mlp = f"   gated MLP {timed(mlp, args.n):6.1f} µs" if args.cublas else ""
-        print(f"T = {T:5d}: FusedFp8Linear {timed(linear, args.n):6.1f} µs (op {timed(linear_op, args.n):6.1f})   "
+        print(f"T = {T:5d}: FP8 linear {timed(linear, args.n):6.1f} µs (op {timed(linear_op, args.n):6.1f})   "
               f"quant_moe_mlp {timed(experts, args.n):6.1f} µs (op {timed(experts_op, args.n):6.1f}){dense_mlp}   "
               f"(slow launches so far {common.Launcher.slow_calls})")
 

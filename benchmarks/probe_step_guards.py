@@ -57,12 +57,16 @@ def probe(label, model, a, k, out) -> None:
     loc = {"self": model, "args": a, "kwargs": k, "func": func}
     for ref in list(cf.input_codes.seen):
         code = ref()
-        for e in torch._dynamo.eval_frame._debug_get_cache_entry_list(code) if code is not None else ():
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code) if code is not None else []
+        for i, e in enumerate(entries):
             try:
                 if not e.guard_manager.check(loc):
                     continue
             except Exception:  # a resume function's frame: other locals
                 continue
+            ahead = [best_us(x.guard_manager.root, loc, 50, 5) for x in entries[:i]]
+            print(f"ENTRIES {label}: {code.co_name} has {len(entries)} compiled entries; this call passes entry {i}; "
+                  f"the entries checked before it fail in {', '.join(f'{t:.1f}' for t in ahead) or '-'} us")
             tag = re.sub(r"[^A-Za-z0-9_.-]", "_", label.split(")")[-1].strip())
             text = str(e.guard_manager)
             print(f"GUARDS {label}: {text.count(chr(10))} lines, {len(list(dis.get_instructions(e.code)))} bytecode instructions")

@@ -20,6 +20,7 @@ from .patch import compressed, experts, packed, quantized
 from .patch.api import fused_forwards_aside, original_forward
 from .patch.fp8 import (
     FP8_LINEAR_NAMES,
+    fp8_linear_block,
     fp8_site,
     fuse_fp8_linear,
     sibling_groups,
@@ -278,7 +279,7 @@ def _explain(model, example_inputs, example_kwargs, activations, patterns, verbo
                 seen |= {path, *(f"{path}.{name}" for name, _ in module.named_children())}
             elif path not in seen and (lin := fuse_fp8_linear(module)) is not None:
                 report.fp8_linears.append(path)
-                lone.append((path, module, lin.block))
+                lone.append((path, module, fp8_linear_block(lin)))
             elif ((path not in seen or fused_here and any(quantized.describe(c) for c in module.children()))
                   and (m := weight_near_miss(module, path, options, memo)) is not None):
                 report.fused = [s for s in report.fused if s.path != path]  # dequantized in forward: patch leaves it

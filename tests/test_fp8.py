@@ -15,6 +15,7 @@ from mlp_fuser.dispatch import fp8
 from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
 from mlp_fuser.ops import quant
+from mlp_fuser.patch.fp8 import fp8_linear_block
 from mlp_fuser.reference import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -485,7 +486,7 @@ def test_patch_runs_an_fp8_llama_as_its_dequantized_twin(monkeypatch):
     mlp_fuser.patch(model)
     mlp = model.model.layers[0].mlp
     assert type(mlp.__dict__["forward"]).__name__ == "FusedModuleForward"
-    assert type(model.model.layers[0].self_attn.q_proj.__dict__["forward"]).__name__ == "FusedFp8Linear"
+    assert fp8_linear_block(model.model.layers[0].self_attn.q_proj) == (128, 128)
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
         out, ref = model(ids).logits, twin(ids).logits

@@ -80,3 +80,74 @@ def test_patched_dense_mlps_add_no_python_guard_per_layer(model):
                    "phi3": (_phi3, _phi3)}[model]
     ours, theirs = _per_layer("LAMBDA_GUARD", make, True), _per_layer("LAMBDA_GUARD", plain, False)
     assert ours == theirs, f"patched {model}: {ours} Python guards a layer, unpatched: {theirs}"
+
+
+def _skippable_roots(make, patched: bool) -> set[str]:
+    """The modules whose whole guard subtree Dynamo skips while their dicts are unchanged (torch's recursive dict
+    tags: on by default in torch 2.10-2.11, the GPU's), layer numbers dropped."""
+    import re
+
+    model = make(2)
+    if patched:
+        mlp_fuser.patch(model)
+    text = _guards(model)
+    return {re.sub(r"\['\d+'\]", "[N]", m) for m in re.findall(r"source=(\S+), accessed_by=\S+, type=<class '[^']*'>, "
+                                                              r"tag_safe=\(True, True\)", text)}
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards"),
+                    reason="this torch has no recursive dict tags for guards")
+def test_patched_fp8_moe_keeps_each_layers_guards_skippable(monkeypatch):
+    """Patched, the FP8 Qwen3-MoE's attention (its FP8 q/k/v/o) and sparse MLP (router and FP8 experts) are skipped
+    whole while unchanged, as the unpatched model's are: a forward object in a module's ``__dict__``, a ``torch.dtype``
+    in a constant or a module read through ``__dict__`` makes the layer's guards run on every call (on the H100 the
+    FP8 step's host time then doubled: benchmarks/NOTES.md)."""
+    monkeypatch.setattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", True)
+    ours = _skippable_roots(_bench_model("qwen3moe", fp8=True), True)
+    theirs = _skippable_roots(_bench_model("qwen3moe"), False)
+    layer = "L['model']._modules['model']._modules['layers']._modules[N]._modules"
+    assert {f"{layer}['self_attn']", f"{layer}['mlp']"} <= theirs
+    ours, theirs = ({r for r in roots if r.startswith(layer) and r.count("_modules[") == 4} for roots in (ours, theirs))
+    assert ours == theirs, f"skippable patched: {sorted(ours - theirs)}; not: {sorted(theirs - ours)}"
+
+
+def test_swapped_classes_copy_as_patched_and_pickle_as_unpatched():
+    """Lone FP8 linears and routers get a class of their own: a deepcopy keeps it and its forward reads the copy's
+    tensors; pickle (torch.save) writes the model's own classes (loaded: unpatched, the same outputs; patched again,
+    swapped again); unpatch gives the classes back. (Unpatched, the FP8 model cannot run here: transformers' kernel
+    does not load.)"""
+    import copy
+    import io
+
+    from mlp_fuser.patch.modules import is_swapped
+
+    model = _bench_model("qwen3moe", fp8=True)(2)
+    layer = model.model.layers[0]
+    classes = (type(layer.self_attn.q_proj), type(layer.mlp.gate))
+    ids = torch.randint(3, 200, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        mlp_fuser.patch(model)
+        assert is_swapped(layer.self_attn.q_proj) and is_swapped(layer.mlp.gate)
+        assert repr(layer.self_attn.q_proj) == repr(copy.copy(layer.self_attn.q_proj))
+        out = model(ids).logits
+        twin = copy.deepcopy(model)
+        assert mlp_fuser.is_patched(twin) and is_swapped(twin.model.layers[0].self_attn.q_proj)
+        assert torch.equal(twin(ids).logits, out)
+        twin.model.layers[0].self_attn.q_proj.weight_scale_inv.mul_(3)  # the copy's forwards read the copy's tensors
+        twin.model.layers[0].mlp.gate.weight.mul_(-1)
+        assert not torch.equal(twin(ids).logits, out) and torch.equal(model(ids).logits, out)
+        mlp_fuser.unpatch(model)
+        assert (type(layer.self_attn.q_proj), type(layer.mlp.gate)) == classes
+
+        plain = _bench_model("qwen3moe")(2)  # bf16 weights: its routers swapped, nothing packed
+        ref = plain(ids).logits
+        mlp_fuser.patch(plain)
+        assert is_swapped(plain.model.layers[0].mlp.gate)
+        buf = io.BytesIO()
+        torch.save(plain, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert type(loaded.model.layers[0].mlp.gate) is classes[1] and not mlp_fuser.is_patched(loaded)
+        torch.testing.assert_close(loaded(ids).logits, ref, rtol=1e-5, atol=1e-6)
+        mlp_fuser.patch(loaded)
+        assert is_swapped(loaded.model.layers[0].mlp.gate) and mlp_fuser.is_patched(loaded)

@@ -16,7 +16,7 @@ from mlp_fuser import config
 from mlp_fuser.graph import fx_pass
 from mlp_fuser.kernels import router as kernel
 from mlp_fuser.ops import router
-from mlp_fuser.patch.router import FusedRouterForward, fuse_router
+from mlp_fuser.patch.router import fuse_router, is_fused_router
 from mlp_fuser.tools import models as _hf
 
 ROUTER_OP = frozenset({"mlp_fuser::moe_router_topk"})
@@ -243,7 +243,7 @@ def test_backend_without_the_pattern_leaves_routers_alone():
 
 
 def _routers(model):
-    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), FusedRouterForward)]
+    return [n for n, m in model.named_modules() if is_fused_router(m)]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])

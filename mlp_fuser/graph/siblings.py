@@ -3,13 +3,12 @@ packs together: ``patch/packed.py``) become one ``quant_linear``: x quantized on
 back out. At decode sizes each linear is a launch or two of a few µs; at prefill sizes x is quantized once, not
 three times (benchmarks/NOTES.md, "q, k and v as one FP8 GEMM").
 
-The pass reads what the compiled ``FusedFp8Linear`` put in the graph: ``quant_linear(x, w, s, b, fmt, block)``
-with w and s views of one buffer input (``buf[a:b].view(shape)``, the scales with a dtype view between). It merges
-a run of such calls on the same x, buffer, format and block (biases on all or none: theirs concatenated) whose
-weights and scales are adjacent, every weight
-but the last in whole scale blocks, and whose outputs' ``view`` users hold on a column slice (checked on a meta
-tensor; symbolic sizes, as in a graph with dynamic shapes, are not checked and stay apart). Anything else is left as
-it is.
+The pass reads what the lone FP8 linears' compiled forward (``patch/fp8.py``) put in the graph:
+``quant_linear(x, w, s, b, fmt, block)`` with w and s views of one buffer input (``buf[a:b].view(shape)``, the
+scales with a dtype view between). It merges a run of such calls on the same x, buffer, format and block (biases on
+all or none: theirs concatenated) whose weights and scales are adjacent, every weight but the last in whole scale
+blocks, and whose outputs' ``view`` users hold on a column slice (checked on a meta tensor; symbolic sizes, as in a
+graph with dynamic shapes, are not checked and stay apart). Anything else is left as it is.
 """
 
 from __future__ import annotations

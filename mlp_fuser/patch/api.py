@@ -35,15 +35,15 @@ from . import compressed, hf, packed
 from .experts import BACKWARD, FusedExpertsForward, fp8_names, fp8_near_miss, fuse_experts, spec
 from .fp8 import (
     FP8_LINEAR_NAMES,
-    FusedFp8Linear,
     fp8_children,
+    fp8_linear_block,
     fuse_fp8_linear,
     fuse_fp8_module,
     sibling_groups,
     weight_near_miss,
 )
-from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module
-from .router import FusedRouterForward, fuse_router
+from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, is_swapped, unswap
+from .router import fuse_router
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
 _FUSED = "_mlp_fuser_fused"  # set on the forward that patch installs
@@ -54,7 +54,20 @@ _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weigh
 _SWITCHED = "_mlp_fuser_switched"  # experts whose config patch set to "mlp_fuser": one path per config -> its choice
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
-_FORWARDS = (FusedModuleForward, FusedExpertsForward, FusedRouterForward, FusedFp8Linear)  # what patch installs
+_FORWARDS = (FusedModuleForward, FusedExpertsForward)  # what patch installs as objects; lone FP8 linears and routers
+# get a class of their own instead (``modules.swapped_class``)
+
+
+def installed(module: nn.Module) -> bool:
+    """Whether ``module`` holds a forward ``patch`` installed (an object in its ``__dict__``, or its class swapped)."""
+    return isinstance(module.__dict__.get("forward"), _FORWARDS) or is_swapped(module)
+
+
+def _install(module: nn.Module, fused) -> None:
+    if isinstance(fused, type):
+        module.__class__ = fused
+    else:
+        module.forward = fused
 
 
 def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | None:
@@ -66,7 +79,7 @@ def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | 
     return forward if acts is None or spec(module).gate.activation in acts else None
 
 
-def _router_forward(module: nn.Module, allowed: dict, memo: dict) -> FusedRouterForward | None:
+def _router_forward(module: nn.Module, allowed: dict, memo: dict):
     """The fused forward of a top-k router module (``patch_router``), where the pass's options allow it."""
     pats = allowed.get("patterns")
     return None if pats is not None and "router_topk" not in pats else fuse_router(module, memo)
@@ -78,7 +91,7 @@ def is_patched(model: nn.Module) -> bool:
     function, not state, and pickle restores the plain bound method in its place."""
     paths, switched = model.__dict__.get(_MODULES), model.__dict__.get(_SWITCHED)
     if paths is not None or switched is not None:
-        return (all(isinstance(model.get_submodule(p).__dict__.get("forward"), _FORWARDS) for p in paths or ())
+        return (all(installed(model.get_submodule(p)) for p in paths or ())
                 and all(_implementation(model, p) == hf.NAME for p in switched or ()))
     forward = model.__dict__.get("forward")
     return _ORIG in model.__dict__ and getattr(getattr(forward, "__func__", forward), _FUSED, False)
@@ -142,7 +155,7 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             _pack(model, fused)
             fused = {p: f for p, f in fused.items() if not _same_config(model, p, switched)}
             for path, forward in fused.items():
-                model.get_submodule(path).forward = forward
+                _install(model.get_submodule(path), forward)
             model.__dict__[_MODULES] = list(fused)
             model.__dict__[_SWITCHED] = switched
             model.__dict__[_SETTINGS] = settings
@@ -172,7 +185,7 @@ def _pack(model: nn.Module, fused: dict) -> None:
         elif isinstance(forward, FusedModuleForward):
             for child, names in fp8_children(module):
                 packed.pack(child, names)
-    lone = [(p, model.get_submodule(p), f.block) for p, f in fused.items() if isinstance(f, FusedFp8Linear)]
+    lone = [(p, model.get_submodule(p), block) for p, f in fused.items() if (block := fp8_linear_block(f)) is not False]
     for group in sibling_groups(lone):  # side by side where they fit: q, k and v then multiply as one weight
         modules, metas = [m for _, m, _ in group], [meta for _, _, meta in group]
         if not packed.pack_together(modules, FP8_LINEAR_NAMES, metas):
@@ -354,7 +367,10 @@ def fused_forwards_aside(model: nn.Module):
     aside, configs = {}, {}
     for path in model.__dict__.get(_MODULES, ()):
         module = model.get_submodule(path)
-        if isinstance(module.__dict__.get("forward"), _FORWARDS):
+        if is_swapped(module):
+            aside[module] = type(module)
+            unswap(module)
+        elif installed(module):
             aside[module] = module.__dict__.pop("forward")
     for path, before in model.__dict__.get(_SWITCHED, {}).items():
         if _implementation(model, path) == hf.NAME:
@@ -364,7 +380,7 @@ def fused_forwards_aside(model: nn.Module):
         yield list(model.__dict__.get(_MODULES, ())) + list(configs)
     finally:
         for module, forward in aside.items():
-            module.__dict__["forward"] = forward
+            _install(module, forward)
         for config in configs.values():
             hf.select(config, hf.NAME)
 
@@ -388,6 +404,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         forward = module.__dict__.get("forward")
         if isinstance(forward, _FORWARDS) or getattr(forward, "__func__", None) is type(module).forward:
             del module.__dict__["forward"]
+        unswap(module)
     if paths:
         compressed.rehook(model)
     if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model

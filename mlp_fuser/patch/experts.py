@@ -26,6 +26,7 @@ FP8 experts (transformers' ``FP8Experts``: float8_e4m3fn weights, a ``*_scale_in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +57,20 @@ class Spec:
     @property
     def ok(self) -> bool:
         return self.reason is None
+
+
+class Traced(NamedTuple):
+    """A ``Spec`` as a traced forward reads it: constants only (no ``Gate`` object), so that Dynamo's guards on the
+    experts module stay skippable as a whole where torch does that (benchmarks/NOTES.md, recursive dict tags)."""
+
+    reason: str | None
+    fp8: tuple | None
+    consts: tuple
+    transposed: bool
+    biases: bool
+
+
+_TRACED = "_mlp_fuser_traced"  # in an experts module's __dict__, beside its Spec: the Spec's Traced
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -120,10 +135,11 @@ _GATES: dict[tuple, Gate | None] = {}  # what a class's activation was identifie
 def spec(module: nn.Module) -> Spec:
     """What the op computes for ``module`` (a transformers experts module), or why it cannot; cached on the module."""
     cached = module.__dict__.get("_mlp_fuser_spec")
-    if cached is not None:
+    if cached is not None and _TRACED in module.__dict__:
         return cached
     result = _spec(module)
     module.__dict__["_mlp_fuser_spec"] = result
+    module.__dict__[_TRACED] = Traced(result.reason, result.fp8, result.consts, result.transposed, result.biases)
     return result
 
 
@@ -207,11 +223,12 @@ def _fp8_format(module: nn.Module, w: Tensor, wd: Tensor, s: Tensor, sd: Tensor,
     return "fp8_e4m3", block
 
 
-def _spec_while_tracing(module: nn.Module) -> Spec | None:
+def _spec_while_tracing(module: nn.Module) -> Traced | None:
     """``spec`` while Dynamo traces a forward: run at trace time on the real module (it probes tensors, so it cannot
-    be traced) and cached on it, then read back as an attribute, which Dynamo guards on. None if that failed."""
+    be traced) and cached on it, then read back as an attribute (its ``Traced``), which Dynamo guards on. None if
+    that failed."""
     compat.comptime(_stash_spec)
-    return getattr(module, "_mlp_fuser_spec", None)
+    return getattr(module, _TRACED, None)
 
 
 def _stash_spec(ctx) -> None:
@@ -220,7 +237,7 @@ def _stash_spec(ctx) -> None:
         spec(module)
 
 
-def weights(module: nn.Module, s: Spec) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+def weights(module: nn.Module, s: Spec | Traced) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """(w_gate_up, b_gate_up, w_down, b_down) in the op's logical shapes: views, never copies."""
     w = module.gate_up_proj if s.consts[0] else module.up_proj
     wd = module.down_proj
@@ -275,12 +292,12 @@ def _fallback(module: nn.Module):
     return grouped_mm_experts_forward
 
 
-def _fp8_forward(self: nn.Module, s: Spec, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+def _fp8_forward(self: nn.Module, s: Spec | Traced, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                  compiling: bool) -> Tensor:
     """FP8 experts through ``quant_moe_mlp``: the float8 weights and their scales as stored, y in x's dtype."""
     gated, activation, interleaved, limit, clamp_after, up_offset = s.consts
     fmt, block = s.fp8
-    found = packed.read(self.__dict__) if compiling else None  # one graph input for the four (patch packed them)
+    found = packed.read(self) if compiling else None  # one graph input for the four (patch packed them)
     ws = found[0] if found is not None else tuple(getattr(self, n) for n in fp8_names(gated))
     op = torch.ops.mlp_fuser.quant_moe_mlp.default if compiling else quant_moe.eager_quant_moe_mlp
     return op(hidden_states, top_k_index, top_k_weights, *ws, activation, fmt,

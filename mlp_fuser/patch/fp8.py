@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +19,17 @@ from torch import Tensor, nn
 from .. import compat
 from ..ops import quant
 from . import compressed, modules, packed
-from .modules import FusedModuleForward, _plain_forward, _projections, _prove, _stand_in, fused_forward, in_each_mode
+from .modules import (
+    SWAPPED,
+    FusedModuleForward,
+    _projections,
+    _prove,
+    _stand_in,
+    fused_forward,
+    in_each_mode,
+    is_swapped,
+    swapped_class,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _OPS = {"mlp": torch.ops.mlp_fuser.quant_mlp.default, "gated_mlp": torch.ops.mlp_fuser.quant_gated_mlp.default}
@@ -173,7 +184,7 @@ def _direct(op_name: str, children: list[str], activation: str, block, maker: st
         for name in children:
             child = m["_modules"][name]
             b = child._parameters.get("bias")
-            found = packed.read(child.__dict__) if compiling else None  # one graph input for weight and scales
+            found = packed.read(child) if compiling else None  # one graph input for weight and scales
             args += [*(found[0] if found is not None else _read(child, maker)), b]
             biases.append(b)
         blocks = list(block) if block is not None else None
@@ -203,42 +214,45 @@ def fp8_children(module: nn.Module) -> list[tuple[nn.Module, tuple[str, str]]]:
             if (st := _stored(c)) is not None and st[3] in _SCALES]
 
 
-class FusedFp8Linear:
-    """The forward ``patch`` installs on a lone FP8 linear layer (attention's, a shared expert's) where transformers'
-    own FP8 kernel does not load: ``quant_linear`` with the layer's weight, scales and bias as stored.
+def fp8_linear_forward(block) -> Callable:
+    """The forward ``patch`` gives a lone FP8 linear layer (attention's, a shared expert's; ``swapped_class``) where
+    transformers' own FP8 kernel does not load: ``quant_linear`` with the layer's weight, scales and bias as stored.
+    One function per block (``block`` on it: the packing's meta), shared by the layers."""
+    found = _LINEAR_FORWARDS.get(block)
+    if found is not None:
+        return found
+    blocks = list(block) if block is not None else None
 
-    A call reads the module's ``__dict__`` (kept here; a deepcopy's twin fills its own in place), never the module:
-    Dynamo guards a second path to the module it traces (``forward.module``) with a Python lambda on every call of a
-    compiled model. The block is a tuple of ints: one guard, not a list's four."""
-
-    def __init__(self, module: nn.Module, block):
-        self.module, self.state = module, module.__dict__
-        self.block = tuple(int(b) for b in block) if block is not None else None
-
-    def __call__(self, x, *args, **kwargs):
+    def forward(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, Tensor):
-            return type(self.module).forward(self.module, x, *args, **kwargs)
-        if torch.compiler.is_compiling() and (found := packed.read(self.state)) is not None:
+            return getattr(type(self), SWAPPED).forward(self, x, *args, **kwargs)
+        if torch.compiler.is_compiling() and (found := packed.read(self)) is not None:
             # one graph input for weight and scales; block and bias presence from the packing's one constant, so
-            # that Dynamo guards neither this object's attributes nor the parameters dict (patch packed with them)
-            (w, s), (block, has_bias) = found
-            b = self.state["_parameters"]["bias"] if has_bias else None
-            return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", list(block) if block else None)
-        p = self.state["_parameters"]
+            # that Dynamo guards neither the parameters dict nor anything of this function (patch packed with them)
+            (w, s), (blk, has_bias) = found
+            b = self._parameters["bias"] if has_bias else None
+            return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", list(blk) if blk else None)
+        p = self._parameters
         w, s, b = p["weight"], p.get("weight_scale_inv"), p.get("bias")
         if s is None:
-            s = self.state["_buffers"]["weight_scale_inv"]
-        block = list(self.block) if self.block is not None else None
+            s = self._buffers["weight_scale_inv"]
         if compat.plain_call(x, (b,)):
-            return quant.compute_linear(x, w, s, b, "fp8_e4m3", block)
-        return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", block)
+            return quant.compute_linear(x, w, s, b, "fp8_e4m3", blocks)
+        return torch.ops.mlp_fuser.quant_linear.default(x, w, s, b, "fp8_e4m3", blocks)
 
-    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
-        return _plain_forward, (self.module,)
+    forward.block = block
+    _LINEAR_FORWARDS[block] = forward
+    return forward
 
-    def __deepcopy__(self, memo):
-        twin = memo.get(id(self.module))
-        return _plain_forward(self.module) if twin is None else FusedFp8Linear(twin, self.block)
+
+_LINEAR_FORWARDS: dict = {}  # block -> fp8_linear_forward's function (a few per process)
+
+
+def fp8_linear_block(fused) -> tuple | None | bool:
+    """The block of the class ``fuse_fp8_linear`` gave (or a module of that class); False for anything else."""
+    cls = fused if isinstance(fused, type) else type(fused)
+    fn = cls.__dict__.get("forward") if SWAPPED in cls.__dict__ else None
+    return fn.block if fn is not None and _LINEAR_FORWARDS.get(getattr(fn, "block", False)) is fn else False
 
 
 FP8_LINEAR_NAMES = ("weight", "weight_scale_inv")  # what ``patch`` packs of a lone FP8 linear
@@ -258,12 +272,17 @@ def sibling_groups(lone: list[tuple[str, nn.Module, tuple | None]]) -> list[list
     return list(groups.values())
 
 
-def fuse_fp8_linear(module: nn.Module) -> FusedFp8Linear | None:
-    """The fused forward for a lone FP8Linear layer when transformers' FP8 kernel does not load here, else None."""
-    if not isinstance(module, nn.Linear) or "forward" in module.__dict__ or transformers_fp8_kernel_loads():
+def fuse_fp8_linear(module: nn.Module) -> type | None:
+    """The class ``patch`` gives a lone FP8Linear layer (its forward fused) when transformers' FP8 kernel does not
+    load here, else None."""
+    if (not isinstance(module, nn.Linear) or "forward" in module.__dict__ or is_swapped(module)
+            or transformers_fp8_kernel_loads()):
         return None
     fmt = fp8_format(module)  # torchao's Float8 layers run torchao's own kernels: left to it
-    return FusedFp8Linear(module, fmt[1]) if isinstance(fmt, tuple) and fmt[2] == "transformers" else None
+    if not isinstance(fmt, tuple) or fmt[2] != "transformers":
+        return None
+    block = tuple(int(b) for b in fmt[1]) if fmt[1] is not None else None
+    return swapped_class(type(module), fp8_linear_forward(block))
 
 
 _TRIED: dict = {}  # transformers' FP8 module -> whether its kernel loaded when first asked

@@ -136,6 +136,60 @@ def _plain_forward(module: nn.Module):
     return types.MethodType(type(module).forward, module)
 
 
+SWAPPED = "_mlp_fuser_base"  # on each class ``swapped_class`` makes: the class it extends
+
+
+class _Swapped:
+    """Behaviour every class ``swapped_class`` makes shares: a copy (deep or not) keeps the class, so the copy's
+    forward reads the copy; pickle writes the module as its own class (a loaded model is unpatched, as one whose
+    forward object pickled as the plain forward)."""
+
+    def __copy__(self):
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo):
+        twin = object.__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return twin
+
+    def __reduce_ex__(self, protocol):
+        return _new, (getattr(type(self), SWAPPED),), self.__dict__
+
+
+def _new(cls: type):
+    return cls.__new__(cls)
+
+
+_SWAPS: dict = {}  # (class, forward) -> the class swapped_class made: a few per process
+
+
+def swapped_class(base: type, forward: Callable) -> type:
+    """``base`` with ``forward(self, *args)`` as its forward (same name, module and qualname: the model prints as
+    before), for ``patch`` to set as a module's class. A forward in the class, not an object in the module's
+    ``__dict__``: Dynamo then guards the module as any, and where torch skips an unchanged module's guards as a whole
+    (recursive dict tags, on in torch 2.10-2.11) it skips the patched layer's too (benchmarks/NOTES.md)."""
+    key = (base, forward)
+    cls = _SWAPS.get(key)
+    if cls is None:
+        cls = _SWAPS[key] = type(base.__name__, (_Swapped, base), {
+            "forward": forward, SWAPPED: base, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return cls
+
+
+def is_swapped(module: nn.Module) -> bool:
+    """Whether ``module``'s class is one ``swapped_class`` made (a subclass of one, FSDP's: not)."""
+    return SWAPPED in type(module).__dict__
+
+
+def unswap(module: nn.Module) -> None:
+    """Give a module ``patch`` swapped its class back."""
+    if is_swapped(module):
+        module.__class__ = type(module).__dict__[SWAPPED]
+
+
 def _projections(module: nn.Module, quantized_too: bool = False) -> list[nn.Module]:
     """Children holding a 2-D weight (Linear, Conv1D), and with ``quantized_too`` integer-quantized layers of known
     width (GPTQ's, HQQ's: no ``weight``); empty unless every parameter belongs to them."""

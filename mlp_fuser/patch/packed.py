@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 BUFFER = "_mlp_fuser_fp8"  # the bytes: a non-persistent buffer of the module (float8 where the weights are)
-LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: (((name, offset, bytes, dtype, shape), ...), meta)
+LAYOUT = "_mlp_fuser_fp8_layout"  # in the module's __dict__: (((name, offset, bytes, dtype name, shape), ...), meta)
 _ALIGN = 256  # each tensor's first byte: the kernels' loads want 16-byte aligned pointers; TMA 128 bytes
 
 
@@ -47,7 +47,7 @@ def pack(module: nn.Module, names: tuple[str, ...], meta=None) -> bool:
         return True
     layout, offset = [], 0
     for n, t in zip(names, ts):
-        layout.append((n, offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
+        layout.append((n, offset, t.numel() * t.element_size(), _name(t.dtype), tuple(t.shape)))
         offset = -(-(offset + layout[-1][2]) // _ALIGN) * _ALIGN
     _store(_buffer(offset, ts), [(module, ts, tuple(layout), meta)])
     return True
@@ -78,7 +78,9 @@ def _store(buf: Tensor, entries) -> None:
                 view.copy_(t)
                 t.data = view
         module.register_buffer(BUFFER, buf, persistent=False)
-        module.__dict__[LAYOUT] = (layout, meta)  # one constant: Dynamo guards it with one comparison
+        # one constant of strings and ints: Dynamo guards it with one comparison, and it leaves the module's guards
+        # skippable as a whole where torch does that (a torch.dtype in it would not: benchmarks/NOTES.md)
+        module.__dict__[LAYOUT] = (layout, meta)
 
 
 def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list) -> bool:
@@ -94,7 +96,8 @@ def pack_together(modules: list[nn.Module], names: tuple[str, ...], metas: list)
         offset = -(-offset // _ALIGN) * _ALIGN
         for i, row in enumerate(ts):
             offsets[i][j], offset = offset, offset + row[j].numel() * row[j].element_size()
-    layouts = [tuple((n, o, t.numel() * t.element_size(), t.dtype, tuple(t.shape)) for n, t, o in zip(names, row, offs))
+    layouts = [tuple((n, o, t.numel() * t.element_size(), _name(t.dtype), tuple(t.shape))
+                     for n, t, o in zip(names, row, offs))
                for row, offs in zip(ts, offsets)]
     _store(_buffer(-(-offset // _ALIGN) * _ALIGN, ts[0]), list(zip(modules, ts, layouts, metas)))
     return True
@@ -122,7 +125,7 @@ def is_packed(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 def is_packed_in(module: nn.Module, buf: Tensor, layout: tuple) -> bool:
     base = buf.data_ptr()
-    return all((t := tensor(module, n)) is not None and t.data_ptr() == base + off and t.dtype == dt
+    return all((t := tensor(module, n)) is not None and t.data_ptr() == base + off and _name(t.dtype) == dt
                and tuple(t.shape) == shape for n, off, _, dt, shape in layout)
 
 
@@ -144,15 +147,20 @@ def views(buf: Tensor, layout: tuple) -> tuple[Tensor, ...]:
     out = []
     for _, off, size, dt, shape in layout:
         b = buf[off:off + size]
-        out.append((b if dt == buf.dtype else b.view(dt)).view(shape))
+        out.append((b if dt == _name(buf.dtype) else b.view(getattr(torch, dt))).view(shape))
     return tuple(out)
 
 
-def read(state: dict) -> tuple[tuple[Tensor, ...], object] | None:
-    """In compiled code: (the packed tensors of the module whose ``__dict__`` is ``state`` in their layout's order, the
-    ``meta`` given to ``pack``); None where it holds none (then read the module's own)."""
-    found = state.get(LAYOUT)
-    buf = state["_buffers"].get(BUFFER) if found is not None else None
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read(module: nn.Module) -> tuple[tuple[Tensor, ...], object] | None:
+    """In compiled code: (``module``'s packed tensors in their layout's order, the ``meta`` given to ``pack``); None
+    where it holds none (then read the module's own). Read as attributes, never through ``module.__dict__``: Dynamo
+    then guards the module as it guards any, and can skip those guards while the module's dicts are unchanged."""
+    found = getattr(module, LAYOUT, None)
+    buf = module._buffers.get(BUFFER) if found is not None else None
     return (views(buf, found[0]), found[1]) if buf is not None else None
 
 

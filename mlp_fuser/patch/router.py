@@ -11,50 +11,45 @@ and across models.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from ..graph._dynamo_utils import fresh_code
 from ..patterns import router_topk
-from .experts import _plain_forward
-from .modules import _plain, _signature
+from .modules import SWAPPED, _plain, _signature, is_swapped, swapped_class
 
 _PLAIN_ATTRS = (bool, int, float, str, type(None))
 
 
-class FusedRouterForward:
-    """A call reads the module's ``__dict__`` (kept here; a deepcopy's twin fills its own in place), never the module,
-    and the proof's graph as a plain function and names as a tuple: each object Dynamo reaches by a second path (the
-    module through ``forward.module``, one graph or list shared by every layer) costs a Python guard on every call of
-    a compiled model."""
+def router_forward(graph, names) -> Callable:
+    """The forward ``patch`` gives a top-k router module (``swapped_class``): the proof's graph (a plain function)
+    on the module's input and tensors (``names[i]``: the placeholder's tensor, None: x), read through the module on
+    every call; the module's own forward for anything else. One function per proof, shared by the routers alike."""
+    names = tuple(names)
 
-    def __init__(self, module: nn.Module, graph, names):
-        self.module, self.graph, self.names = module, graph, tuple(names)  # names[i]: the placeholder's tensor, None: x
-        self.state = module.__dict__
-
-    def original(self, *args, **kwargs):
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        params = self.state["_parameters"]
-        if (len(args) != 1 or kwargs or type(args[0]) is not Tensor or self.state["training"]
+    def forward(self, *args, **kwargs):
+        params = self._parameters
+        if (len(args) != 1 or kwargs or type(args[0]) is not Tensor or self.training
                 or (torch.is_grad_enabled() and (args[0].requires_grad or params["weight"].requires_grad))):
-            return self.original(*args, **kwargs)
+            return getattr(type(self), SWAPPED).forward(self, *args, **kwargs)
         x = args[0]
-        return self.graph(*[x if n is None else params[n] for n in self.names])
+        return graph(*[x if n is None else params[n] for n in names])
 
-    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
-        return _plain_forward, (self.module,)
+    forward.router = True
+    return forward
 
-    def __deepcopy__(self, memo):
-        twin = memo.get(id(self.module))
-        return FusedRouterForward(twin, self.graph, self.names) if twin is not None else _plain_forward(self.module)
+
+def is_fused_router(module: nn.Module) -> bool:
+    """Whether ``patch`` gave ``module`` a router's fused forward."""
+    return is_swapped(module) and getattr(type(module).forward, "router", False) is True
 
 
 def _key(module: nn.Module) -> tuple | None:
     w = module._parameters.get("weight")
     if (not isinstance(w, Tensor) or type(w) not in (Tensor, nn.Parameter) or w.dim() != 2 or module._modules
-            or not w.is_floating_point() or w.is_meta or "forward" in module.__dict__):
+            or not w.is_floating_point() or w.is_meta or "forward" in module.__dict__ or is_swapped(module)):
         return None
     b = module._parameters.get("bias")
     if set(module._parameters) - {"weight", "bias"} or module._buffers or (b is not None and b.dim() != 1):
@@ -116,9 +111,9 @@ _PROOFS: dict = {}  # (_key, _signature) -> proof or None: a few entries per pro
 _MAX_PROOFS = 256
 
 
-def fuse_router(module: nn.Module, memo: dict) -> FusedRouterForward | None:
-    """The fused forward for a top-k router module, else None; proofs are shared among modules alike (``memo`` for
-    those ``_signature`` cannot key)."""
+def fuse_router(module: nn.Module, memo: dict) -> type | None:
+    """The class ``patch`` gives a top-k router module (its forward fused), else None; proofs are shared among modules
+    alike (``memo`` for those ``_signature`` cannot key)."""
     key = _key(module)
     if key is None:
         return None
@@ -128,6 +123,7 @@ def fuse_router(module: nn.Module, memo: dict) -> FusedRouterForward | None:
         if key not in memo and len(memo) >= _MAX_PROOFS:
             memo.clear()
     if key not in memo:
-        memo[key] = _prove(module)
-    proof = memo[key]
-    return None if proof is None else FusedRouterForward(module, *proof)
+        proof = _prove(module)
+        memo[key] = None if proof is None else router_forward(*proof)
+    forward = memo[key]
+    return None if forward is None else swapped_class(type(module), forward)
