@@ -368,9 +368,9 @@ def _hf_run(path: str, how: str, train: bool):
     ref.train(train)
     fused = fuse(model, how, inductor=False)
     if how == "patch":  # each MLP module on its own (not Dynamo over the whole model)
-        from mlp_fuser.patch.modules import FusedModuleForward
+        from mlp_fuser.patch.modules import fused_mlp
 
-        assert all(isinstance(m.mlp.__dict__.get("forward"), FusedModuleForward) for m in model.model.layers)
+        assert all(fused_mlp(m.mlp) for m in model.model.layers)
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 7))
     with counting() as calls, torch.set_grad_enabled(train):

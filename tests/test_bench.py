@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mlp_fuser.patch.modules import fused_mlp
 from mlp_fuser.tools import bench
 
 
@@ -257,7 +258,7 @@ def test_fp8_twin_holds_the_models_weights_in_128_blocks():
         assert rel_err(w, model.get_submodule(name).weight) < 0.04
         deq.get_submodule(name).weight.data = w.float()
     mlp_fuser.patch(twin)
-    assert all("forward" in layer.mlp.__dict__ for layer in twin.model.layers)
+    assert all(fused_mlp(layer.mlp) for layer in twin.model.layers)
     ids = torch.randint(3, 256, (2, 9))
     with torch.no_grad():
         assert rel_err(twin(ids).logits, deq(ids).logits) < 1e-5

@@ -16,6 +16,7 @@ from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
 from mlp_fuser.ops import quant
 from mlp_fuser.patch.fp8 import fp8_linear_block
+from mlp_fuser.patch.modules import fused_mlp
 from mlp_fuser.reference import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -485,7 +486,7 @@ def test_patch_runs_an_fp8_llama_as_its_dequantized_twin(monkeypatch):
     model, twin = _fp8_llama()
     mlp_fuser.patch(model)
     mlp = model.model.layers[0].mlp
-    assert type(mlp.__dict__["forward"]).__name__ == "FusedModuleForward"
+    assert fused_mlp(mlp)
     assert fp8_linear_block(model.model.layers[0].self_attn.q_proj) == (128, 128)
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
@@ -495,7 +496,7 @@ def test_patch_runs_an_fp8_llama_as_its_dequantized_twin(monkeypatch):
     out = model(ids).logits  # with gradients on: through the registered op and its autograd
     assert len(calls) == 2 and rel_err(out, ref) < 1e-5 and out.requires_grad
     mlp_fuser.unpatch(model)
-    assert "forward" not in mlp.__dict__
+    assert "forward" not in mlp.__dict__ and not fused_mlp(mlp)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -779,7 +780,7 @@ def test_patch_fuses_mlps_torchao_quantized_to_float8(config_name):
         if hasattr(w, "qdata"):  # the same weights, dequantized, as plain Linears
             mod.weight = torch.nn.Parameter(dequant64(w.qdata, w.scale, tuple(w.block_size)).float())
     mlp_fuser.patch(model)
-    assert type(model.model.layers[0].mlp.__dict__.get("forward")).__name__ == "FusedModuleForward"
+    assert fused_mlp(model.model.layers[0].mlp)
     ids = torch.randint(0, 50, (2, 6))
     with torch.no_grad():
         assert rel_err(model(ids).logits, twin(ids).logits) < 1e-5

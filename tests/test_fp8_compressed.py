@@ -16,6 +16,7 @@ from mlp_fuser.kernels import fp8 as K8
 from mlp_fuser.kernels.common import INTERPRET
 from mlp_fuser.ops import quant
 from mlp_fuser.patch import packed
+from mlp_fuser.patch.modules import fused_mlp
 from mlp_fuser.reference import rel_err
 
 ct = pytest.importorskip("compressed_tensors")
@@ -120,7 +121,7 @@ def test_patch_runs_compressed_tensors_fp8_mlps_on_the_weights_as_stored(scheme,
     _plain_mlps(twin)
     assert _pattern(model.model.layers[0].mlp) == PATTERNS[scheme]
     mlp_fuser.patch(model)
-    assert type(model.model.layers[0].mlp.__dict__.get("forward")).__name__ == "FusedModuleForward"
+    assert fused_mlp(model.model.layers[0].mlp)
     assert _dtypes(model, "self_attn") == {torch.float32} and not hasattr(model, "ct_decompress_hook")
     ids = torch.randint(0, V, (2, 9))
     with torch.no_grad():
@@ -140,13 +141,13 @@ def test_explain_before_patch_and_patch_again_after_unpatch(checkpoint):
     assert "its hook decompresses them on the first forward" in str(report)  # why the captured forward raised
     assert _dtypes(model, "self_attn") == _dtypes(model, "mlp") == {K8.FP8} and hasattr(model, "ct_decompress_hook")
     mlp_fuser.patch(model, filter_fn=lambda m, fqn: fqn == "model.layers.1.mlp")
-    assert [n for n, m in model.named_modules() if type(m.__dict__.get("forward")).__name__ == "FusedModuleForward"] \
+    assert [n for n, m in model.named_modules() if fused_mlp(m)] \
         == ["model.layers.1.mlp"]
     assert _dtypes(model, "mlp") == {K8.FP8, torch.float32}
     mlp_fuser.unpatch(model)
     assert _dtypes(model, "mlp") == {K8.FP8, torch.float32} and hasattr(model, "ct_decompress_hook")
     mlp_fuser.patch(model)
-    assert type(model.model.layers[1].mlp.__dict__.get("forward")).__name__ == "FusedModuleForward"
+    assert fused_mlp(model.model.layers[1].mlp)
     mlp_fuser.unpatch(model)
     with torch.no_grad():
         out, ref = model(ids).logits, own(ids).logits
@@ -200,7 +201,7 @@ def test_transformers_compressed_tensors_fp8_linear_mlps_are_fused():
     mlp = model.model.layers[0].mlp
     assert _pattern(mlp) == PATTERNS["FP8_DYNAMIC"]
     mlp_fuser.patch(model)
-    assert type(mlp.__dict__.get("forward")).__name__ == "FusedModuleForward"
+    assert fused_mlp(mlp)
     x = torch.randn(2, 5, H)
     with torch.no_grad():
         assert rel_err(mlp(x), twin(x.double())) < 1e-5

@@ -97,14 +97,15 @@ def _skippable_roots(make, patched: bool) -> set[str]:
 
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards"),
                     reason="this torch has no recursive dict tags for guards")
-def test_patched_fp8_moe_keeps_each_layers_guards_skippable(monkeypatch):
-    """Patched, the FP8 Qwen3-MoE's attention (its FP8 q/k/v/o) and sparse MLP (router and FP8 experts) are skipped
-    whole while unchanged, as the unpatched model's are: a forward object in a module's ``__dict__``, a ``torch.dtype``
-    in a constant or a module read through ``__dict__`` makes the layer's guards run on every call (on the H100 the
-    FP8 step's host time then doubled: benchmarks/NOTES.md)."""
-    monkeypatch.setattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", True)
-    ours = _skippable_roots(_bench_model("qwen3moe", fp8=True), True)
-    theirs = _skippable_roots(_bench_model("qwen3moe"), False)
+@pytest.mark.parametrize("name,fp8", [("qwen3moe", True), ("1b", True), ("1b", False)])
+def test_patched_layers_keep_their_guards_skippable(name, fp8):
+    """Patched, each layer's attention and MLP are skipped whole while unchanged, as the unpatched model's are: the
+    FP8 Qwen3-MoE's (FP8 q/k/v/o, router, FP8 experts), the LLaMA's (the dense MLP; FP8: q/k/v/o too). A forward
+    object in a module's ``__dict__``, a ``torch.dtype`` in a constant or a module read through ``__dict__`` makes the
+    layer's guards run on every call (on the H100 the FP8 step's host time then doubled: benchmarks/NOTES.md)."""
+    with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
+        ours = _skippable_roots(_bench_model(name, fp8=fp8), True)
+        theirs = _skippable_roots(_bench_model(name), False)
     layer = "L['model']._modules['model']._modules['layers']._modules[N]._modules"
     assert {f"{layer}['self_attn']", f"{layer}['mlp']"} <= theirs
     ours, theirs = ({r for r in roots if r.startswith(layer) and r.count("_modules[") == 4} for roots in (ours, theirs))

@@ -196,10 +196,10 @@ def _assert_left_as_it_was(model, forward=None):
     with torch.no_grad():
         ref = model(x) if forward is None else forward(x)
     before = _state(model)
-    forwards = {p: m.__dict__.get("forward") for p, m in model.named_modules()}
+    forwards = {p: (type(m), m.__dict__.get("forward")) for p, m in model.named_modules()}
     mlp_fuser.patch(model)
     assert not mlp_fuser.is_patched(model)
-    assert forwards == {p: m.__dict__.get("forward") for p, m in model.named_modules()}
+    assert forwards == {p: (type(m), m.__dict__.get("forward")) for p, m in model.named_modules()}
     after = _state(model)
     assert after.keys() == before.keys()
     for k, (kind, dtype, ptr, v) in after.items():

@@ -42,7 +42,7 @@ from .fp8 import (
     sibling_groups,
     weight_near_miss,
 )
-from .modules import _PASS_THROUGH, FusedModuleForward, fuse_module, is_swapped, unswap
+from .modules import _PASS_THROUGH, fuse_module, fused_mlp, is_swapped, swap, unswap
 from .router import fuse_router
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
@@ -54,8 +54,8 @@ _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weigh
 _SWITCHED = "_mlp_fuser_switched"  # experts whose config patch set to "mlp_fuser": one path per config -> its choice
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
-_FORWARDS = (FusedModuleForward, FusedExpertsForward)  # what patch installs as objects; lone FP8 linears and routers
-# get a class of their own instead (``modules.swapped_class``)
+_FORWARDS = (FusedExpertsForward,)  # what patch installs as an object; MLPs, lone FP8 linears and routers get a
+# class of their own instead (``modules.swapped_class``)
 
 
 def installed(module: nn.Module) -> bool:
@@ -65,7 +65,7 @@ def installed(module: nn.Module) -> bool:
 
 def _install(module: nn.Module, fused) -> None:
     if isinstance(fused, type):
-        module.__class__ = fused
+        swap(module, fused)
     else:
         module.forward = fused
 
@@ -182,7 +182,7 @@ def _pack(model: nn.Module, fused: dict) -> None:
         module = model.get_submodule(path)
         if isinstance(forward, FusedExpertsForward) and (s := spec(module)).fp8 is not None:
             packed.pack(module, fp8_names(bool(s.consts[0])))
-        elif isinstance(forward, FusedModuleForward):
+        elif isinstance(forward, type) and hasattr(forward.forward, "graphs"):
             for child, names in fp8_children(module):
                 packed.pack(child, names)
     lone = [(p, model.get_submodule(p), block) for p, f in fused.items() if (block := fp8_linear_block(f)) is not False]
@@ -249,24 +249,22 @@ def split_gate_up(model: nn.Module, filter_fn: FilterFn | None = None) -> list[s
     return _split(model, _gate_up_paths(_proven(model, check_filter(filter_fn))))
 
 
-def _proven(model: nn.Module, filter_fn, options: dict | None = None) -> dict[str, FusedModuleForward]:
-    """The MLP modules ``patch`` would fuse on their own (with the pass's ``options``), each with its proof (already
-    patched ones: theirs)."""
+def _proven(model: nn.Module, filter_fn, options: dict | None = None) -> dict[str, type]:
+    """The MLP modules ``patch`` would fuse on their own (with the pass's ``options``), each with the class of its
+    proof (already patched ones: theirs)."""
     proven = {}
     for path, module in model.named_modules():
-        forward = module.__dict__.get("forward")
-        if not isinstance(forward, FusedModuleForward):
-            forward = fuse_module(module, **(options or {}))
+        forward = type(module) if fused_mlp(module) else fuse_module(module, **(options or {}))
         if forward is not None and (filter_fn is None or filter_fn(module, path)):
             proven[path] = forward
     return proven
 
 
-def _gate_up_paths(fused: dict[str, FusedModuleForward]) -> dict[str, tuple[str, str]]:
+def _gate_up_paths(fused: dict) -> dict[str, tuple[str, str]]:
     """Module path -> the names of its gate and up weights, from its proof (the first mode that names them)."""
     pairs = {}
     for path, forward in fused.items():
-        graphs = getattr(forward, "graphs", {})  # experts and routers hold no gate and up weights
+        graphs = getattr(getattr(forward, "forward", None), "graphs", {})  # experts and routers: no gate and up
         names = next((g[3] for g in graphs.values() if g[3] is not None), None)
         if names is not None:
             pairs[path] = names

@@ -21,7 +21,6 @@ from ..ops import quant
 from . import compressed, modules, packed
 from .modules import (
     SWAPPED,
-    FusedModuleForward,
     _projections,
     _prove,
     _stand_in,
@@ -154,7 +153,7 @@ def fp8_site(module: nn.Module, path: str, options: dict):
     """The ``fx_pass.Site`` ``explain`` reports for an FP8 MLP module ``patch`` fuses (its pattern naming the weight
     format), or None."""
     projs = _projections(module)
-    fmt = _format(projs) if projs and "forward" not in module.__dict__ else None
+    fmt = _format(projs) if projs and "forward" not in module.__dict__ and not is_swapped(module) else None
     found = _proof(module, projs, options) if fmt is not None else None
     if found is None:
         return None
@@ -170,11 +169,11 @@ def fp8_site(module: nn.Module, path: str, options: dict):
 
 
 def _direct(op_name: str, children: list[str], activation: str, block, maker: str):
-    """``(state, x) -> y`` (``state``: the module's ``__dict__``): the op on the children's weights, scales and biases
-    as stored; computed right there (no dispatcher hop, no autograd node) where ``compat.plain_call`` allows it, else
-    through the registered op. Children and block are tuples of this function's own (a list shared by every layer, the
-    proof's, costs a Python guard a layer in a compiled model; a tuple of ints one guard, not a list's)."""
-    op, compute = _OPS[op_name], _COMPUTE[op_name]
+    """``(module, x) -> y``: the op on the children's weights, scales and biases as stored; computed right there (no
+    dispatcher hop, no autograd node) where ``compat.plain_call`` allows it, else through the registered op. Children
+    and block are tuples of this function's own (a list shared by every layer, the proof's, costs a Python guard a
+    layer in a compiled model; a tuple of ints one guard, not a list's); the op is looked up by name (an op object
+    in the closure would keep Dynamo from skipping the module's guards as a whole)."""
     children = tuple(children)
     block = tuple(int(b) for b in block) if block is not None else None
 
@@ -182,23 +181,24 @@ def _direct(op_name: str, children: list[str], activation: str, block, maker: st
         args, biases = [], []
         compiling = torch.compiler.is_compiling()
         for name in children:
-            child = m["_modules"][name]
+            child = m._modules[name]
             b = child._parameters.get("bias")
             found = packed.read(child) if compiling else None  # one graph input for weight and scales
             args += [*(found[0] if found is not None else _read(child, maker)), b]
             biases.append(b)
         blocks = list(block) if block is not None else None
         if compat.plain_call(x, biases):
-            return compute(x, *args, activation, "fp8_e4m3", blocks)
-        return op(x, *args, activation, "fp8_e4m3", blocks)
+            return _COMPUTE[op_name](x, *args, activation, "fp8_e4m3", blocks)
+        return _OPS[op_name](x, *args, activation, "fp8_e4m3", blocks)
 
     return direct
 
 
-def fuse_fp8_module(module: nn.Module, **options) -> FusedModuleForward | None:
-    """The fused forward for an MLP module whose projections all hold FP8 weights of one format, else None."""
+def fuse_fp8_module(module: nn.Module, **options) -> type | None:
+    """The class ``patch`` gives an MLP module whose projections all hold FP8 weights of one format (its forward
+    fused), else None."""
     projs = _projections(module)
-    if not projs or "forward" in module.__dict__ or (fmt := _format(projs)) is None:
+    if not projs or "forward" in module.__dict__ or is_swapped(module) or (fmt := _format(projs)) is None:
         return None
     found = in_each_mode(module, lambda: _proof(module, projs, options))
     if not found:

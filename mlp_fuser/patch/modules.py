@@ -43,78 +43,71 @@ Proof = tuple[Callable[..., Any], list, Callable[..., Tensor] | None, tuple[str,
 _PASS_THROUGH = compat.CHECKPOINT_STOP
 
 
-class FusedModuleForward:
-    """The forward ``patch`` installs on an MLP module (an instance attribute, so hooks and ``__call__`` stay).
+def module_forward(graphs: dict[bool, Proof], arg_name: str) -> Callable:
+    """The forward ``patch`` gives an MLP module (``swapped_class``, hooks and ``__call__`` stay), ``graphs`` on it.
 
     ``graphs[training]``: for each train/eval mode the module was proven an MLP in, the rewritten graph's forward
     (inputs in placeholder order, returns a tuple), per placeholder None for the input or a getter of the
     module's tensor (read on every call, so replaced or converted weights are the ones used), and where the op reads
-    the weights as they are (no view), ``direct(state, x)``: the same call in one generated function, without the
-    graph's frames (host time per call is what decides eager decoding). The proof holds for
-    the children it saw: once one is replaced (an adapter wrapped around a projection), the original forward runs.
+    the weights as they are (no view), ``direct(module, x)``: the same call in one generated function, without the
+    graph's frames (host time per call is what decides eager decoding; traced, the graph runs: its op is the same).
+    ``arg_name``: the forward's input parameter, for a call that names it. The proof holds for the children it saw
+    (kept in the module's ``__dict__`` by ``swap``): once one is replaced (an adapter wrapped around a projection),
+    the original forward runs; traced, by the children's ids (Dynamo guards them in C++). The proofs' parts are held
+    in dicts (a tuple holding functions would keep Dynamo from skipping the module's guards as a whole)."""
+    fwds = {t: g[0] for t, g in graphs.items()}
+    getters = {t: None if g[1] is None else dict(enumerate(g[1])) for t, g in graphs.items()}
+    directs = {t: g[2] for t, g in graphs.items()}
 
-    A call reads the module's ``__dict__`` (``state``, kept here; a deepcopy's twin fills its own in place) and, traced,
-    the children's ids, never the module or the children kept here; getters and ``direct`` take ``state``: Dynamo
-    guards each second path to one object (``forward.module``, ``forward.children[k]``) with a Python lambda on every
-    call of a compiled model."""
-
-    def __init__(self, module: nn.Module, graphs: dict[bool, Proof], arg_name: str,
-                 children: dict | None = None):
-        self.module, self.state = module, module.__dict__
-        self.graphs = graphs
-        self.arg_name = arg_name  # the forward's input parameter, for a call that names it
-        self.children = self.ids = None  # the module's children when proven (a deepcopy's: taken at its first call)
-        if children is not None:
-            self._keep(children)
-
-    def _keep(self, children: dict) -> None:
-        self.children = children  # kept alive: no other object takes one of their ids meanwhile
-        self.ids = tuple((k, id(c)) for k, c in children.items())
-
-    def original(self, *args, **kwargs):
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        state = self.state
+    def forward(self, *args, **kwargs):
         if len(args) == 1 and not kwargs:
             x = args[0]
-        elif not args and len(kwargs) == 1 and self.arg_name in kwargs:
-            x = kwargs[self.arg_name]
+        elif not args and len(kwargs) == 1 and arg_name in kwargs:
+            x = kwargs[arg_name]
         else:
-            return self.original(*args, **kwargs)
-        if self.children is None:
-            self._keep(dict(state["_modules"]))
-        graph = self.graphs.get(state["training"])
-        if graph is None or not isinstance(x, Tensor) or self._replaced(state["_modules"]):
-            return self.original(*args, **kwargs)
-        forward, getters, direct = graph[:3]
+            return getattr(type(self), SWAPPED).forward(self, *args, **kwargs)
+        training, compiling = self.training, torch.compiler.is_compiling()
+        if (training not in fwds or not isinstance(x, Tensor)
+                or (_child_ids(self._modules) != getattr(self, _IDS, None) if compiling
+                    else self._modules != self.__dict__.get(_KEPT))):
+            return getattr(type(self), SWAPPED).forward(self, *args, **kwargs)
+        direct, inputs = directs[training], getters[training]
         try:
-            if direct is not None:
-                return direct(state, x)
-            return forward(*[x if g is None else g(state) for g in getters])[0]
+            if direct is not None and (inputs is None or not compiling):
+                return direct(self, x)
+            return fwds[training](*[x if g is None else g(self) for g in inputs.values()])[0]
         except _PASS_THROUGH:
             raise  # control flow of the caller's, not a failure: checkpoint's recomputation stopping once done
         except Exception as e:
             failure = e
         # Outside the except (no "during handling" chain): what the op rejected, the original forward runs, so a
         # mistake raises eager's own error; where the original succeeds, the failure was mlp_fuser's: raise it.
-        self.original(*args, **kwargs)
+        getattr(type(self), SWAPPED).forward(self, *args, **kwargs)
         raise failure
 
-    def _replaced(self, children: dict) -> bool:
-        """Whether a child was replaced since the proof; traced, by the children's ids (Dynamo guards them in C++)."""
-        if torch.compiler.is_compiling():
-            return tuple((k, id(c)) for k, c in children.items()) != self.ids
-        return children != self.children
+    forward.graphs = graphs
+    return forward
 
-    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
-        return _plain_forward, (self.module,)
 
-    def __deepcopy__(self, memo):  # a deepcopy of the model is patched too, with the copy's weights
-        twin = memo.get(id(self.module))
-        if twin is None:
-            return _plain_forward(self.module)
-        return FusedModuleForward(twin, self.graphs, self.arg_name)
+_KEPT = "_mlp_fuser_children"  # an MLP module's children when patched: kept alive, so no other object takes an id
+_IDS = "_mlp_fuser_children_ids"  # their (name, id) pairs, what a traced forward compares
+
+
+def _child_ids(children: dict) -> tuple:
+    return tuple((k, id(c)) for k, c in children.items())
+
+
+def swap(module: nn.Module, cls: type) -> None:
+    """Give ``module`` the class ``swapped_class`` made (an MLP's: its children kept, as its forward checks them)."""
+    module.__class__ = cls
+    if hasattr(cls.forward, "graphs"):
+        module.__dict__[_KEPT] = dict(module._modules)
+        module.__dict__[_IDS] = _child_ids(module._modules)
+
+
+def fused_mlp(module: nn.Module) -> bool:
+    """Whether ``patch`` gave ``module`` an MLP's fused forward."""
+    return is_swapped(module) and hasattr(type(module).forward, "graphs")
 
 
 @contextlib.contextmanager
@@ -130,10 +123,6 @@ def _quiet(*loggers: str):
     finally:
         for name in loggers:
             logging.getLogger(name).removeFilter(drop)
-
-
-def _plain_forward(module: nn.Module):
-    return types.MethodType(type(module).forward, module)
 
 
 SWAPPED = "_mlp_fuser_base"  # on each class ``swapped_class`` makes: the class it extends
@@ -153,10 +142,12 @@ class _Swapped:
         twin = object.__new__(type(self))
         memo[id(self)] = twin
         twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        if _KEPT in twin.__dict__:  # the copy's children, by their ids
+            twin.__dict__[_IDS] = _child_ids(twin.__dict__[_KEPT])
         return twin
 
     def __reduce_ex__(self, protocol):
-        return _new, (getattr(type(self), SWAPPED),), self.__dict__
+        return _new, (getattr(type(self), SWAPPED),), {k: v for k, v in self.__dict__.items() if k not in (_KEPT, _IDS)}
 
 
 def _new(cls: type):
@@ -166,7 +157,7 @@ def _new(cls: type):
 _SWAPS: dict = {}  # (class, forward) -> the class swapped_class made: a few per process
 
 
-def swapped_class(base: type, forward: Callable) -> type:
+def swapped_class(base: type, forward: Callable, keep: bool = True) -> type:
     """``base`` with ``forward(self, *args)`` as its forward (same name, module and qualname: the model prints as
     before), for ``patch`` to set as a module's class. A forward in the class, not an object in the module's
     ``__dict__``: Dynamo then guards the module as any, and where torch skips an unchanged module's guards as a whole
@@ -174,20 +165,24 @@ def swapped_class(base: type, forward: Callable) -> type:
     key = (base, forward)
     cls = _SWAPS.get(key)
     if cls is None:
-        cls = _SWAPS[key] = type(base.__name__, (_Swapped, base), {
+        cls = type(base.__name__, (_Swapped, base), {
             "forward": forward, SWAPPED: base, "__module__": base.__module__, "__qualname__": base.__qualname__})
+        if keep:  # forwards shared by layers alike; not one made for one module (``keep=False``)
+            _SWAPS[key] = cls
     return cls
 
 
 def is_swapped(module: nn.Module) -> bool:
-    """Whether ``module``'s class is one ``swapped_class`` made (a subclass of one, FSDP's: not)."""
-    return SWAPPED in type(module).__dict__
+    """Whether ``module``'s class is one ``swapped_class`` made, or a subclass of one (FSDP2's, made after patch)."""
+    return any(SWAPPED in c.__dict__ for c in type(module).__mro__)
 
 
 def unswap(module: nn.Module) -> None:
-    """Give a module ``patch`` swapped its class back."""
-    if is_swapped(module):
+    """Give a module ``patch`` swapped its class back (where a wrapper subclassed it since, the wrapper's stays)."""
+    if SWAPPED in type(module).__dict__:
         module.__class__ = type(module).__dict__[SWAPPED]
+    module.__dict__.pop(_KEPT, None)
+    module.__dict__.pop(_IDS, None)
 
 
 def _projections(module: nn.Module, quantized_too: bool = False) -> list[nn.Module]:
@@ -202,12 +197,12 @@ def _projections(module: nn.Module, quantized_too: bool = False) -> list[nn.Modu
     return projs
 
 
-def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
-    """The fused forward for ``module`` when it is one MLP in eval or train mode (each proven on its own: a dropout
-    inside is inactive in one and active in the other), else None. The proofs are kept by ``_signature``: a model's
-    identical layers, and the next model of the same kind, are captured once."""
+def fuse_module(module: nn.Module, **options) -> type | None:
+    """The class ``patch`` gives ``module`` (its forward fused) when it is one MLP in eval or train mode (each proven
+    on its own: a dropout inside is inactive in one and active in the other), else None. The proofs are kept by
+    ``_signature``: a model's identical layers, and the next model of the same kind, are captured once."""
     projs = _projections(module)
-    if not projs or "forward" in module.__dict__:
+    if not projs or "forward" in module.__dict__ or is_swapped(module):
         return None
     key = _signature(module, options)
     graphs = _PROOFS.get(key, _UNSEEN) if key is not None else _UNSEEN
@@ -224,10 +219,11 @@ def fuse_module(module: nn.Module, **options) -> FusedModuleForward | None:
                                   for training, g in graphs.items()})
 
 
-def fused_forward(module: nn.Module, graphs: dict[bool, Proof]) -> FusedModuleForward:
-    """The forward ``patch`` installs for ``module`` with its proofs per train/eval mode."""
+def fused_forward(module: nn.Module, graphs: dict[bool, Proof]) -> type:
+    """The class ``patch`` gives ``module``: its forward fused with its proofs per train/eval mode (``swap`` sets it).
+    A class of the module's own (its graphs hold its own sites): one module's plans per site."""
     params = list(inspect.signature(type(module).forward).parameters)
-    return FusedModuleForward(module, graphs, params[1] if len(params) > 1 else "", dict(module._modules))
+    return swapped_class(type(module), module_forward(graphs, params[1] if len(params) > 1 else ""), keep=False)
 
 
 def in_each_mode(module: nn.Module, prove: Callable[[], Any]) -> dict[bool, Any]:
@@ -390,7 +386,7 @@ def weight_near_miss(module: nn.Module, path: str, options: dict, memo: dict,
     module's structure (a model's identical layers are proven once). ``lacks(projection)``: a reason in place of
     the weight's type where it has one (patch/fp8.py: what a float8 format lacks)."""
     projs = _projections(module, quantized_too=True)
-    if not projs or "forward" in module.__dict__:
+    if not projs or "forward" in module.__dict__ or is_swapped(module):
         return None
     names = {id(c): name for name, c in module.named_children()}
     bad = []
@@ -476,9 +472,8 @@ def _graph(module: nn.Module, x: Tensor, gm, example_inputs: list, report) -> Pr
 _CONSTANT = (type(None), bool, int, float, str)
 
 
-def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[dict, Tensor], Tensor] | None:
-    """``(state, x) -> op(x, weights...)`` (``state``: the module's ``__dict__``) as one generated function that reads
-    each weight from the modules' dicts,
+def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[nn.Module, Tensor], Tensor] | None:
+    """``(module, x) -> op(x, weights...)`` as one generated function that reads each weight from the modules' dicts,
     when every argument of the op is the input, a weight placeholder or a constant; else None (a view of a weight,
     such as a merged gate/up weight's halves, needs the graph). ``op`` is called through an ``EagerSite`` (site.py)."""
     def source(a):
@@ -487,8 +482,8 @@ def _direct_call(op, x_node, paths: dict, buffers: set) -> Callable[[dict, Tenso
         if a in paths:
             *path, leaf = paths[a].split(".")
             kind = "_buffers" if paths[a] in buffers else "_parameters"
-            held = "".join(f"['_modules'][{p!r}]" if i == 0 else f"._modules[{p!r}]" for i, p in enumerate(path))
-            return f"m{held}" + (f".{kind}" if path else f"[{kind!r}]") + f"[{leaf!r}]"
+            held = "".join(f"._modules[{p!r}]" for p in path)
+            return f"m{held}.{kind}[{leaf!r}]"
         if isinstance(a, _CONSTANT):
             return repr(a)
         raise LookupError(a)
@@ -554,19 +549,14 @@ def _plain(gm: torch.fx.GraphModule):
     return graph
 
 
-def _getter(name: str) -> Callable[[dict], Tensor]:
-    """``state -> module.<name>`` (``state``: the module's ``__dict__``) for a parameter or buffer name like
-    ``gate_proj.weight``, read from the modules' own dicts (``getattr`` would go through ``nn.Module.__getattr__``
-    twice per weight on every call)."""
+def _getter(name: str) -> Callable[[nn.Module], Tensor]:
+    """``module -> module.<name>`` for a parameter or buffer name like ``gate_proj.weight``, read from the modules'
+    own dicts (``getattr`` would go through ``nn.Module.__getattr__`` twice per weight on every call)."""
     *path, leaf = name.split(".")
     path = tuple(path)
 
-    def get(state):
-        if not path:
-            t = state["_parameters"].get(leaf)
-            return t if t is not None else state["_buffers"][leaf]
-        module = state["_modules"][path[0]]
-        for child in path[1:]:
+    def get(module):
+        for child in path:
             module = module._modules[child]
         t = module._parameters.get(leaf)
         return t if t is not None else module._buffers[leaf]
