@@ -237,16 +237,16 @@ def test_patch_follows_the_experts_switch(model_type):
     assert torch.equal(out["unpatched"], eager)
 
 
-def test_patch_experts_outside_the_switch_get_a_forward():
-    """Experts modules the config cannot switch alone keep an instance forward: some of its modules left out by
-    filter_fn (the config stays the user's), or a class whose forward does not read the config."""
+def test_patch_experts_outside_the_switch_get_a_class_of_their_own():
+    """Experts modules the config cannot switch alone get a fused class of their own: some of its modules left out
+    by filter_fn (the config stays the user's), or a class whose forward does not read the config."""
     model, inputs = toy("qwen3_moe")
     ref = logits(model, inputs)
     mods = experts_modules(model)
     mlp_fuser.patch(model, lambda m, path: path != mods[1][0])
     assert model.get_experts_implementation() == {"": "grouped_mm"}
-    assert isinstance(mods[0][1].__dict__.get("forward"), experts.FusedExpertsForward)
-    assert "forward" not in mods[1][1].__dict__
+    assert experts.is_fused_experts(mods[0][1])
+    assert not experts.is_fused_experts(mods[1][1]) and type(mods[1][1]) is type(mods[0][1]).__mro__[2]
     out = {}
     assert moe_calls(lambda: out.setdefault("y", logits(model, inputs))) == 1
     torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
@@ -258,11 +258,12 @@ def test_patch_experts_outside_the_switch_get_a_forward():
     assert not hf.follows_switch(mods[0][1]) and experts.spec(mods[0][1]).ok
     mlp_fuser.patch(model)
     assert model.get_experts_implementation() == {"": "grouped_mm"}
-    assert all(isinstance(m.__dict__.get("forward"), experts.FusedExpertsForward) for _, m in mods)
+    assert all(experts.is_fused_experts(m) for _, m in mods)
     assert moe_calls(lambda: out.update(y=logits(model, inputs))) == len(mods)
     torch.testing.assert_close(out["y"], ref, atol=ATOL, rtol=RTOL)
     mlp_fuser.unpatch(model)
-    assert not any("forward" in m.__dict__ for _, m in mods)
+    assert not any("forward" in m.__dict__ or experts.is_fused_experts(m) for _, m in mods)
+    assert all(type(m) is own for _, m in mods)
 
 
 # ---- 8. the backend ------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from ..graph.fx_pass import NearMiss
 from ..kernels.common import stored_as_one
 from ..ops.dense import _PLAIN
 from . import compressed, hf, packed
-from .experts import BACKWARD, FusedExpertsForward, fp8_names, fp8_near_miss, fuse_experts, spec
+from .experts import BACKWARD, fp8_names, fp8_near_miss, fuse_experts, is_fused_experts, spec
 from .fp8 import (
     FP8_LINEAR_NAMES,
     fp8_children,
@@ -54,23 +54,15 @@ _MERGED = "_mlp_fuser_merged"  # patch(merge_gate_up=True): the (gate, up) weigh
 _SWITCHED = "_mlp_fuser_switched"  # experts whose config patch set to "mlp_fuser": one path per config -> its choice
 _MISSING = object()
 log = logging.getLogger("mlp_fuser")
-_FORWARDS = (FusedExpertsForward,)  # what patch installs as an object; MLPs, lone FP8 linears and routers get a
-# class of their own instead (``modules.swapped_class``)
 
 
 def installed(module: nn.Module) -> bool:
-    """Whether ``module`` holds a forward ``patch`` installed (an object in its ``__dict__``, or its class swapped)."""
-    return isinstance(module.__dict__.get("forward"), _FORWARDS) or is_swapped(module)
+    """Whether ``module`` runs a forward ``patch`` fused: each fused module (an MLP, experts, a router, a lone FP8
+    linear) gets a class of its own (``modules.swapped_class``)."""
+    return is_swapped(module)
 
 
-def _install(module: nn.Module, fused) -> None:
-    if isinstance(fused, type):
-        swap(module, fused)
-    else:
-        module.forward = fused
-
-
-def _experts_forward(module: nn.Module, allowed: dict) -> FusedExpertsForward | None:
+def _experts_forward(module: nn.Module, allowed: dict) -> type | None:
     """The fused forward of a routed-experts module, where the pass's options allow it."""
     pats, acts = allowed.get("patterns"), allowed.get("activations")
     forward = fuse_experts(module)
@@ -87,8 +79,8 @@ def _router_forward(module: nn.Module, allowed: dict, memo: dict):
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``patch`` fused ``model`` (its MLP modules' forwards, or its own forward). A patched model that went
-    through pickling (``torch.save`` / ``torch.load``) comes back unpatched: a fused forward is a compiled
-    function, not state, and pickle restores the plain bound method in its place."""
+    through pickling (``torch.save`` / ``torch.load``) comes back unpatched: a fused module pickles as its own
+    class, a fused forward (experts, a whole model) as the plain bound method."""
     paths, switched = model.__dict__.get(_MODULES), model.__dict__.get(_SWITCHED)
     if paths is not None or switched is not None:
         return (all(installed(model.get_submodule(p)) for p in paths or ())
@@ -147,7 +139,7 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             return model
         if fused:
             for path, forward in fused.items():
-                if isinstance(forward, FusedExpertsForward) and allowed["save_experts"] is not None:
+                if is_fused_experts(forward) and allowed["save_experts"] is not None:
                     model.get_submodule(path).__dict__[BACKWARD] = "save" if allowed["save_experts"] else "recompute"
             switched = _switchable(model, fused)
             for path in switched:
@@ -155,7 +147,7 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             _pack(model, fused)
             fused = {p: f for p, f in fused.items() if not _same_config(model, p, switched)}
             for path, forward in fused.items():
-                _install(model.get_submodule(path), forward)
+                swap(model.get_submodule(path), forward)
             model.__dict__[_MODULES] = list(fused)
             model.__dict__[_SWITCHED] = switched
             model.__dict__[_SETTINGS] = settings
@@ -180,7 +172,7 @@ def _pack(model: nn.Module, fused: dict) -> None:
     """Each fused FP8 layer's float8 weights and scales as one buffer (``packed``): one graph input a layer."""
     for path, forward in fused.items():
         module = model.get_submodule(path)
-        if isinstance(forward, FusedExpertsForward) and (s := spec(module)).fp8 is not None:
+        if is_fused_experts(forward) and (s := spec(module)).fp8 is not None:
             packed.pack(module, fp8_names(bool(s.consts[0])))
         elif isinstance(forward, type) and hasattr(forward.forward, "graphs"):
             for child, names in fp8_children(module):
@@ -216,7 +208,7 @@ def _switchable(model: nn.Module, fused: dict) -> dict[str, str | None]:
     owners = {id(m.config) for m in model.modules() if hasattr(m, "set_experts_implementation")
               and hasattr(m, "config")}
     return {paths[0]: model.get_submodule(paths[0]).config._experts_implementation for key, paths in groups.items()
-            if key in owners and all(isinstance(fused.get(p), FusedExpertsForward) for p in paths)}
+            if key in owners and all(is_fused_experts(fused.get(p)) for p in paths)}
 
 
 def _same_config(model: nn.Module, path: str, switched: dict) -> bool:
@@ -368,8 +360,6 @@ def fused_forwards_aside(model: nn.Module):
         if is_swapped(module):
             aside[module] = type(module)
             unswap(module)
-        elif installed(module):
-            aside[module] = module.__dict__.pop("forward")
     for path, before in model.__dict__.get(_SWITCHED, {}).items():
         if _implementation(model, path) == hf.NAME:
             configs[path] = model.get_submodule(path).config
@@ -378,7 +368,7 @@ def fused_forwards_aside(model: nn.Module):
         yield list(model.__dict__.get(_MODULES, ())) + list(configs)
     finally:
         for module, forward in aside.items():
-            _install(module, forward)
+            swap(module, forward)
         for config in configs.values():
             hf.select(config, hf.NAME)
 
@@ -400,9 +390,9 @@ def unpatch(model: nn.Module) -> nn.Module:
     for path in paths or ():  # patched per module, or unpickled from such a model
         module = model.get_submodule(path)
         forward = module.__dict__.get("forward")
-        if isinstance(forward, _FORWARDS) or getattr(forward, "__func__", None) is type(module).forward:
-            del module.__dict__["forward"]
         unswap(module)
+        if getattr(forward, "__func__", None) is type(module).forward:  # unpickled from a patch of before classes
+            del module.__dict__["forward"]
     if paths:
         compressed.rehook(model)
     if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model

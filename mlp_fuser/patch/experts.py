@@ -35,6 +35,7 @@ from .. import compat, config
 from ..ops import quant_moe
 from ..ops.moe import Gate, eager_moe_mlp, gates
 from . import packed
+from .modules import SWAPPED, is_swapped, swapped_class
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
 BACKWARD = "_mlp_fuser_moe_backward"  # patch(backward=...) on an experts module: what it keeps for its backward
@@ -310,28 +311,19 @@ def fp8_names(gated: bool) -> tuple[str, str, str, str]:
     return w, f"{w}_scale_inv", "down_proj", "down_proj_scale_inv"
 
 
-class FusedExpertsForward:
-    """The forward ``patch`` installs on an experts module: ``experts_forward`` for calls shaped like transformers'
-    (three tensors), the module's own forward for anything else."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 3 and not kwargs and all(isinstance(a, Tensor) for a in args):
-            return experts_forward(self.module, *args)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __reduce__(self):  # pickled as the plain forward: a loaded model is unpatched
-        return _plain_forward, (self.module,)
-
-    def __deepcopy__(self, memo):
-        twin = memo.get(id(self.module))
-        return FusedExpertsForward(twin) if twin is not None else _plain_forward(self.module)
+def fused_experts_forward(self: nn.Module, *args, **kwargs):
+    """The forward ``patch`` gives an experts module it cannot switch by its config (``swapped_class``):
+    ``experts_forward`` for calls shaped like transformers' (three tensors), the module's own forward for anything
+    else."""
+    if len(args) == 3 and not kwargs and all(isinstance(a, Tensor) for a in args):
+        return experts_forward(self, *args)
+    return getattr(type(self), SWAPPED).forward(self, *args, **kwargs)
 
 
-def _plain_forward(module):
-    return type(module).forward.__get__(module)
+def is_fused_experts(fused) -> bool:
+    """Whether ``fused`` (a class ``fuse_experts`` gave, or a module) runs ``fused_experts_forward``."""
+    cls = fused if isinstance(fused, type) else type(fused)
+    return getattr(cls, "forward", None) is fused_experts_forward
 
 
 def unfused_reason(module: nn.Module) -> str | None:
@@ -377,8 +369,8 @@ def fp8_near_miss(module: nn.Module, path: str):
     return NearMiss(path, "routed_experts", "experts", spec(module).reason)
 
 
-def fuse_experts(module: nn.Module) -> FusedExpertsForward | None:
-    """The fused forward for a transformers experts module ``spec`` accepts, else None."""
-    if not is_experts(module) or "forward" in module.__dict__ or not spec(module).ok:
+def fuse_experts(module: nn.Module) -> type | None:
+    """The class ``patch`` gives a transformers experts module ``spec`` accepts (its forward fused), else None."""
+    if not is_experts(module) or "forward" in module.__dict__ or is_swapped(module) or not spec(module).ok:
         return None
-    return FusedExpertsForward(module)
+    return swapped_class(type(module), fused_experts_forward)

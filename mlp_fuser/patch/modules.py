@@ -130,8 +130,8 @@ SWAPPED = "_mlp_fuser_base"  # on each class ``swapped_class`` makes: the class 
 
 class _Swapped:
     """Behaviour every class ``swapped_class`` makes shares: a copy (deep or not) keeps the class, so the copy's
-    forward reads the copy; pickle writes the module as its own class (a loaded model is unpatched, as one whose
-    forward object pickled as the plain forward)."""
+    forward reads the copy; pickle writes the module as its own class, without what ``swap`` kept (a loaded model is
+    unpatched)."""
 
     def __copy__(self):
         twin = object.__new__(type(self))
