@@ -56,12 +56,6 @@ _MISSING = object()
 log = logging.getLogger("mlp_fuser")
 
 
-def installed(module: nn.Module) -> bool:
-    """Whether ``module`` runs a forward ``patch`` fused: each fused module (an MLP, experts, a router, a lone FP8
-    linear) gets a class of its own (``modules.swapped_class``)."""
-    return is_swapped(module)
-
-
 def _experts_forward(module: nn.Module, allowed: dict) -> type | None:
     """The fused forward of a routed-experts module, where the pass's options allow it."""
     pats, acts = allowed.get("patterns"), allowed.get("activations")
@@ -83,7 +77,7 @@ def is_patched(model: nn.Module) -> bool:
     class, a fused forward (experts, a whole model) as the plain bound method."""
     paths, switched = model.__dict__.get(_MODULES), model.__dict__.get(_SWITCHED)
     if paths is not None or switched is not None:
-        return (all(installed(model.get_submodule(p)) for p in paths or ())
+        return (all(is_swapped(model.get_submodule(p)) for p in paths or ())  # each fused module: a class of its own
                 and all(_implementation(model, p) == hf.NAME for p in switched or ()))
     forward = model.__dict__.get("forward")
     return _ORIG in model.__dict__ and getattr(getattr(forward, "__func__", forward), _FUSED, False)
@@ -174,7 +168,7 @@ def _pack(model: nn.Module, fused: dict) -> None:
         module = model.get_submodule(path)
         if is_fused_experts(forward) and (s := spec(module)).fp8 is not None:
             packed.pack(module, fp8_names(bool(s.consts[0])))
-        elif isinstance(forward, type) and hasattr(forward.forward, "graphs"):
+        elif fused_mlp(forward):
             for child, names in fp8_children(module):
                 packed.pack(child, names)
     lone = [(p, model.get_submodule(p), block) for p, f in fused.items() if (block := fp8_linear_block(f)) is not False]

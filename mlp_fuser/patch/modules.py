@@ -105,9 +105,10 @@ def swap(module: nn.Module, cls: type) -> None:
         module.__dict__[_IDS] = _child_ids(module._modules)
 
 
-def fused_mlp(module: nn.Module) -> bool:
-    """Whether ``patch`` gave ``module`` an MLP's fused forward."""
-    return is_swapped(module) and hasattr(type(module).forward, "graphs")
+def fused_mlp(fused) -> bool:
+    """Whether ``fused`` (a module, or a class ``fuse_module`` gave) runs an MLP's fused forward."""
+    cls = fused if isinstance(fused, type) else type(fused)
+    return any(SWAPPED in c.__dict__ for c in cls.__mro__) and hasattr(cls.forward, "graphs")
 
 
 @contextlib.contextmanager
