@@ -74,7 +74,7 @@ def _router_forward(module: nn.Module, allowed: dict, memo: dict):
 def is_patched(model: nn.Module) -> bool:
     """Whether ``patch`` fused ``model`` (its MLP modules' forwards, or its own forward). A patched model that went
     through pickling (``torch.save`` / ``torch.load``) comes back unpatched: a fused module pickles as its own
-    class, a fused forward (experts, a whole model) as the plain bound method."""
+    class, a model patched as one (``per_module=False``) with its plain bound method."""
     paths, switched = model.__dict__.get(_MODULES), model.__dict__.get(_SWITCHED)
     if paths is not None or switched is not None:
         return (all(is_swapped(model.get_submodule(p)) for p in paths or ())  # each fused module: a class of its own

@@ -35,7 +35,7 @@ from .. import compat, config
 from ..ops import quant_moe
 from ..ops.moe import Gate, eager_moe_mlp, gates
 from . import packed
-from .modules import SWAPPED, is_swapped, swapped_class
+from .modules import SWAPPED, is_swapped, swapped_class, swapped_forward
 
 NAME = "mlp_fuser"  # the experts implementation's name in transformers' ExpertsInterface
 BACKWARD = "_mlp_fuser_moe_backward"  # patch(backward=...) on an experts module: what it keeps for its backward
@@ -322,8 +322,7 @@ def fused_experts_forward(self: nn.Module, *args, **kwargs):
 
 def is_fused_experts(fused) -> bool:
     """Whether ``fused`` (a class ``fuse_experts`` gave, or a module) runs ``fused_experts_forward``."""
-    cls = fused if isinstance(fused, type) else type(fused)
-    return getattr(cls, "forward", None) is fused_experts_forward
+    return swapped_forward(fused) is fused_experts_forward
 
 
 def unfused_reason(module: nn.Module) -> str | None:

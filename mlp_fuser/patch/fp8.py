@@ -28,6 +28,7 @@ from .modules import (
     in_each_mode,
     is_swapped,
     swapped_class,
+    swapped_forward,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -250,9 +251,7 @@ _LINEAR_FORWARDS: dict = {}  # block -> fp8_linear_forward's function (a few per
 
 def fp8_linear_block(fused) -> tuple | None | bool:
     """The block of the class ``fuse_fp8_linear`` gave (or a module of that class); False for anything else."""
-    cls = fused if isinstance(fused, type) else type(fused)
-    fn = cls.__dict__.get("forward") if SWAPPED in cls.__dict__ else None
-    return fn.block if fn is not None and _LINEAR_FORWARDS.get(getattr(fn, "block", False)) is fn else False
+    return getattr(swapped_forward(fused), "block", False)
 
 
 FP8_LINEAR_NAMES = ("weight", "weight_scale_inv")  # what ``patch`` packs of a lone FP8 linear

@@ -107,8 +107,7 @@ def swap(module: nn.Module, cls: type) -> None:
 
 def fused_mlp(fused) -> bool:
     """Whether ``fused`` (a module, or a class ``fuse_module`` gave) runs an MLP's fused forward."""
-    cls = fused if isinstance(fused, type) else type(fused)
-    return any(SWAPPED in c.__dict__ for c in cls.__mro__) and hasattr(cls.forward, "graphs")
+    return hasattr(swapped_forward(fused), "graphs")
 
 
 @contextlib.contextmanager
@@ -173,9 +172,16 @@ def swapped_class(base: type, forward: Callable, keep: bool = True) -> type:
     return cls
 
 
+def swapped_forward(fused) -> Callable | None:
+    """The forward of ``fused`` (a module, or a class) where its class is one ``swapped_class`` made, or a subclass of
+    one (FSDP2's, made after patch); else None. Each kind's forward says which it is (``graphs``, ``block``, ...)."""
+    cls = fused if isinstance(fused, type) else type(fused)
+    return cls.forward if any(SWAPPED in c.__dict__ for c in cls.__mro__) else None
+
+
 def is_swapped(module: nn.Module) -> bool:
-    """Whether ``module``'s class is one ``swapped_class`` made, or a subclass of one (FSDP2's, made after patch)."""
-    return any(SWAPPED in c.__dict__ for c in type(module).__mro__)
+    """Whether ``patch`` gave ``module`` a class of its own."""
+    return swapped_forward(module) is not None
 
 
 def unswap(module: nn.Module) -> None:

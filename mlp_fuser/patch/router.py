@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..graph._dynamo_utils import fresh_code
 from ..patterns import router_topk
-from .modules import SWAPPED, _plain, _signature, is_swapped, swapped_class
+from .modules import SWAPPED, _plain, _signature, is_swapped, swapped_class, swapped_forward
 
 _PLAIN_ATTRS = (bool, int, float, str, type(None))
 
@@ -43,7 +43,7 @@ def router_forward(graph, names) -> Callable:
 
 def is_fused_router(module: nn.Module) -> bool:
     """Whether ``patch`` gave ``module`` a router's fused forward."""
-    return is_swapped(module) and getattr(type(module).forward, "router", False) is True
+    return getattr(swapped_forward(module), "router", False) is True
 
 
 def _key(module: nn.Module) -> tuple | None:
