@@ -436,9 +436,10 @@ def test_experts_kernels_w8a8(path, fmt, block):
 
 
 def tma_case(fmt, block, seed):
-    """A W8A8 case for the TMA kernels: H = 160 (two 128-column activation blocks, a K tail), expert 2 of 4 routed no
-    row, the others' row counts no multiple of the interpreter's BLOCK_M of 16, sentinel ids among them."""
-    (x, ids, wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64) = kernel_case(fmt, block, seed=seed, T=23, H=160)
+    """A W8A8 case for the TMA kernels: H = 160 (two 128-column activation blocks, a K tail), I = 96 (down's scales
+    change along K), expert 2 of 4 routed no row, the others' row counts no multiple of the interpreter's BLOCK_M of
+    16, sentinel ids among them."""
+    (x, ids, wts, fgu, fd), (x64, ids64, wts64, wgu64, wd64) = kernel_case(fmt, block, seed=seed, T=23, H=160, I=96)
     g = torch.Generator().manual_seed(seed)
     ids64 = torch.tensor([0, 1, 3])[torch.randint(0, 3, ids64.shape, generator=g)]
     ids64 = torch.where(torch.rand(ids64.shape, generator=g) < 0.15, sentinels(g, ids64.shape, 4), ids64)
@@ -453,15 +454,20 @@ def test_sorted_tma_w8a8_reads_float8_boxes(fmt, block, monkeypatch):
     gathered by pointer, each K step scaled by x's and the weights' scales), against float64 of W8A8's semantics
     and against the pointer kernels (the same tiles under the interpreter: the same bits); outputs start as NaN."""
     (x, ids, wts, fgu, fd), ref = tma_case(fmt, block, seed=31)
-    calls = []
+    calls, one_scale = [], []
     for name in ("moe_gate_up_tma", "moe_down_tma"):
         real = getattr(kmoe, name)
         monkeypatch.setattr(kmoe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    real_ws = kmoe.ws_tile
+    monkeypatch.setattr(kmoe, "ws_tile", lambda *a: one_scale.append(real_ws(*a)) or one_scale[-1])
     assert kmoe.tma_why_not(x, fgu.w, fd.w, False) is None
     with poisoned_empty():
         y = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, "sorted_tma",
                              scales=(fgu, fd), a8=True)
     assert calls == ["moe_gate_up_tma", "moe_down_tma"]
+    # one weight scale a K step and tile where the tiles (32 columns here) lie in 32-row scale blocks (up's from row
+    # I = 96 too); not in 16-row blocks, nor where the scales do not change along K (per row, per tensor)
+    assert one_scale == [fmt in ("block", "apart") and block == (32, 64)] * 2
     expected = reference64_a8(*ref, KERNEL_DTYPE)
     assert expected.abs().max() > 0.1 and y.dtype == KERNEL_DTYPE
     assert rel_err(y.cpu(), expected, math.inf) < BAR

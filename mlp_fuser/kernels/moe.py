@@ -178,14 +178,18 @@ def fp8_gate_up_acc(
 
 
 @triton.jit
-def a8_part(part, xs, s_ptrs, k_off, stride_sk, K_SCALED: tl.constexpr, SBK: tl.constexpr):
+def a8_part(part, xs, s_ptrs, k_off, stride_sk, K_SCALED: tl.constexpr, SBK: tl.constexpr,
+            WS_TILE: tl.constexpr = False):
     """One W8A8 K step's fp8 product (fp32) at K offset ``k_off`` times x's rows' scales ``xs`` (BLOCK_M, 1) and,
     where the weight's scales change along K (K_SCALED), its rows' scales of that K block (``s_ptrs``: column 0 of
-    each row's scale row, ``scale_rows``)."""
-    part = part * xs
+    each row's scale row, ``scale_rows``; WS_TILE: one pointer, every column of the tile in one scale block, so the
+    two scales meet per row first and the step costs one multiply-add an element)."""
     if K_SCALED:
-        part = part * tl.load(s_ptrs + (k_off // SBK) * stride_sk)[None, :]
-    return part
+        ws = tl.load(s_ptrs + (k_off // SBK) * stride_sk)
+        if WS_TILE:
+            return part * (xs * ws)
+        return part * (xs * ws[None, :])  # the scales' product first, as WS_TILE: the same bits
+    return part * xs
 
 
 @triton.jit
@@ -479,6 +483,7 @@ def _moe_gate_up_tma_kernel(
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr = False,
     A8: tl.constexpr = False, K_SCALED: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1,
+    WS_TILE: tl.constexpr = False,
 ):
     # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of h ----------------------------------
     # (A8: x float8 with its scales per row and 128 columns at xs_ptr, the weight float8 with its scales at s_ptr as
@@ -497,8 +502,9 @@ def _moe_gate_up_tma_kernel(
     row_g = e * ROWS + pid_n * BLOCK_N
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if A8:  # the expert's scale rows for these columns, x's rows' scales
-        sg_ptrs, su_ptrs = scale_rows(s_ptr, e.to(tl.int64), offs_n, N, stride_se, stride_sn, 1, UP_SOFF, UP_SROW, SBN)
+    if A8:  # the expert's scale rows for these columns (WS_TILE: the tile's one), x's rows' scales
+        cols = pid_n * BLOCK_N if WS_TILE else offs_n
+        sg_ptrs, su_ptrs = scale_rows(s_ptr, e.to(tl.int64), cols, N, stride_se, stride_sn, 1, UP_SOFF, UP_SROW, SBN)
         xs_ptrs = xs_ptr + tokens * stride_xs
 
     # -- x gathered by pointer, weight boxes by TMA (zero past K), two fp32 accumulators -----------
@@ -508,10 +514,11 @@ def _moe_gate_up_tma_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
         if A8:
             xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[:, None]
-            acc_g += a8_part(tl.dot(x, w_desc.load([row_g, k]).T), xs, sg_ptrs, k, stride_sk, K_SCALED, SBK)
+            acc_g += a8_part(tl.dot(x, w_desc.load([row_g, k]).T), xs, sg_ptrs, k, stride_sk, K_SCALED, SBK,
+                             WS_TILE)
             if GATED:
                 acc_u += a8_part(tl.dot(x, w_desc.load([row_g + UP_ROW, k]).T), xs, su_ptrs, k, stride_sk,
-                                 K_SCALED, SBK)
+                                 K_SCALED, SBK, WS_TILE)
         else:
             acc_g = tl.dot(x, w_desc.load([row_g, k]).T, acc_g, input_precision=PRECISION)
             if GATED:
@@ -535,6 +542,7 @@ def _moe_down_tma_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A8: tl.constexpr = False, K_SCALED: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1,
+    WS_TILE: tl.constexpr = False,
 ):
     # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of the output -------------------------
     # (A8: h float8, scaled as in the gate/up kernel)
@@ -551,7 +559,8 @@ def _moe_down_tma_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     if A8:
-        s_rows, _ = scale_rows(s_ptr, e.to(tl.int64), offs_n, N, stride_se, stride_sn, 1, 0, 0, SBN)
+        s_rows, _ = scale_rows(s_ptr, e.to(tl.int64), pid_n * BLOCK_N if WS_TILE else offs_n, N, stride_se,
+                               stride_sn, 1, 0, 0, SBN)
         xs_ptrs = xs_ptr + pairs * stride_xs
 
     # -- h rows by pointer, Wd[e] boxes by TMA ---------------------------------------------------
@@ -560,7 +569,7 @@ def _moe_down_tma_kernel(
         h = tl.load(h_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
         if A8:
             xs = tl.load(xs_ptrs + k // 128, mask=mask_m, other=0.0)[:, None]
-            acc += a8_part(tl.dot(h, w_desc.load([row_w, k]).T), xs, s_rows, k, stride_sk, K_SCALED, SBK)
+            acc += a8_part(tl.dot(h, w_desc.load([row_w, k]).T), xs, s_rows, k, stride_sk, K_SCALED, SBK, WS_TILE)
         else:
             acc = tl.dot(h, w_desc.load([row_w, k]).T, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
@@ -993,7 +1002,7 @@ def _desc(w: Tensor, cfg: dict, block_k: int | None = None):
     return kept_desc(w, cfg["BLOCK_N"], block_k or cfg["BLOCK_K"])
 
 
-def _tma_a8(scale, block_k: int, xs: Tensor | None, up_row: int | None = None) -> tuple[tuple, dict]:
+def _tma_a8(scale, block_k: int, block_n: int, xs: Tensor | None, up_row: int | None = None) -> tuple[tuple, dict]:
     """The TMA kernels' scale integers (``_scale_args``, with UP_SOFF and UP_SROW where ``up_row`` is given: the
     gate/up kernel's; ``_a8_args``) and constexprs: W8A8 where ``scale`` and ``xs`` are given (BLOCK_K cut to lie in
     one activation and one weight scale block, ``_scale_constexprs``), else stand-ins never read."""
@@ -1004,7 +1013,14 @@ def _tma_a8(scale, block_k: int, xs: Tensor | None, up_row: int | None = None) -
     if xs is None:
         raise ValueError("the sorted_tma kernels read float8 weights with float8 activations only (W8A8: xs)")
     c = _scale_constexprs(scale, block_k, True)
-    return ints, {"A8": True, "K_SCALED": c["K_SCALED"], "SBN": c["SBN"], "SBK": c["SBK"], "BLOCK_K": c["BLOCK_K"]}
+    return ints, {"A8": True, "K_SCALED": c["K_SCALED"], "SBN": c["SBN"], "SBK": c["SBK"], "BLOCK_K": c["BLOCK_K"],
+                  "WS_TILE": ws_tile(scale, block_n, scale_ints[5] if up_row is not None else 0)}
+
+
+def ws_tile(scale, block_n: int, up_srow: int) -> bool:
+    """Whether every BLOCK_N tile of a TMA kernel's columns lies in one weight scale block, its up half's too (a
+    K step then scales by one weight scale: ``a8_part``'s WS_TILE)."""
+    return scale.k_scaled and scale.block_n % block_n == 0 and up_srow % scale.block_n == 0
 
 
 def _check_gu(gu: Tensor | None, S: int, w_gu: Tensor, dtype: torch.dtype) -> None:
@@ -1029,7 +1045,7 @@ def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | No
         return h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     grid = (n_blocks, cdiv(I, config["BLOCK_N"]))
-    ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], xs, up_row)
+    ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], config["BLOCK_N"], xs, up_row)
     launch(_moe_gate_up_tma_kernel, grid,
            x, _desc(w_gu, config, const_a8["BLOCK_K"]), b, h, routing.sorted_pairs, routing.block_expert,
            routing.num_blocks, S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0),
@@ -1053,7 +1069,7 @@ def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Ten
     h = h.contiguous()
     b = b_d if b_d is not None else w_d
     grid = (n_blocks, cdiv(H, config["BLOCK_N"]))
-    ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], xs)
+    ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], config["BLOCK_N"], xs)
     launch(_moe_down_tma_kernel, grid,
            h, _desc(w_d, config, const_a8["BLOCK_K"]), b, wts, out, routing.sorted_pairs, routing.block_expert,
            routing.num_blocks, S, routing.k, H, I, b.stride(0), b.stride(-1), wts.stride(0), wts.stride(1), *ints_a8,
@@ -1221,12 +1237,15 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
 
 def _fp8_config(kind: str, configs: dict | None, a8: bool, T: int, k: int, E: int, H: int, I: int,
                 x: Tensor) -> dict:
-    """The grouped GEMMs' config on float8 weights: the one given, else W8A8's own tiles from 64 rows per expert
-    (``moe_tuning.FP8_W8A8``; its TMA kernels' at any size), else the bf16 table's."""
+    """The grouped GEMMs' config on float8 weights: the one given, else W8A8's own: the TMA kernels' by rows per
+    expert at any size (``moe_tuning.fp8_tma_config``), the pointer kernels' from 64 rows per expert
+    (``moe_tuning.FP8_W8A8``), else the bf16 table's."""
     given = (configs or {}).get(kind)
     if given:
         return given
-    if a8 and not INTERPRET and (kind.endswith("_tma") or rows_bucket(T, k, E) >= 64):
+    if a8 and not INTERPRET and kind.endswith("_tma"):
+        return moe_tuning.fp8_tma_config(kind, T * k / max(1, min(E, T * k)))
+    if a8 and not INTERPRET and rows_bucket(T, k, E) >= 64:
         return dict(moe_tuning.FP8_W8A8[kind])
     return default_config(kind, T, k, E, H, I, x.dtype, x.device)
 

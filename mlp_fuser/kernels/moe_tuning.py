@@ -53,11 +53,18 @@ H200: dict[str, dict[int, list[dict]]] = {
 
 # W8A8 grouped GEMMs (fp8 x and weights, scales per K step) from 64 rows per expert, 128-wide K steps (an H100 sweep,
 # benchmarks/NOTES.md, "FP8 routed experts"); gate/up on 8 warps (on 4 it spills); fewer rows take the bf16 table's.
-# The TMA kernels' (float8 weight boxes, sorted_tma): the best of a 16-point grid (BLOCK_M 64/128, BLOCK_N 64/128, 4/8
-# warps, 3/4 stages) for each kernel alone at T = 2048, Qwen3-30B-A3B and Mixtral-8x7B alike (one H200; BLOCK_M 128
-# far slower at 128 rows per expert).
-FP8_W8A8 = {"gate_up": _cfg(64, 64, 128, 8, 3), "down": _cfg(64, 128, 128, 4, 3),
-            "gate_up_tma": _cfg(64, 128, 128, 4, 3), "down_tma": _cfg(64, 128, 128, 4, 4)}
+FP8_W8A8 = {"gate_up": _cfg(64, 64, 128, 8, 3), "down": _cfg(64, 128, 128, 4, 3)}
+# The TMA kernels' (float8 weight boxes, sorted_tma; a K step scaled by one weight scale a tile, moe.ws_tile), by
+# mean rows per touched expert (an H100 grid, NOTES "FP8 experts at prefill"): 128-row tiles on 8 warps from
+# FP8_TMA_BIG_ROWS, 64-row tiles below.
+FP8_TMA_BIG_ROWS = 256
+FP8_TMA = {64: {"gate_up_tma": _cfg(64, 64, 128, 4, 3), "down_tma": _cfg(64, 128, 128, 4, 3)},
+           FP8_TMA_BIG_ROWS: {"gate_up_tma": _cfg(128, 128, 128, 8, 4), "down_tma": _cfg(128, 128, 128, 8, 4)}}
+
+
+def fp8_tma_config(kind: str, rows: float) -> dict:
+    """A W8A8 TMA launch's config (``kind``: gate_up_tma or down_tma) for ``rows`` mean rows per touched expert."""
+    return dict(FP8_TMA[FP8_TMA_BIG_ROWS if rows >= FP8_TMA_BIG_ROWS else 64][kind])
 
 # (compute capability, SM count) -> its table. The H100 SXM shares the H200's key (GH100, 132 SMs): its table too.
 TUNED: dict[tuple[tuple[int, int], int], dict[str, dict[int, list[dict]]]] = {
