@@ -461,9 +461,11 @@ def test_sorted_tma_w8a8_reads_float8_boxes(fmt, block, monkeypatch):
     real_ws = kmoe.ws_tile
     monkeypatch.setattr(kmoe, "ws_tile", lambda *a: one_scale.append(real_ws(*a)) or one_scale[-1])
     assert kmoe.tma_why_not(x, fgu.w, fd.w, False) is None
+    tiles = {kind: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+             for kind in ("gate_up_tma", "down_tma")}  # the interpreter's, on the GPU too
     with poisoned_empty():
         y = kmoe.moe_experts(x, ids, wts, fgu.w, None, fd.w, None, kmoe.ExpertAct(), False, "sorted_tma",
-                             scales=(fgu, fd), a8=True)
+                             tiles, scales=(fgu, fd), a8=True)
     assert calls == ["moe_gate_up_tma", "moe_down_tma"]
     # one weight scale a K step and tile where the tiles (32 columns here) lie in 32-row scale blocks (up's from row
     # I = 96 too); not in 16-row blocks, nor where the scales do not change along K (per row, per tensor)

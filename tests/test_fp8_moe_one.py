@@ -174,6 +174,9 @@ def test_one_launch_row_says_why_not(monkeypatch):
     assert "fp8_moe_one_launch: candidate" in fp8_experts.describe(problem(1))
     assert "fp8_moe_one_launch: candidate" in fp8_experts.describe(problem(2))  # 8 pairs over 6 experts
     assert "fp8_moe_one_launch: not timed: 12 pairs over at most 6 experts" in fp8_experts.describe(problem(3))
+    qwen3 = problem(1)._replace(shapes=(*problem(1).shapes[:4], ((128, 2048, 768),) + problem(1).shapes[4][1:]))
+    assert fp8_experts._few_pairs(qwen3._replace(pairs=32, tokens=4)) is None  # 4 tokens of top-8 over 128 experts
+    assert "64 pairs over at most 64 experts (timed up to 32" in fp8_experts._few_pairs(qwen3._replace(pairs=64))
     assert ("fp8_moe_one_launch: w_gate_up's scale blocks are 8 wide along K"
             in fp8_experts.describe(problem(1, (32, 8), "block")))
     monkeypatch.setattr(config, "triton_on_cpu", False)
