@@ -163,6 +163,40 @@ def test_save_pretrained_of_a_patched_fp8_model_writes_the_checkpoint_as_before(
         assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
 
 
+def _fp8_qwen3moe():
+    from test_guards import _bench_model
+
+    return _bench_model("qwen3moe", fp8=True)(2)
+
+
+@pytest.mark.parametrize("make", [lambda: _fp8_llama()[0], _fp8_qwen3moe], ids=["llama", "qwen3moe"])
+def test_torch_save_of_a_patched_fp8_model_loads_it_unpatched_with_the_same_bytes(make):
+    """torch.save of a patched FP8 model (packed layers, the experts its config's switch runs too) writes each packed
+    tensor on its own: the loaded model is unpatched, holds no buffer, the same state bytes, each tensor its own
+    storage; patched again it gives the same logits. The saved model stays packed."""
+    import io
+
+    model = make()
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(4))
+    mlp_fuser.patch(model)
+    out = _logits(model, ids)
+    n_packed = sum(packed.BUFFER in m._buffers for m in model.modules())
+    assert n_packed >= 8  # q, k, v, o and the MLP's or experts' tensors of 2 layers
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert not mlp_fuser.is_patched(loaded) and sum(packed.BUFFER in m._buffers for m in model.modules()) == n_packed
+    assert not any(packed.BUFFER in m._buffers or packed.LAYOUT in m.__dict__ for m in loaded.modules())
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+        assert got[k].untyped_storage().nbytes() == got[k].nbytes, k  # a storage of its own
+    mlp_fuser.patch(loaded)
+    assert torch.equal(_logits(loaded, ids), out)
+
+
 def test_pack_leaves_what_it_cannot_hold():
     from transformers.integrations.finegrained_fp8 import FP8Linear
 

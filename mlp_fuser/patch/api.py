@@ -42,7 +42,7 @@ from .fp8 import (
     sibling_groups,
     weight_near_miss,
 )
-from .modules import _PASS_THROUGH, fuse_module, fused_mlp, is_swapped, swap, unswap
+from .modules import _PASS_THROUGH, fuse_module, fused_mlp, is_swapped, swap, swapped_class, unswap
 from .router import fuse_router
 
 _ORIG = "_mlp_fuser_original_forward"  # the forward before patching (None: the class's own)
@@ -139,6 +139,9 @@ def patch(model: nn.Module, filter_fn: FilterFn | None = None, *,
             for path in switched:
                 hf.select(model.get_submodule(path).config, hf.NAME)
             _pack(model, fused)
+            for path in [p for p in fused if _same_config(model, p, switched)]:
+                module = model.get_submodule(path)  # its own forward; the class pickles it unpacked (swapped_class)
+                swap(module, swapped_class(type(module), type(module).forward))
             fused = {p: f for p, f in fused.items() if not _same_config(model, p, switched)}
             for path, forward in fused.items():
                 swap(model.get_submodule(path), forward)
@@ -387,6 +390,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         unswap(module)
         if getattr(forward, "__func__", None) is type(module).forward:  # unpickled from a patch of before classes
             del module.__dict__["forward"]
+    for module in model.modules():  # the experts its configs' switch runs (a class for pickling alone)
+        unswap(module)
     if paths:
         compressed.rehook(model)
     if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model

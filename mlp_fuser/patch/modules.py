@@ -30,7 +30,7 @@ from ..graph import fx_pass, sharding
 from ..graph._dynamo_utils import fresh_code
 from ..ops.dense import EAGER
 from ..patterns.common import dependents, dropout_active, is_dropout, is_fn, is_method
-from . import quantized
+from . import packed, quantized
 from .site import EagerSite
 
 OPS = (torch.ops.mlp_fuser.mlp.default, torch.ops.mlp_fuser.gated_mlp.default)
@@ -147,7 +147,8 @@ class _Swapped:
         return twin
 
     def __reduce_ex__(self, protocol):
-        return _new, (getattr(type(self), SWAPPED),), {k: v for k, v in self.__dict__.items() if k not in (_KEPT, _IDS)}
+        state = {k: v for k, v in self.__dict__.items() if k not in (_KEPT, _IDS)}
+        return _new, (getattr(type(self), SWAPPED),), packed.pickled_state(self, state)
 
 
 def _new(cls: type):

@@ -151,6 +151,29 @@ def views(buf: Tensor, layout: tuple) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
+def pickled_state(module: nn.Module, state: dict) -> dict:
+    """``state`` (a copy of ``module.__dict__``) as pickle should write it: where ``module`` is packed, without the
+    buffer and its layout and each packed tensor a copy of its own (one storage viewed as float8 and float32 cannot
+    be pickled; a loaded model is unpatched anyway)."""
+    found = state.get(LAYOUT)
+    if found is None:
+        return state
+    state = {k: v for k, v in state.items() if k != LAYOUT}
+    state["_buffers"] = dict(state["_buffers"])
+    state["_non_persistent_buffers_set"] = set(state["_non_persistent_buffers_set"]) - {BUFFER}
+    buf = state["_buffers"].pop(BUFFER, None)
+    if buf is not None and is_packed_in(module, buf, found[0]):
+        state["_parameters"] = dict(state["_parameters"])
+        for name, *_ in found[0]:
+            if (p := state["_parameters"].get(name)) is not None:
+                q = nn.Parameter(p.data.clone(), p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                state["_parameters"][name] = q
+            else:
+                state["_buffers"][name] = state["_buffers"][name].clone()
+    return state
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
