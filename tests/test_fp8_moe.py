@@ -481,6 +481,66 @@ def test_sorted_tma_w8a8_reads_float8_boxes(fmt, block, monkeypatch):
         assert torch.equal(y, pointer)
 
 
+def _quantize_rows_by_kernel(h):
+    """quantize_rows' own kernel, under the interpreter too (its float8 casts, right or not, are the fused
+    epilogue's: the interpreter misrounds where rounding carries, so aten's reference would differ from both)."""
+    from mlp_fuser.kernels.common import cdiv, launch
+
+    M, K = h.shape
+    kb = cdiv(K, K8.A8_BLOCK)
+    q = torch.empty((M, K), dtype=K8.FP8, device=h.device)
+    s = torch.empty((M, kb), dtype=torch.float32, device=h.device)
+    launch(K8._quantize_rows_kernel, (cdiv(M, 16), kb), h, q, s, M, M, K, h.stride(0), h.stride(1), kb, 1,
+           BLOCK_M=16, BLOCK=K8.A8_BLOCK, num_warps=4)
+    return q, s
+
+
+@pytest.mark.parametrize("fmt,block", [("apart", (128, 128)), ("channel", None)])
+def test_tma_gate_up_quantizes_h_as_quantize_rows_does(fmt, block, monkeypatch):
+    """quant_h: the TMA gate/up launch writes h in float8 and its scales itself (tiles of 128 columns, one activation
+    block), the bits quantize_rows' kernel gives h written in x's dtype, for every routed pair (I = 200: a tail of
+    columns; dropped pairs among them); outputs start as NaN. Other tiles, or no W8A8, are refused by name; the op
+    takes it where config.fp8_fused_h is on, on the GPU only."""
+    (x, ids, wts, fgu, fd), _ = kernel_case(fmt, block, seed=41, T=40, H=256, I=200)
+    ids = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)).to(ids.device) < 0.1,
+                      sentinels(torch.Generator().manual_seed(3), ids.shape, fd.w.shape[0]).to(ids.device), ids)
+    E, H, I = fd.w.shape
+    up = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}
+    routing = kmoe.moe_align(ids, E, 16)
+    xq, xs = K8.quantize_rows(x)
+    with poisoned_empty():
+        h = kmoe.moe_gate_up_tma(xq, routing, fgu.w, None, kmoe.ExpertAct(), I, up, scale=fgu, xs=xs,
+                                 out_dtype=x.dtype)
+        hq, hs = kmoe.moe_gate_up_tma(xq, routing, fgu.w, None, kmoe.ExpertAct(), I, up, scale=fgu, xs=xs,
+                                      out_dtype=x.dtype, quant_h=True)
+    routed = ((ids >= 0) & (ids < E)).reshape(-1)
+    assert 0 < int(routed.sum()) < routed.numel() and hq.dtype == K8.FP8 and hs.shape == (ids.numel(), 2)
+    want_q, want_s = _quantize_rows_by_kernel(h[routed].contiguous())
+    assert torch.equal(hs[routed], want_s) and torch.equal(hq[routed].view(torch.uint8), want_q.view(torch.uint8))
+    for bad in ({"xs": None}, {"config": {**up, "BLOCK_N": 64}}):
+        args = {"scale": fgu, "xs": xs, "out_dtype": x.dtype, "quant_h": True, "config": up, **bad}
+        with pytest.raises(ValueError, match="quant_h takes W8A8"):
+            kmoe.moe_gate_up_tma(xq, routing, fgu.w, None, kmoe.ExpertAct(), I, **args)
+    assert not kmoe.fused_h_quant(up)  # off by default
+    monkeypatch.setattr(config, "fp8_fused_h", True)
+    assert kmoe.fused_h_quant(up) is (not kmoe.INTERPRET) and not kmoe.fused_h_quant({**up, "BLOCK_N": 64})
+
+
+@requires_cuda
+def test_fused_h_quant_gives_the_ops_bits(monkeypatch):
+    """On the GPU, the FP8 experts op at 256+ rows per expert (the TMA row's 128-column gate/up tiles) gives the
+    same bits with h quantized in the gate/up launch as with quantize_rows after it."""
+    x, ids, wts, (wgu, sgu, wd, sd), _ = case("apart", (128, 128), T=600, k=2, E=4, H=256, I=256, seed=12)
+    args = [t.to("cuda") for t in (x.to(torch.bfloat16), ids, wts, wgu, sgu, wd, sd)]
+    monkeypatch.setattr(config, "force_impl", "fp8_moe_sorted_tma_w8a8")
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(config, "fp8_fused_h", on)
+        monkeypatch.setattr(fp8_experts, "_PLANS", {})
+        outs.append(quant_moe.quant_moe_mlp(*args, "silu", block=(128, 128)))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_fp8_sorted_tma_row_forced_and_planned(monkeypatch):
     """The dispatcher's TMA row: forced, the op plans sorted_tma W8A8 and gives the pointer row's output (bit for bit
     under the interpreter); the plan replays another call of the signature (another layer's weights and scales); a

@@ -477,13 +477,13 @@ def _moe_combine_kernel(
 def _moe_gate_up_tma_kernel(
     x_ptr, w_desc, b_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
     S, K_TOP, N, K, UP_ROW, ROWS, stride_xm, stride_xk, stride_be, stride_bn, gu_ptr,
-    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW, xs_ptr, stride_xs,
+    s_ptr, stride_se, stride_sn, stride_sk, UP_SOFF, UP_SROW, xs_ptr, stride_xs, hs_ptr, stride_hs,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr = False,
     A8: tl.constexpr = False, K_SCALED: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1,
-    WS_TILE: tl.constexpr = False,
+    WS_TILE: tl.constexpr = False, QUANT_H: tl.constexpr = False, H_ROUND: tl.constexpr = tl.float32,
 ):
     # -- one expert's BLOCK_M sorted pairs, BLOCK_N columns of h ----------------------------------
     # (A8: x float8 with its scales per row and 128 columns at xs_ptr, the weight float8 with its scales at s_ptr as
@@ -531,6 +531,11 @@ def _moe_gate_up_tma_kernel(
                     N, UP_ROW, GATED, HAS_BIAS, 1, ACT, ALPHA, HAS_LIMIT, LIMIT, CLAMP_AFTER, UP_OFFSET, SAVE_GU,
                     pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    if QUANT_H:  # h float8 for down: rounded to H_ROUND as stored unfused, then quantize_rows' math (BLOCK_N: 128)
+        h = tl.where(mask_n[None, :], h.to(H_ROUND).to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
+        h = tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0)
+        tl.store(hs_ptr + pairs.to(tl.int64) * stride_hs + pid_n, scale, mask=mask_m)
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -1031,29 +1036,44 @@ def _check_gu(gu: Tensor | None, S: int, w_gu: Tensor, dtype: torch.dtype) -> No
 
 def moe_gate_up_tma(x: Tensor, routing: Routing, w_gu: Tensor, b_gu: Tensor | None, act: ExpertAct, I: int,
                     config: dict, gu: Tensor | None = None, scale=None, xs: Tensor | None = None,
-                    out_dtype: torch.dtype | None = None) -> Tensor:
+                    out_dtype: torch.dtype | None = None, quant_h: bool = False):
     """``moe_gate_up`` on a sorted routing with the weights read through TMA (where ``tma_why_not`` is None);
     ``gu``: as ``moe_gate_up``'s (the pre-activations kept per pair). ``scale`` and ``xs``: W8A8, as ``moe_gate_up``
-    takes them (float8 boxes, x float8 gathered by pointer; h in ``out_dtype``)."""
+    takes them (float8 boxes, x float8 gathered by pointer; h in ``out_dtype``). ``quant_h`` (W8A8, BLOCK_N 128 =
+    one activation block, no ``gu``): (h8, hs) as ``quantize_rows(h)`` gives them, no h in ``out_dtype`` written."""
     T, H = x.shape
     S = T * routing.k
     gated, _, up_row = _gate_up_layout(w_gu, I, False)
     _check_gu(gu, S, w_gu, x.dtype)
-    h = torch.empty((S, I), dtype=out_dtype or x.dtype, device=x.device)
+    h_dtype = out_dtype or x.dtype
+    if quant_h and (xs is None or config["BLOCK_N"] != A8_BLOCK or gu is not None):
+        raise ValueError("moe_gate_up_tma: quant_h takes W8A8 (xs), BLOCK_N 128 and no gu")
+    h = torch.empty((S, I), dtype=FP8 if quant_h else h_dtype, device=x.device)
+    hs = torch.empty((S, cdiv(I, A8_BLOCK)), dtype=torch.float32, device=x.device) if quant_h else None
     n_blocks = routing.block_expert.shape[0]
     if n_blocks == 0 or I == 0:
-        return h
+        return (h, hs) if quant_h else h
     b = b_gu if b_gu is not None else w_gu  # a valid pointer, never read without HAS_BIAS
     grid = (n_blocks, cdiv(I, config["BLOCK_N"]))
     ints_a8, const_a8 = _tma_a8(scale, config["BLOCK_K"], config["BLOCK_N"], xs, up_row)
     launch(_moe_gate_up_tma_kernel, grid,
            x, _desc(w_gu, config, const_a8["BLOCK_K"]), b, h, routing.sorted_pairs, routing.block_expert,
            routing.num_blocks, S, routing.k, I, H, up_row, w_gu.shape[1], x.stride(0), x.stride(1), b.stride(0),
-           b.stride(-1), gu if gu is not None else h, *ints_a8,
+           b.stride(-1), gu if gu is not None else h, *ints_a8, hs if quant_h else h, hs.stride(0) if quant_h else 0,
            GATED=gated, HAS_BIAS=b_gu is not None, **act.constexprs(), PRECISION=dot_precision(x.dtype),
            BLOCK_M=routing.block_m, BLOCK_N=config["BLOCK_N"], SAVE_GU=gu is not None, **const_a8,
-           **_launch_opts(config))
-    return h
+           QUANT_H=quant_h, H_ROUND=_TL_DTYPES[h_dtype], **_launch_opts(config))
+    return (h, hs) if quant_h else h
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def fused_h_quant(up_config: dict) -> bool:
+    """Whether the W8A8 TMA gate/up launch quantizes h itself (``moe_gate_up_tma``'s ``quant_h``): where
+    ``config.fp8_fused_h`` is on and a tile's columns are one 128-column activation block; never under the
+    interpreter (its fp32 -> float8 cast misrounds where rounding carries: ``fp8.quantize_rows``)."""
+    return _config.fp8_fused_h and not INTERPRET and up_config["BLOCK_N"] == A8_BLOCK
 
 
 def moe_down_tma(h: Tensor, routing: Routing, wts: Tensor, w_d: Tensor, b_d: Tensor | None, config: dict,
@@ -1216,8 +1236,12 @@ def _experts_a8(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Tensor, 
             up = cfg("gate_up_tma")
             routing = moe_align(ids, E, up["BLOCK_M"])
             xq, xs = quantize_rows(x)
-            h = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=s_gu, xs=xs, out_dtype=x.dtype)
-            hq, hs = quantize_rows(h)
+            if fused_h_quant(up):
+                hq, hs = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=s_gu, xs=xs, out_dtype=x.dtype,
+                                         quant_h=True)
+            else:
+                hq, hs = quantize_rows(moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=s_gu, xs=xs,
+                                                       out_dtype=x.dtype))
             out = moe_down_tma(hq, routing, wts, w_d, None, cfg("down_tma"), rows_dtype(x.dtype), s_d, hs)
             return moe_combine(out, ids, E, x.dtype)
         path = "sorted"  # the same GEMMs with pointer loads
@@ -1398,14 +1422,19 @@ def _fp8_tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: Expert
     up, down = (_fp8_config(kind, configs, True, T, k, E, H, I, x) for kind in ("gate_up_tma", "down_tma"))
     align, rows = align_plan(ids, E, up["BLOCK_M"]), rows_dtype(x.dtype)
     quant_x, quant_h = _quantize_plan(T, H), _quantize_plan(T * k, I)
+    fused = fused_h_quant(up)
 
     def tma_a8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
         if w_gu.data_ptr() % 16 or w_d.data_ptr() % 16:
             return moe_experts(x, ids, wts, w_gu, None, w_d, None, act, False, "sorted", configs, scales, True)
         routing = align(ids)
         xq, xs = quant_x(x)
-        h = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=scales[0], xs=xs, out_dtype=x.dtype)
-        hq, hs = quant_h(h)
+        if fused:
+            hq, hs = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=scales[0], xs=xs, out_dtype=x.dtype,
+                                     quant_h=True)
+        else:
+            hq, hs = quant_h(moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=scales[0], xs=xs,
+                                             out_dtype=x.dtype))
         return moe_combine(moe_down_tma(hq, routing, wts, w_d, None, down, rows, scales[1], hs), ids, E, x.dtype)
     return tma_a8
 
