@@ -274,6 +274,8 @@ def test_quant_moe_mlp_runs_the_kernels(T, w8a8, monkeypatch):
     monkeypatch.setattr(kmoe, "experts_plan", lambda *a, **kw: calls.append((a[9], kw["a8"])) or real(*a, **kw))
     monkeypatch.setattr(fp8_experts, "_PLANS", {})
     monkeypatch.setattr(K8, "dequantize_experts", None)  # a dequantized copy would fail the call
+    if HAS_CUDA:  # there the table times its rows at a few tokens (one-token rows, the one-launch kernel): forced
+        monkeypatch.setattr(config, "force_impl", "fp8_moe_sorted_w8a8" if w8a8 else "fp8_moe_sorted_w8a16")
     x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=T, seed=9)
     dev = KERNEL_DEVICE
     args = (x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
@@ -555,17 +557,22 @@ def test_fp8_sorted_tma_row_forced_and_planned(monkeypatch):
     dev = KERNEL_DEVICE
 
     def layer(seed):
-        x, ids, wts, (wgu, sgu, wd, sd), _ = case("block", (32, 64), T=23, H=160, seed=seed)
-        return (x.to(dev, KERNEL_DTYPE), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
+        x, ids, wts, (wgu, sgu, wd, sd), (wgu64, wd64) = case("block", (32, 64), T=23, H=160, seed=seed)
+        x = x.to(KERNEL_DTYPE)
+        args = (x.to(dev), ids.to(dev), wts.to(dev), wgu.to(dev), sgu.to(dev), wd.to(dev), sd.to(dev))
+        return args, reference64_a8(x, ids, wts, wgu64, wd64, KERNEL_DTYPE)
 
-    one, two = layer(32), layer(33)
+    (one, ref_one), (two, ref_two) = layer(32), layer(33)
     outs = {}
     for row in ("fp8_moe_sorted_tma_w8a8", "fp8_moe_sorted_w8a8"):
         monkeypatch.setattr(config, "force_impl", row)
         outs[row] = [quant_moe.quant_moe_mlp(*args, "silu", block=(32, 64)) for args in (one, two)]
     assert calls == [("sorted_tma", True), ("sorted", True)]  # one plan per row, replayed on the second layer
-    for a, b in zip(*outs.values()):
-        assert (rel_err(a, b, math.inf) < BAR) if HAS_CUDA else torch.equal(a, b)
+    for a, b, ref in zip(*outs.values(), (ref_one, ref_two)):
+        if HAS_CUDA:  # other tiles, other sums: h's float8 roundings move apart, each within W8A8's bar of float64
+            assert rel_err(a.cpu(), ref, math.inf) < BAR and rel_err(b.cpu(), ref, math.inf) < BAR
+        else:
+            assert torch.equal(a, b)
     monkeypatch.setattr(config, "force_impl", None)
 
     def problem(T, H=160, interleaved=False):
