@@ -1414,28 +1414,47 @@ def _fp8_grouped_plan(x: Tensor, ids: Tensor, wts: Tensor, w_gu: Tensor, w_d: Te
 
 def _fp8_tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: ExpertAct, configs: dict | None,
                   scales: tuple):
-    """``experts_plan`` for sorted_tma on float8 weights, W8A8: the routing's and the quantizations' launches worked
-    out once, the weights' descriptors kept with them (``_desc``), the GEMMs through ``launch``; a call whose weight
-    lost its 16-byte alignment takes ``moe_experts`` (the pointer kernels)."""
+    """``experts_plan`` for sorted_tma on float8 weights, W8A8: the routing's, the quantizations' and both GEMMs'
+    launches worked out once (``Prepared``: grids, integers, constexprs; per call only the tensors, the weights'
+    descriptors kept with them by ``_desc``); h quantized by the gate/up launch where ``fused_h_quant``. A call whose
+    weight lost its 16-byte alignment takes ``moe_experts`` (the pointer kernels)."""
     T, k = ids.shape
     E, H, I = w_d.shape
+    S, n_gu = T * k, w_gu.shape[1]
     up, down = (_fp8_config(kind, configs, True, T, k, E, H, I, x) for kind in ("gate_up_tma", "down_tma"))
     align, rows = align_plan(ids, E, up["BLOCK_M"]), rows_dtype(x.dtype)
-    quant_x, quant_h = _quantize_plan(T, H), _quantize_plan(T * k, I)
-    fused = fused_h_quant(up)
+    quant_x, quant_h = _quantize_plan(T, H), _quantize_plan(S, I)
+    fused, kb_h = fused_h_quant(up), cdiv(I, A8_BLOCK)
+    _, _, up_row = _gate_up_layout(w_gu, I, False)
+    n_blocks, dev = max_blocks(S, E, up["BLOCK_M"]), x.device
+    # the scales' integers and constexprs as moe_gate_up_tma / moe_down_tma work them out (xs: a stand-in of the
+    # activations' scales' layout, (rows, ⌈K/128⌉) contiguous)
+    g_ints, g_const = _tma_a8(scales[0], up["BLOCK_K"], up["BLOCK_N"], torch.empty((0, cdiv(H, A8_BLOCK))), up_row)
+    d_ints, d_const = _tma_a8(scales[1], down["BLOCK_K"], down["BLOCK_N"], torch.empty((0, kb_h)))
+    g_ints, d_ints = (g_ints[1:6], g_ints[7]), (d_ints[1:4], d_ints[5])  # without the scale tensors and xs
+    gate_up = Prepared(_moe_gate_up_tma_kernel, (n_blocks, cdiv(I, up["BLOCK_N"])),
+                       GATED=n_gu == 2 * I, HAS_BIAS=False, **act.constexprs(), PRECISION=dot_precision(FP8),
+                       BLOCK_M=up["BLOCK_M"], BLOCK_N=up["BLOCK_N"], SAVE_GU=False, **g_const, QUANT_H=fused,
+                       H_ROUND=_TL_DTYPES[x.dtype], **_launch_opts(up))
+    down_k = Prepared(_moe_down_tma_kernel, (n_blocks, cdiv(H, down["BLOCK_N"])), HAS_BIAS=False,
+                      PRECISION=dot_precision(FP8), BLOCK_M=up["BLOCK_M"], BLOCK_N=down["BLOCK_N"], **d_const,
+                      **_launch_opts(down))
+    g_fixed = (S, k, I, H, up_row, n_gu, H, 1, *w_gu.stride()[::2])  # x8 contiguous; the bias strides: stand-ins
 
     def tma_a8(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
         if w_gu.data_ptr() % 16 or w_d.data_ptr() % 16:
             return moe_experts(x, ids, wts, w_gu, None, w_d, None, act, False, "sorted", configs, scales, True)
         routing = align(ids)
         xq, xs = quant_x(x)
-        if fused:
-            hq, hs = moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=scales[0], xs=xs, out_dtype=x.dtype,
-                                     quant_h=True)
-        else:
-            hq, hs = quant_h(moe_gate_up_tma(xq, routing, w_gu, None, act, I, up, scale=scales[0], xs=xs,
-                                             out_dtype=x.dtype))
-        return moe_combine(moe_down_tma(hq, routing, wts, w_d, None, down, rows, scales[1], hs), ids, E, x.dtype)
+        h = torch.empty((S, I), dtype=FP8 if fused else x.dtype, device=dev)
+        hs = torch.empty((S, kb_h), dtype=torch.float32, device=dev) if fused else h
+        gate_up(xq, _desc(w_gu, up, g_const["BLOCK_K"]), w_gu, h, *routing[:3], *g_fixed, h, scales[0].scale,
+                *g_ints[0], xs, g_ints[1], hs, kb_h if fused else 0)
+        hq, hs = (h, hs) if fused else quant_h(h)
+        out = torch.empty((S, H), dtype=rows, device=dev)
+        down_k(hq, _desc(w_d, down, d_const["BLOCK_K"]), w_d, wts, out, *routing[:3], S, k, H, I,
+               *w_d.stride()[::2], *wts.stride(), scales[1].scale, *d_ints[0], hs, d_ints[1])
+        return moe_combine(out, ids, E, x.dtype)
     return tma_a8
 
 
