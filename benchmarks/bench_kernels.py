@@ -1,7 +1,7 @@
 """Kernel-level sweeps on the GPU, each printed as a short table: the evidence behind a kernel's defaults.
 
     python benchmarks/bench_kernels.py [act_mul] [small_m] [graph_gap] [overhead] [down] [fp8_small]
-        [fp8_experts[:T,...]] [fp8_experts_one[:T,...]]
+        [fp8_experts[:T,...]] [fp8_experts_one[:T,...]] [fp8_experts_tma[:T,...]]
 
 - act_mul: the act·mul kernel (tiled v1, flat v2 over BLOCK x num_warps) against Inductor's kernel for
   ``silu(g) * u``, at prefill sizes; µs and GB/s of the 3·M·I·2 bytes moved.
@@ -23,6 +23,11 @@
   BLOCK_N 16/32/64, down 32/64/128, each with (BLOCK_K, warps) 128/4, 128/8 (and 64/4 for W8A16) and 3 or 6
   stages: 12 (W8A8) or 18 (W8A16) configs a launch, 124 timings a T (≈ 1 s each with its compile, as fp8_experts
   ran: ≈ 130 s on an H100 at T = 1); µs and % of the floor, each output checked against float64 as fp8_experts is.
+- fp8_experts_tma[:T,...]: the FP8 experts' TMA GEMMs (sorted_tma, W8A8) each alone at T = 512 and 2048 tokens,
+  Qwen3-30B-A3B's and Mixtral-8x7B's dims: per BLOCK_M (64 or 128, which the two launches share through the sort) the
+  best of a few gate/up and down configs, their sum against the defaults' (``moe_tuning.fp8_tma_config``); and where
+  the best gate/up tile is 128 columns, gate/up with h quantized in its epilogue (``config.fp8_fused_h``) against
+  gate/up then ``quantize_rows``. µs; every output checked against the default config's (the fused h: its bits).
 - fp8_small: the FP8 W8A8 split-K kernel at M = 1 and 16 (x quantized in the GEMM), LLaMA-3-8B's gate/up (gated,
   one launch) and down, 128 × 128 block scales: the default config against a grid of (BLOCK_N, SPLIT_K, warps,
   stages); µs and % of the floor (the float8 weights, scales, x and y once at the measured copy bandwidth).
@@ -583,6 +588,101 @@ def fp8_experts_one(ts: str = "1", device="cuda", dims=(2048, 768, 128, 8), limi
     return rows
 
 
+_TMA_GRID = {  # (BLOCK_N, warps, stages) per launch and BLOCK_M; BLOCK_K 128 (one scale block a step)
+    ("gate_up", 64): [(64, 4, 3), (128, 4, 3), (128, 4, 2), (64, 4, 4)],
+    ("gate_up", 128): [(128, 8, 3), (128, 8, 4), (64, 8, 3)],
+    ("down", 64): [(128, 4, 3), (128, 4, 4), (64, 4, 3)],
+    ("down", 128): [(128, 8, 3), (128, 8, 4), (64, 8, 4)],
+}
+TMA_DIMS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Mixtral-8x7B": (4096, 14336, 8, 2)}
+
+
+def fp8_experts_tma(ts: str = "512,2048", device="cuda", dims: dict | None = None, limit=None):
+    """The FP8 experts' TMA GEMMs alone (see the module doc): per shape, T and BLOCK_M the best configs, their sum
+    against the defaults', and h quantized by gate/up against gate/up then quantize_rows."""
+    from mlp_fuser.kernels import fp8 as K8
+    from mlp_fuser.tools.bench_fp8 import BLOCK, Experts
+
+    rows = ["FP8 routed experts' TMA GEMMs (W8A8, 128 x 128 blocks), each launch alone, µs (CUDA graphs); configs "
+            "(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)",
+            "| experts | T | rows/expert | defaults µs | BLOCK_M 64: gate/up + down | BLOCK_M 128: gate/up + down | "
+            "fused h: gate/up + quantize_rows / gate/up quantizing |", "|---|---|---|---|---|---|---|"]
+    g = torch.Generator(device=device).manual_seed(0)
+    for label, shape in (dims or TMA_DIMS).items():
+        setup = Experts(shape, device, torch.bfloat16 if device == "cuda" else torch.float16, g)
+        weights = (K8.fp8_experts(setup.wgu, setup.sgu, BLOCK, gated=True), K8.fp8_experts(setup.wd, setup.sd, BLOCK))
+        for T in (int(t) for t in ts.split(",")):
+            rows.append(_tma_row(label, shape, weights, setup.inputs(T, g), g, limit))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _tma_row(label: str, shape: tuple, weights: tuple, inputs: tuple, g, limit) -> str:
+    """One row of ``fp8_experts_tma``: T tokens' inputs (x, ids, wts) on experts of ``shape`` (H, I, E, k)."""
+    from mlp_fuser.kernels import fp8 as K8
+    from mlp_fuser.kernels import moe as kmoe
+    from mlp_fuser.kernels import moe_tuning
+    from mlp_fuser.reference import rel_err
+
+    (_, I, E, k), (fgu, fd), (x, ids, wts) = shape, weights, inputs
+    T = x.shape[0]
+    xq, xs = K8.quantize_rows(x)
+    hq, hs = K8.quantize_rows(torch.randn(T * k, I, generator=g, device=x.device).to(x.dtype))
+    checks = {}
+
+    def run(kind, cfg, quant_h=False):
+        routing = kmoe.moe_align(ids, E, cfg["BLOCK_M"])
+        if kind == "gate_up":
+            return functools.partial(kmoe.moe_gate_up_tma, xq, routing, fgu.w, None, kmoe.ExpertAct(), I, cfg,
+                                     scale=fgu, xs=xs, out_dtype=x.dtype, quant_h=quant_h)
+        return functools.partial(kmoe.moe_down_tma, hq, routing, wts, fd.w, None, cfg, kmoe.rows_dtype(x.dtype), fd,
+                                 hs)
+
+    def timed(kind, cfg):
+        try:
+            fn = run(kind, cfg)
+            out = fn().float()
+            if rel_err(out, checks.setdefault(kind, out)) > 1e-2:  # against the default config's, timed first
+                print(f"  {label} T={T} {kind} {_cfg_tuple(cfg)}: output off", file=sys.stderr)
+                return None
+            return _us(fn, rep=30)
+        except Exception as e:  # shared memory, a refused shape: skip the config
+            print(f"  {label} T={T} {kind} {_cfg_tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+            return None
+
+    per_expert = T * k / min(E, T * k)
+    d_us = [timed(kind, moe_tuning.fp8_tma_config(f"{kind}_tma", per_expert)) for kind in ("gate_up", "down")]
+    cells, best_up = [], None
+    for bm in (64, 128):
+        best = {}
+        for kind in ("gate_up", "down"):
+            got = [(us, cfg) for cfg in (_cfg(bm, bn, 128, w, st) for bn, w, st in _TMA_GRID[kind, bm][:limit])
+                   if (us := timed(kind, cfg)) is not None]
+            best[kind] = min(got, key=lambda t: t[0]) if got else None
+        if best["gate_up"] is None or best["down"] is None:
+            cells.append("-")
+            continue
+        (up_us, up), (down_us, down) = best["gate_up"], best["down"]
+        cells.append(f"{up_us + down_us:.1f} ({up_us:.1f} {_cfg_tuple(up)} + {down_us:.1f} {_cfg_tuple(down)})")
+        if up["BLOCK_N"] == K8.A8_BLOCK and (best_up is None or up_us < best_up[0]):
+            best_up = (up_us, up)
+    fused = "-"
+    if best_up is not None:
+        plain, quantizing = run("gate_up", best_up[1]), run("gate_up", best_up[1], quant_h=True)
+        (q8, s8), (q0, s0) = quantizing(), K8.quantize_rows(plain())
+        routed = ((ids >= 0) & (ids < E)).reshape(-1)
+        same = torch.equal(s8[routed], s0[routed]) and torch.equal(q8[routed].view(torch.uint8),
+                                                                   q0[routed].view(torch.uint8))
+        two = _us(lambda: K8.quantize_rows(plain()), rep=30)
+        fused = f"{two:.1f} / {_us(quantizing, rep=30):.1f}" + ("" if same else " (bits differ)")
+    d_cell = "-" if None in d_us else f"{sum(d_us):.1f}"
+    return f"| {label} | {T} | {per_expert:.0f} | {d_cell} | {cells[0]} | {cells[1]} | {fused} |"
+
+
+def _cfg(bm, bn, bk, warps, stages) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
 if __name__ == "__main__":
     steps = sys.argv[1:] or ["act_mul", "small_m", "overhead"]
     out = []
@@ -590,7 +690,8 @@ if __name__ == "__main__":
         try:
             steps_by_name = {"act_mul": act_mul_sweep, "small_m": small_m_sweep, "graph_gap": graph_gap,
                              "overhead": overhead, "down": down_sweep, "fp8_small": fp8_small_sweep,
-                             "fp8_experts": fp8_experts_sweep, "fp8_experts_one": fp8_experts_one}
+                             "fp8_experts": fp8_experts_sweep, "fp8_experts_one": fp8_experts_one,
+                             "fp8_experts_tma": fp8_experts_tma}
             name, _, arg = step.partition(":")  # overhead:SmolLM2 times that shape alone
             out += steps_by_name[name](arg) if arg else steps_by_name[name]()
         except Exception:  # report, keep the other steps' numbers

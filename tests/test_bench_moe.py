@@ -247,6 +247,19 @@ def test_kernels_fp8_experts_one_rows_and_a_wrong_config_rejected(monkeypatch, c
     assert f"T=1 unsorted a8=True gate_up {bad}: error" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("exact_fp8_casts")
+def test_kernels_fp8_experts_tma_row(monkeypatch):
+    """bench_kernels.py's fp8_experts_tma under the interpreter (one config a launch and BLOCK_M): the defaults'
+    sum, each BLOCK_M's best pair, and gate/up quantizing h beside gate/up then quantize_rows, whose bits agree."""
+    bench_kernels = _benchmark("bench_kernels")
+    timed = []
+    monkeypatch.setattr(bench_kernels, "_us", lambda fn, rep=50: (fn(), timed.append(fn), 1.0)[2])
+    rows = bench_kernels.fp8_experts_tma("40", "cpu", {"tiny": (256, 256, 4, 2)}, limit=1)
+    assert rows[-1] == ("| tiny | 40 | 20 | 2.0 | 2.0 (1.0 (64, 64, 128, 4, 3) + 1.0 (64, 128, 128, 4, 3)) | "
+                        "2.0 (1.0 (128, 128, 128, 8, 3) + 1.0 (128, 128, 128, 8, 3)) | 1.0 / 1.0 |")
+    assert len(timed) == 2 + 4 + 2
+
+
 def test_gptoss_row_runs_through_the_switch_and_checks():
     """The GPT-OSS size's row on the CPU: ours through transformers' experts switch on the module as stored
     (transposed, interleaved, biases, clamped gate), every output against the module's own loop in float64."""
