@@ -622,6 +622,7 @@ def _tma_row(label: str, shape: tuple, weights: tuple, inputs: tuple, g, limit) 
     from mlp_fuser.kernels import fp8 as K8
     from mlp_fuser.kernels import moe as kmoe
     from mlp_fuser.kernels import moe_tuning
+    from mlp_fuser.kernels.moe_tuning import _cfg
     from mlp_fuser.reference import rel_err
 
     (_, I, E, k), (fgu, fd), (x, ids, wts) = shape, weights, inputs
@@ -677,10 +678,6 @@ def _tma_row(label: str, shape: tuple, weights: tuple, inputs: tuple, g, limit) 
         fused = f"{two:.1f} / {_us(quantizing, rep=30):.1f}" + ("" if same else " (bits differ)")
     d_cell = "-" if None in d_us else f"{sum(d_us):.1f}"
     return f"| {label} | {T} | {per_expert:.0f} | {d_cell} | {cells[0]} | {cells[1]} | {fused} |"
-
-
-def _cfg(bm, bn, bk, warps, stages) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 if __name__ == "__main__":

@@ -483,26 +483,13 @@ def test_sorted_tma_w8a8_reads_float8_boxes(fmt, block, monkeypatch):
         assert torch.equal(y, pointer)
 
 
-def _quantize_rows_by_kernel(h):
-    """quantize_rows' own kernel, under the interpreter too (its float8 casts, right or not, are the fused
-    epilogue's: the interpreter misrounds where rounding carries, so aten's reference would differ from both)."""
-    from mlp_fuser.kernels.common import cdiv, launch
-
-    M, K = h.shape
-    kb = cdiv(K, K8.A8_BLOCK)
-    q = torch.empty((M, K), dtype=K8.FP8, device=h.device)
-    s = torch.empty((M, kb), dtype=torch.float32, device=h.device)
-    launch(K8._quantize_rows_kernel, (cdiv(M, 16), kb), h, q, s, M, M, K, h.stride(0), h.stride(1), kb, 1,
-           BLOCK_M=16, BLOCK=K8.A8_BLOCK, num_warps=4)
-    return q, s
-
-
+@pytest.mark.usefixtures("exact_fp8_casts")
 @pytest.mark.parametrize("fmt,block", [("apart", (128, 128)), ("channel", None)])
 def test_tma_gate_up_quantizes_h_as_quantize_rows_does(fmt, block, monkeypatch):
     """quant_h: the TMA gate/up launch writes h in float8 and its scales itself (tiles of 128 columns, one activation
-    block), the bits quantize_rows' kernel gives h written in x's dtype, for every routed pair (I = 200: a tail of
-    columns; dropped pairs among them); outputs start as NaN. Other tiles, or no W8A8, are refused by name; the op
-    takes it where config.fp8_fused_h is on, on the GPU only."""
+    block), the bits quantize_rows gives h written in x's dtype (the interpreter's float8 casts made torch's), for
+    every routed pair (I = 200: a tail of columns; dropped pairs among them); outputs start as NaN. Other tiles, or
+    no W8A8, are refused by name; the op takes it where config.fp8_fused_h is on, on the GPU only."""
     (x, ids, wts, fgu, fd), _ = kernel_case(fmt, block, seed=41, T=40, H=256, I=200)
     ids = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)).to(ids.device) < 0.1,
                       sentinels(torch.Generator().manual_seed(3), ids.shape, fd.w.shape[0]).to(ids.device), ids)
@@ -517,7 +504,7 @@ def test_tma_gate_up_quantizes_h_as_quantize_rows_does(fmt, block, monkeypatch):
                                       out_dtype=x.dtype, quant_h=True)
     routed = ((ids >= 0) & (ids < E)).reshape(-1)
     assert 0 < int(routed.sum()) < routed.numel() and hq.dtype == K8.FP8 and hs.shape == (ids.numel(), 2)
-    want_q, want_s = _quantize_rows_by_kernel(h[routed].contiguous())
+    want_q, want_s = K8.quantize_rows(h[routed].contiguous())
     assert torch.equal(hs[routed], want_s) and torch.equal(hq[routed].view(torch.uint8), want_q.view(torch.uint8))
     for bad in ({"xs": None}, {"config": {**up, "BLOCK_N": 64}}):
         args = {"scale": fgu, "xs": xs, "out_dtype": x.dtype, "quant_h": True, "config": up, **bad}

@@ -1017,9 +1017,14 @@ def _tma_a8(scale, block_k: int, block_n: int, xs: Tensor | None, up_row: int | 
         return ints, {"A8": False, "K_SCALED": False, "SBN": 1, "SBK": 1, "BLOCK_K": block_k}
     if xs is None:
         raise ValueError("the sorted_tma kernels read float8 weights with float8 activations only (W8A8: xs)")
+    return ints, _tma_a8_constexprs(scale, block_k, block_n, scale_ints[5] if up_row is not None else 0)
+
+
+def _tma_a8_constexprs(scale, block_k: int, block_n: int, up_srow: int) -> dict:
+    """The TMA kernels' W8A8 constexprs for float8 weights ``scale`` (``_tma_a8``'s; ``up_srow``: UP_SROW)."""
     c = _scale_constexprs(scale, block_k, True)
-    return ints, {"A8": True, "K_SCALED": c["K_SCALED"], "SBN": c["SBN"], "SBK": c["SBK"], "BLOCK_K": c["BLOCK_K"],
-                  "WS_TILE": ws_tile(scale, block_n, scale_ints[5] if up_row is not None else 0)}
+    return {"A8": True, "K_SCALED": c["K_SCALED"], "SBN": c["SBN"], "SBK": c["SBK"], "BLOCK_K": c["BLOCK_K"],
+            "WS_TILE": ws_tile(scale, block_n, up_srow)}
 
 
 def ws_tile(scale, block_n: int, up_srow: int) -> bool:
@@ -1427,11 +1432,12 @@ def _fp8_tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: Expert
     fused, kb_h = fused_h_quant(up), cdiv(I, A8_BLOCK)
     _, _, up_row = _gate_up_layout(w_gu, I, False)
     n_blocks, dev = max_blocks(S, E, up["BLOCK_M"]), x.device
-    # the scales' integers and constexprs as moe_gate_up_tma / moe_down_tma work them out (xs: a stand-in of the
-    # activations' scales' layout, (rows, ⌈K/128⌉) contiguous)
-    g_ints, g_const = _tma_a8(scales[0], up["BLOCK_K"], up["BLOCK_N"], torch.empty((0, cdiv(H, A8_BLOCK))), up_row)
-    d_ints, d_const = _tma_a8(scales[1], down["BLOCK_K"], down["BLOCK_N"], torch.empty((0, kb_h)))
-    g_ints, d_ints = (g_ints[1:6], g_ints[7]), (d_ints[1:4], d_ints[5])  # without the scale tensors and xs
+    # the scales' integers (the scale tensors themselves come with each call) and constexprs, as moe_gate_up_tma and
+    # moe_down_tma work them out
+    g_ints, d_ints = _scale_args(scales[0], up_row)[1:], _scale_args(scales[1])[1:4]
+    g_const = _tma_a8_constexprs(scales[0], up["BLOCK_K"], up["BLOCK_N"], g_ints[4])
+    d_const = _tma_a8_constexprs(scales[1], down["BLOCK_K"], down["BLOCK_N"], 0)
+    kb_x = cdiv(H, A8_BLOCK)  # the row stride of x's scales (quantize_rows': contiguous)
     gate_up = Prepared(_moe_gate_up_tma_kernel, (n_blocks, cdiv(I, up["BLOCK_N"])),
                        GATED=n_gu == 2 * I, HAS_BIAS=False, **act.constexprs(), PRECISION=dot_precision(FP8),
                        BLOCK_M=up["BLOCK_M"], BLOCK_N=up["BLOCK_N"], SAVE_GU=False, **g_const, QUANT_H=fused,
@@ -1449,11 +1455,11 @@ def _fp8_tma_plan(x: Tensor, ids: Tensor, w_gu: Tensor, w_d: Tensor, act: Expert
         h = torch.empty((S, I), dtype=FP8 if fused else x.dtype, device=dev)
         hs = torch.empty((S, kb_h), dtype=torch.float32, device=dev) if fused else h
         gate_up(xq, _desc(w_gu, up, g_const["BLOCK_K"]), w_gu, h, *routing[:3], *g_fixed, h, scales[0].scale,
-                *g_ints[0], xs, g_ints[1], hs, kb_h if fused else 0)
+                *g_ints, xs, kb_x, hs, kb_h if fused else 0)
         hq, hs = (h, hs) if fused else quant_h(h)
         out = torch.empty((S, H), dtype=rows, device=dev)
         down_k(hq, _desc(w_d, down, d_const["BLOCK_K"]), w_d, wts, out, *routing[:3], S, k, H, I,
-               *w_d.stride()[::2], *wts.stride(), scales[1].scale, *d_ints[0], hs, d_ints[1])
+               *w_d.stride()[::2], *wts.stride(), scales[1].scale, *d_ints, hs, kb_h)
         return moe_combine(out, ids, E, x.dtype)
     return tma_a8
 

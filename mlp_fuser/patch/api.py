@@ -383,15 +383,13 @@ def unpatch(model: nn.Module) -> nn.Module:
         _split(model, merged)
     for module in model.modules():
         packed.unpack(module, apart=True)
+    for module in model.modules():  # each class patch gave: fused modules, experts run by their config's switch
+        unswap(module)
     paths = model.__dict__.pop(_MODULES, None)
-    for path in paths or ():  # patched per module, or unpickled from such a model
+    for path in paths or ():  # unpickled from a patch of before classes: a bound forward in the module's __dict__
         module = model.get_submodule(path)
-        forward = module.__dict__.get("forward")
-        unswap(module)
-        if getattr(forward, "__func__", None) is type(module).forward:  # unpickled from a patch of before classes
+        if getattr(module.__dict__.get("forward"), "__func__", None) is type(module).forward:
             del module.__dict__["forward"]
-    for module in model.modules():  # the experts its configs' switch runs (a class for pickling alone)
-        unswap(module)
     if paths:
         compressed.rehook(model)
     if _ORIG in model.__dict__:  # patched whole, or unpickled from such a model
