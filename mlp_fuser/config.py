@@ -58,9 +58,9 @@ setting a name that is not a setting raises ``AttributeError``. The settings:
   output, T·k·2I elements a layer, and the backward skips that grouped GEMM (``mlp_fuser::moe_mlp_save``). Read at
   each call of the switch; by the backend when it compiles a graph.
 - ``fp8_one_launch`` (``MLP_FUSER_FP8_ONE_LAUNCH=0`` turns it off; default True): let the FP8 experts' dispatcher
-  also time ``fp8_moe_one_launch`` at up to 32 token-expert pairs (gate/up, h and down in one launch:
+  also time ``fp8_moe_one_launch`` at up to 32 token-expert pairs (gate/up, h and down in one kernel:
   ``kernels/moe_one.py``; checked and timed on an H100: benchmarks/NOTES.md, "One token in one launch").
-- ``fp8_fused_h`` (``MLP_FUSER_FP8_FUSED_H=1``, default False until a GPU has timed it): the FP8 experts' TMA gate/up
+- ``fp8_fused_h`` (``MLP_FUSER_FP8_FUSED_H=0`` turns it off; default True): the FP8 experts' TMA gate/up
   launch quantizes h itself where its tiles are 128 columns wide (no h in x's dtype in HBM, no quantize launch:
   ``kernels.moe.fused_h_quant``). Read when a launch plan is built.
 - ``fp8_merge`` (``MLP_FUSER_FP8_MERGE=0`` turns it off; default True): the backend computes FP8 linears that read
@@ -103,7 +103,7 @@ ENV: dict[str, tuple[str, str, Callable[[str], object]]] = {
     "moe_backward": ("MLP_FUSER_MOE_BACKWARD", "recompute", str),
     "fp8_one_launch": ("MLP_FUSER_FP8_ONE_LAUNCH", "1", _on_unless_0),
     "fp8_merge": ("MLP_FUSER_FP8_MERGE", "1", _on_unless_0),
-    "fp8_fused_h": ("MLP_FUSER_FP8_FUSED_H", "0", _on_if_1),
+    "fp8_fused_h": ("MLP_FUSER_FP8_FUSED_H", "1", _on_unless_0),
 }
 
 

@@ -19,14 +19,14 @@ from mlp_fuser.ops import moe
 DEFAULTS = dict(force_impl=None, triton_on_cpu=False, autotune=True, triton_backward=False, moe_tma=False,
                 moe_rows_lowp=True, quack=True, plans=True, sites=True, inductor_direct=True, private_apis=True,
                 check_routing=False, fp8_w8a8=True, moe_backward="recompute", fp8_one_launch=True,
-                fp8_merge=True, fp8_fused_h=False)
+                fp8_merge=True, fp8_fused_h=True)
 FLIPPED_ENV = {"MLP_FUSER_IMPL": "triton_gemm", "MLP_FUSER_TRITON_ON_CPU": "1", "MLP_FUSER_AUTOTUNE": "0",
                "MLP_FUSER_TRITON_BACKWARD": "1", "MLP_FUSER_MOE_TMA": "1", "MLP_FUSER_MOE_ROWS_LOWP": "0",
                "MLP_FUSER_QUACK": "0",
                "MLP_FUSER_PLANS": "0", "MLP_FUSER_SITES": "0", "MLP_FUSER_INDUCTOR_DIRECT": "0",
                "MLP_FUSER_PRIVATE": "0", "MLP_FUSER_CHECK_ROUTING": "1", "MLP_FUSER_FP8_W8A8": "0",
                "MLP_FUSER_MOE_BACKWARD": "save", "MLP_FUSER_FP8_ONE_LAUNCH": "0",
-               "MLP_FUSER_FP8_MERGE": "0", "MLP_FUSER_FP8_FUSED_H": "1"}
+               "MLP_FUSER_FP8_MERGE": "0", "MLP_FUSER_FP8_FUSED_H": "0"}
 FLIPPED = {k: "triton_gemm" if v is None else "save" if v == "recompute" else not v for k, v in DEFAULTS.items()}
 
 

@@ -510,7 +510,8 @@ def test_tma_gate_up_quantizes_h_as_quantize_rows_does(fmt, block, monkeypatch):
         args = {"scale": fgu, "xs": xs, "out_dtype": x.dtype, "quant_h": True, "config": up, **bad}
         with pytest.raises(ValueError, match="quant_h takes W8A8"):
             kmoe.moe_gate_up_tma(xq, routing, fgu.w, None, kmoe.ExpertAct(), I, **args)
-    assert not kmoe.fused_h_quant(up)  # off by default
+    monkeypatch.setattr(config, "fp8_fused_h", False)
+    assert not kmoe.fused_h_quant(up)
     monkeypatch.setattr(config, "fp8_fused_h", True)
     assert kmoe.fused_h_quant(up) is (not kmoe.INTERPRET) and not kmoe.fused_h_quant({**up, "BLOCK_N": 64})
 

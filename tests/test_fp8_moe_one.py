@@ -43,13 +43,13 @@ def one_case(fmt, block, T=1, k=4, E=6, H=200, I=80, seed=0, interleaved=False, 
 # a K tail of gate/up (BLOCK_K 128) and I 80 a slice past I's end (BLOCK_I 32); 128-blocks along I = 256 (down's
 # scales change between slices) with N steps of 64 over H 200 (the rotated start, a tail) and K steps of 64 (two a
 # scale block); per channel; 32 x 64
-# blocks (BLOCK_K halved to 64, BLOCK_I 32 dividing 64); the finish as a launch of its own
+# blocks (BLOCK_K halved to 64, BLOCK_I 32 dividing 64); WIDE's 128-column slices (8 warps) over I 256
 CASES = [
     ("apart", (128, 128), 200, 80, None),
     ("block", (128, 128), 200, 256, dict(BLOCK_N=64, BLOCK_K=64)),
     ("channel", None, 96, 40, None),
     ("block", (32, 64), 96, 48, dict(BLOCK_I=16, BLOCK_N=32)),
-    ("apart", (128, 128), 200, 80, dict(FINISH=False)),
+    ("block", (128, 128), 200, 256, moe_one.WIDE[128]),
 ]
 
 
@@ -95,8 +95,8 @@ def test_one_launch_gates(interleaved):
 
 
 def test_one_launch_plan_keeps_its_accumulator_zeroed():
-    """A plan for three tokens called again on another call's inputs and scales (another layer's): the kernel sets
-    its kept accumulator and counter back to 0, so each call stands alone."""
+    """A plan for three tokens called again on another call's inputs and scales (another layer's): the finish sets
+    its kept accumulator back to 0, so each call stands alone."""
     (x, ids, wts, fgu, fd), ref = one_case("apart", (128, 128), T=3, seed=5)
     (x2, ids2, wts2, fgu2, fd2), ref2 = one_case("apart", (128, 128), T=3, seed=6)
     plan = moe_one.one_plan(x, ids, wts, fgu, fd)
@@ -109,12 +109,49 @@ def test_one_launch_plan_keeps_its_accumulator_zeroed():
 
 def test_one_config_fits_the_scale_blocks():
     (_, _, _, fgu, fd), _ = one_case("block", (16, 16), H=96, I=48)
-    assert moe_one.one_config(fgu, fd) == dict(moe_one.DEFAULT, BLOCK_K=16, BLOCK_I=16)
+    assert moe_one.one_config(fgu, fd, 1) == dict(moe_one.DEFAULT, BLOCK_K=16, BLOCK_I=16)
+    assert moe_one.one_config(fgu, fd, 400) == dict(moe_one.DEFAULT, BLOCK_K=16, BLOCK_I=16)  # I < 64
     (_, _, _, fgu, fd), _ = one_case("channel", None, H=96, I=48)
-    assert moe_one.one_config(fgu, fd) == moe_one.DEFAULT  # one scale along K: nothing to fit
+    assert moe_one.one_config(fgu, fd, 1) == moe_one.DEFAULT  # one scale along K: nothing to fit
     assert moe_one.one_why_not(fgu, fd) is None
     (_, _, _, fgu, fd), _ = one_case("block", (32, 8), H=96, I=48)
     assert "8 wide along K" in moe_one.one_why_not(fgu, fd)
+
+
+def test_one_config_widens_the_slices_while_the_grid_stays_full():
+    """BLOCK_I 128 where pairs · ⌈I/128⌉ programs still fill the GPU (Mixtral-8x7B's two pairs of I 14336), 64 where
+    only that does (Qwen3-30B-A3B's 4 tokens), 32 below (its one token); a given config is taken as it is."""
+    def experts(I):
+        fgu = K8.fp8_experts(torch.zeros(2, 2 * I, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2 * I // 128, 2),
+                             (128, 128), gated=True)
+        return fgu, K8.fp8_experts(torch.zeros(2, 256, I, dtype=torch.float8_e4m3fn), torch.ones(2, 2, I // 128),
+                                   (128, 128))
+    assert moe_one.one_config(*experts(14336), 2) == moe_one.WIDE[128]
+    assert moe_one.one_config(*experts(768), 32) == moe_one.WIDE[64]
+    assert moe_one.one_config(*experts(768), 8) == moe_one.DEFAULT
+    assert moe_one.one_config(*experts(14336), 2, dict(BLOCK_I=32)) == dict(moe_one.DEFAULT, BLOCK_I=32)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="many programs: the interpreter runs them one by one, in order")
+def test_one_launch_many_programs_on_the_gpu():
+    """Qwen3-30B-A3B's experts at 16 tokens (2048 programs), three calls of one plan: right every call (the sums were
+    once read inside the launch before other programs' atomics had reached them: wrong tokens from the 6th on)."""
+    E, H, I, k, T = 16, 2048, 768, 8, 16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    fgu = K8.fp8_experts(*K8.quantize_blocks(torch.randn(E, 2 * I, H, device="cuda", generator=g) / 22, (128, 128)),
+                         (128, 128), gated=True)
+    fd = K8.fp8_experts(*K8.quantize_blocks(torch.randn(E, H, I, device="cuda", generator=g) / 28, (128, 128)),
+                        (128, 128))
+    x = torch.randn(T, H, device="cuda", generator=g).to(DTYPE)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(T)])
+    wts = torch.softmax(torch.randn(T, k, device="cuda", generator=g), -1)
+    wgu64, wd64 = K8.dequantize_experts(fgu, torch.float64), K8.dequantize_experts(fd, torch.float64)
+    expected = reference64(x.cpu(), ids.cpu(), wts.cpu(), wgu64.cpu(), wd64.cpu())
+    plan = moe_one.one_plan(x, ids, wts, fgu, fd, config=dict(BLOCK_I=32))
+    for _ in range(3):
+        with poisoned_empty():
+            y = plan(x, ids, wts, fgu.w, None, fd.w, None, (fgu, fd))
+        assert rel_err(y.cpu(), expected, math.inf) < BAR
 
 
 # ---- the dispatcher's row: fp8_moe_one_launch (dispatch/fp8_experts.py) ------------------------------------------

@@ -1,4 +1,4 @@
-"""One token's routed experts on float8 weights in ONE launch: h born on chip, consumed, discarded.
+"""A few tokens' routed experts on float8 weights in one kernel: h born on chip, consumed, discarded.
 
     y[t] = Σ_j w[t, j] · Wd[e]ᵀ A(x[t] @ Wgu[e]ᵀ),   e = ids[t, j] in [0, E) (other ids contribute nothing)
 
@@ -12,14 +12,13 @@ per channel, per tensor, gate and up quantized apart). Program (pair p = t·k + 
   3. for every BLOCK_N rows of Wd[e] (all of H, the starting chunk rotated per program so that the programs do not
      queue on the same addresses): part = Wd[e][n-block, slice] · h, times the row's scale of the slice's K block,
      ``tl.atomic_add``-ed into an fp32 accumulator (T, H);
-  4. FINISH: every program (sentinel pairs too) counts itself in once; the last to arrive casts the accumulator to
-     y in x's dtype and sets accumulator and counter back to 0, so one zeroed buffer kept by the plan serves every
-     call (CUDA-graph replays included: no memset); else a second small launch does that.
+  4. a small second launch (stream order: after every atomic) casts the accumulator to y in x's dtype and sets it
+     back to 0, so one zeroed buffer kept by the plan serves every call (CUDA-graph replays included: no memset).
 Bytes: every touched expert's float8 weights once (Qwen3-30B-A3B, k 8: 8 · 3 · 768 · 2048 = 37.7 MB), x once per
 program (L2), the reduction k · ⌈I/BLOCK_I⌉ · T · H fp32 atomics. The atomics' order makes the last bits of the fp32
 sum (so at times y's rounding) vary run to run. A slice must lie in one scale block of Wd along I and a K step in
 one of Wgu along H: the plan halves BLOCK_I and BLOCK_K until they do. The dispatcher's ``fp8_moe_one_launch`` row
-(``dispatch/fp8_experts.py``), timed at one token against the two-launch rows.
+(``dispatch/fp8_experts.py``), timed at a few tokens against the two-launch rows.
 """
 
 from __future__ import annotations
@@ -35,17 +34,18 @@ from .moe import ExpertAct, _gate_up_layout, _scale_args, gated_act, gemv_step, 
 
 # a K step of gate/up and an N step of down both move 8 KB of float8 (2·32·128, 256·32): with 4 stages about 24 KB
 # in flight per program, 192 programs for Qwen3-30B-A3B (k 8, I 768)
-DEFAULT = dict(BLOCK_I=32, BLOCK_K=128, BLOCK_N=256, num_warps=4, num_stages=4, FINISH=True)
-# the grid a probe times on the GPU (BLOCK_I: k·⌈I/BLOCK_I⌉ programs; warps; stages: weight bytes in flight)
-CANDIDATES = [dict(DEFAULT, BLOCK_I=bi, num_warps=w, num_stages=s) for bi in (16, 32, 64) for w in (4, 8)
-              for s in (4, 6)]
+DEFAULT = dict(BLOCK_I=32, BLOCK_K=128, BLOCK_N=256, num_warps=4, num_stages=4)
+# wider slices where the grid stays full: fewer atomics (Mixtral-8x7B at one token; NOTES, "One token in one launch")
+WIDE = {64: dict(DEFAULT, BLOCK_I=64, BLOCK_N=128), 128: dict(DEFAULT, BLOCK_I=128, BLOCK_N=128, num_warps=8,
+                                                                num_stages=3)}
+WIDE_PROGRAMS = 200  # a wider slice only while the grid keeps at least this many programs (1.5 an H100's SMs)
 SILU = ExpertAct()  # gated silu (SwiGLU), no clamp: the default gate
 FINISH_BLOCK = 1024  # accumulator elements per step of the finish
 
 
 @triton.jit
 def _moe_one_kernel(
-    x_ptr, ids_ptr, wts_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, acc_ptr, count_ptr, y_ptr,
+    x_ptr, ids_ptr, wts_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, acc_ptr,
     E, K_TOP, H, I, UP_ROW,
     stride_xt, stride_xk, stride_it, stride_ij, stride_wt, stride_wj,
     stride_ge, stride_gn, stride_gk, stride_sge, stride_sgn, stride_sgk, UP_SOFF, UP_SROW,
@@ -54,9 +54,8 @@ def _moe_one_kernel(
     ACT: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr,
     G_K_SCALED: tl.constexpr, G_SBN: tl.constexpr, G_SBK: tl.constexpr, D_SBN: tl.constexpr, D_SBK: tl.constexpr,
-    ROUND_H: tl.constexpr, FINISH: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
-    STAGES: tl.constexpr,
+    ROUND_H: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     # -- pair p = t·k + j, its expert, BLOCK_I columns of h -----------------------------------------------------
     p = tl.program_id(0)
@@ -120,26 +119,10 @@ def _moe_one_kernel(
             part = part * tl.load(sd_base + (n_rows // D_SBN) * stride_sdn)
             tl.atomic_add(acc_row + offs_n, part, mask=mask_n, sem="relaxed")
 
-    # -- 4. the last program to count itself in casts y and sets the accumulator and counter back to 0 ---------
-    if FINISH:
-        tl.debug_barrier()  # every thread's atomics issued before the count moves
-        n_programs = tl.num_programs(0) * tl.num_programs(1)
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if done == n_programs - 1:
-            n_acc = (tl.num_programs(0) // K_TOP) * H
-            offs_f = tl.arange(0, BLOCK_F)
-            for f in range(0, tl.cdiv(n_acc, BLOCK_F)):
-                offs = f * BLOCK_F + offs_f
-                mask = offs < n_acc
-                y = tl.load(acc_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-                tl.store(acc_ptr + offs, tl.zeros((BLOCK_F,), dtype=tl.float32), mask=mask)
-            tl.store(count_ptr, 0)
-
 
 @triton.jit
 def _moe_one_finish_kernel(acc_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    """y = the accumulator in y's dtype, the accumulator set back to 0 (FINISH off: a launch of its own)."""
+    """y = the accumulator in y's dtype, the accumulator set back to 0 (after every program's atomics: stream order)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(y_ptr + offs, tl.load(acc_ptr + offs, mask=mask, other=0.0).to(y_ptr.dtype.element_ty), mask=mask)
@@ -155,10 +138,13 @@ def one_why_not(fgu, fd) -> str | None:
     return None
 
 
-def one_config(fgu, fd, config: dict | None = None) -> dict:
-    """``config`` (else DEFAULT) with BLOCK_K halved until it divides gate/up's scale blocks along H and BLOCK_I
-    until it divides down's along I (where they change along K)."""
-    cfg = dict(DEFAULT, **(config or {}))
+def one_config(fgu, fd, pairs: int, config: dict | None = None) -> dict:
+    """``config``, else the widest slice (``WIDE``, at most I) leaving pairs · ⌈I/BLOCK_I⌉ ≥ WIDE_PROGRAMS, else
+    DEFAULT; then BLOCK_K halved until it divides gate/up's scale blocks along H and BLOCK_I until it divides
+    down's along I (where they change along K)."""
+    I = fd.w.shape[2]
+    wide = [c for bi, c in sorted(WIDE.items(), reverse=True) if bi <= I and pairs * cdiv(I, bi) >= WIDE_PROGRAMS]
+    cfg = dict(wide[0] if wide and config is None else DEFAULT, **(config or {}))
     if fgu.k_scaled:
         while fgu.block_k % cfg["BLOCK_K"]:
             cfg["BLOCK_K"] //= 2
@@ -172,9 +158,9 @@ def one_plan(x: Tensor, ids: Tensor, wts: Tensor, fgu, fd, act: ExpertAct = SILU
              config: dict | None = None, round_h: bool = True):
     """For calls like these (x (T, H), ids and wts (T, k), float8 experts ``fgu`` (E, 2I or I, H) and ``fd``
     (E, H, I), ``fp8.Fp8Experts``): a function ``(x, ids, wts, w_gu, b_gu, w_d, b_d, scales) -> y`` (the experts
-    plans' signature; b_gu and b_d None, ``scales`` the call's (gate/up's, down's) Fp8Experts) running one launch
-    (two without FINISH) worked out here once. Its fp32 accumulator and counter are zeroed once and kept (set back
-    to 0 by the kernel); while a CUDA graph captures the plan's first call, zeroed per call."""
+    plans' signature; b_gu and b_d None, ``scales`` the call's (gate/up's, down's) Fp8Experts) running the kernel
+    and the finish, worked out here once. Its fp32 accumulator is zeroed once and kept (set back to 0 by the
+    finish); while a CUDA graph captures the plan's first call, zeroed per call."""
     T, k = ids.shape
     E, H, I = fd.w.shape
     dtype, device = x.dtype, x.device
@@ -184,30 +170,27 @@ def one_plan(x: Tensor, ids: Tensor, wts: Tensor, fgu, fd, act: ExpertAct = SILU
     if why is not None:
         raise ValueError(f"mlp_fuser: the one-launch experts kernel cannot run these FP8 weights: {why}")
     gated, step, up_row = _gate_up_layout(fgu.w, I, interleaved)
-    cfg = one_config(fgu, fd, config)
+    cfg = one_config(fgu, fd, T * k, config)
     sgu_args = _scale_args(fgu, up_row)
     sd_args = _scale_args(fd)
     ints = (E, k, H, I, up_row, *x.stride(), *ids.stride(), *wts.stride(), *fgu.w.stride(), *sgu_args[1:],
             *fd.w.stride(), *sd_args[1:4])
-    finish = bool(cfg["FINISH"])
     kernel = Prepared(_moe_one_kernel, (T * k, cdiv(I, cfg["BLOCK_I"])),
                       GATED=gated, GATE_STEP=step, **act.constexprs(),
                       G_K_SCALED=fgu.k_scaled, G_SBN=fgu.block_n, G_SBK=fgu.block_k if fgu.k_scaled else 1,
-                      D_SBN=fd.block_n, D_SBK=fd.block_k, ROUND_H=round_h, FINISH=finish,
-                      BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], BLOCK_F=FINISH_BLOCK,
+                      D_SBN=fd.block_n, D_SBK=fd.block_k, ROUND_H=round_h,
+                      BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    finisher = None if finish else Prepared(_moe_one_finish_kernel, (cdiv(T * H, FINISH_BLOCK),),
-                                            BLOCK=FINISH_BLOCK, num_warps=4)
     n_acc = T * H
-    kept = _zeroed_once(n_acc + 1, device)  # the fp32 accumulator's bits, then the counter
+    finisher = Prepared(_moe_one_finish_kernel, (cdiv(n_acc, FINISH_BLOCK),), BLOCK=FINISH_BLOCK, num_warps=4)
+    kept = _zeroed_once(n_acc, device)  # the fp32 accumulator's bits
 
     def one(x, ids, wts, w_gu, b_gu, w_d, b_d, scales):
-        buf = kept if kept is not None else torch.zeros(n_acc + 1, dtype=torch.int32, device=device)
-        acc, count = buf[:n_acc].view(torch.float32), buf[n_acc:]
+        buf = kept if kept is not None else torch.zeros(n_acc, dtype=torch.int32, device=device)
+        acc = buf.view(torch.float32)
         y = torch.empty((T, H), dtype=dtype, device=device)
-        kernel(x, ids, wts, w_gu, scales[0].scale, w_d, scales[1].scale, acc, count, y, *ints)
-        if finisher is not None:
-            finisher(acc, y, n_acc)
+        kernel(x, ids, wts, w_gu, scales[0].scale, w_d, scales[1].scale, acc, *ints)
+        finisher(acc, y, n_acc)
         return y
     return one
 
