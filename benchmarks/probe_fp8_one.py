@@ -38,6 +38,8 @@ if CPU_CHECK:
     assert os.environ.get("TRITON_INTERPRET") == "1", "--cpu-check runs under TRITON_INTERPRET=1"
     config.triton_on_cpu = True
     MODELS = {"Qwen3-30B-A3B": (200, 160, 6, 3), "Mixtral-8x7B": (256, 128, 4, 2)}
+if "--mixtral" in sys.argv:  # Mixtral's rows and grid alone
+    MODELS = {"Mixtral-8x7B": MODELS["Mixtral-8x7B"]}
 DEV = "cpu" if CPU_CHECK else "cuda"
 XDTYPE = torch.float16 if CPU_CHECK else torch.bfloat16  # the interpreter's bf16 is not right
 BLOCK = (128, 128)
@@ -124,13 +126,14 @@ def bench_model(model, H, I, E, k, g, tbps, quick, table):
     # Qwen3: BLOCK_I x warps at 4 stages, 6 stages at BLOCK_I 32; Mixtral (896 programs, 4096 atomics each at
     # BLOCK_I 32): wider slices, fewer atomics
     points = ([(bi, w, 4) for bi in (16, 32, 64) for w in (4, 8)] + [(32, 4, 6), (32, 8, 6)]
-              if model == "Qwen3-30B-A3B" else [(64, 4, 4), (64, 8, 4), (128, 8, 3)])
-    grid = [] if quick else [dict(moe_one.DEFAULT, BLOCK_I=bi, num_warps=w, num_stages=st) for bi, w, st in points]
+              if model == "Qwen3-30B-A3B" else [(64, 4, 4), (64, 8, 4), (32, 8, 4), (64, 4, 4, 128), (128, 8, 3, 128), (128, 4, 4, 64)])
+    grid = [] if quick else [dict(moe_one.DEFAULT, BLOCK_I=bi, num_warps=w, num_stages=st, BLOCK_N=(bn or [256])[0])
+                             for bi, w, st, *bn in points]
     for cfg in grid:
         if cfg == moe_one.DEFAULT:
             continue
         plan = moe_one.one_plan(x0, ids0, wts0, fgu, fd, config=cfg)
-        rows[f"grid: one_launch {cfg['BLOCK_I']}/{cfg['num_warps']}w/{cfg['num_stages']}st"] = (
+        rows[f"grid: one_launch {cfg['BLOCK_I']}/{cfg['BLOCK_N']}/{cfg['num_warps']}w/{cfg['num_stages']}st"] = (
             f"BI {cfg['BLOCK_I']}, {cfg['num_warps']} warps, {cfg['num_stages']} stages",
             lambda x, ids, wts, plan=plan: plan(x, ids, wts, fgu.w, None, fd.w, None, (fgu, fd)))
     got = {}

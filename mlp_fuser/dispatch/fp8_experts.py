@@ -105,8 +105,8 @@ def _many_rows(p: Problem) -> str | None:
     return f"{p.pairs} pairs over {touched} experts: < {TMA_ROWS} rows each (TMA's W8A8 tiles are 64 rows)"
 
 
-# the one-launch row is timed up to this many (token, expert) pairs: where it was checked right on the GPU (NOTES, "One
-# token in one launch": Qwen3-30B-A3B's 8 tokens, 64 pairs, came out wrong there, 4 tokens right)
+# the one-launch row is timed up to this many (token, expert) pairs: at Qwen3-30B-A3B's 64 the sorted row was as fast
+# (NOTES, "One token in one launch")
 ONE_LAUNCH_PAIRS = 32
 
 
@@ -151,7 +151,7 @@ def dequantized(x2: Tensor, ids2: Tensor, wts2: Tensor, fgu, fd, gate: Gate) -> 
 
 def _one_launch() -> tuple:
     """(fn, plan) of the one-launch kernel (``kernels/moe_one.py``): gate/up, h in registers, down and the combine
-    in one launch, W8A16 (x as it is, each float8 tile dequantized in registers)."""
+    in one kernel (a small launch after it casts y), W8A16 (x as it is, each float8 tile dequantized in registers)."""
     def plan(args: tuple):
         x2, ids2, wts2, fgu, fd, gate = args
         return kone.one_plan(x2, ids2, wts2, fgu, fd, expert_act(gate), gate.interleaved)
@@ -180,8 +180,8 @@ IMPLS: list[Impl] = [  # the candidates of a call timed where more than one (els
     _row("fp8_moe_unsorted_pdl_w8a8", "unsorted_pdl", True, (_a8_on, _a8_blocks), (_one_token,)),
     _row("fp8_moe_unsorted_w8a16", "unsorted", False, worth=(_one_token, _a8_off)),
     _row("fp8_moe_unsorted_pdl_w8a16", "unsorted_pdl", False, worth=(_one_token, _a8_off)),
-    # a few tokens in ONE launch: h born in registers, each pair's slice of I adding its part of y by fp32 atomics,
-    # the last program casting y (benchmarks/NOTES.md, "One token in one launch"). W8A16 under either setting of
+    # a few tokens in one kernel: h born in registers, each pair's slice of I adding its part of y by fp32 atomics,
+    # a small launch after it casting y (benchmarks/NOTES.md, "One token in one launch"). W8A16 under either setting of
     # config.fp8_w8a8: x unquantized errs less than transformers' W8A8, so the timing alone decides
     # (config.fp8_one_launch off: not timed)
     Impl("fp8_moe_one_launch", _ONE[0], None, None, why=(kernels_run, _scale_blocks),
