@@ -134,8 +134,8 @@ def test_one_config_widens_the_slices_while_the_grid_stays_full():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="many programs: the interpreter runs them one by one, in order")
 def test_one_launch_many_programs_on_the_gpu():
-    """Qwen3-30B-A3B's experts at 16 tokens (2048 programs), three calls of one plan: right every call (the sums were
-    once read inside the launch before other programs' atomics had reached them: wrong tokens from the 6th on)."""
+    """Experts of Qwen3-30B-A3B's shape (16 of its 128) at 16 tokens (3072 programs), three calls of one plan: right
+    every call (the sums were once read inside the launch before other programs' atomics had reached them)."""
     E, H, I, k, T = 16, 2048, 768, 8, 16
     g = torch.Generator(device="cuda").manual_seed(7)
     fgu = K8.fp8_experts(*K8.quantize_blocks(torch.randn(E, 2 * I, H, device="cuda", generator=g) / 22, (128, 128)),

@@ -196,6 +196,15 @@ def dequantize(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 @triton.jit
+def quantize_tile(x):
+    """Each row of a (rows, 128) fp32 tile as transformers quantizes activations: its scale amax / 448 and x / scale
+    clamped to ±448 (amax / scale may round a hair past it), still fp32 for the caller's cast. Every quantization of
+    x or h calls this, so their bits agree."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    return tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk, stride_sm, stride_sk,
                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """BLOCK_M rows by one 128-wide K block per program: each row's scale = amax / 448, q = x / scale in fp8. Rows
@@ -205,9 +214,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk
     offs = kb * BLOCK + tl.arange(0, BLOCK)
     mask = (offs_m[:, None] < M) & (offs[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)  # amax / scale may round a hair past 448
+    q, scale = quantize_tile(x.to(tl.float32))
     out = (offs_m[:, None] < M_OUT) & (offs[None, :] < K)
     tl.store(q_ptr + offs_m[:, None] * K + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
     tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M_OUT)
@@ -227,8 +234,7 @@ def _act_quant_kernel(g_ptr, u_ptr, q_ptr, s_ptr, M, K, stride_sm, stride_sk, AC
     if HAS_U:
         u = tl.load(u_ptr + offs_m[:, None] * K + offs[None, :], mask=mask, other=0.0)
         h = (h * u.to(tl.float32)).to(g.dtype).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
-    q = tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0)
+    q, scale = quantize_tile(h)
     tl.store(q_ptr + offs_m[:, None] * K + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M)
 
@@ -276,14 +282,13 @@ def quantize_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Ten
 @triton.jit
 def _x_step(x_ptrs, kmask, mask_m, QUANT_X: tl.constexpr):
     """This K step's x tile (BLOCK_M, BLOCK_K) as the dots take it and, with QUANT_X, each row's scale (BLOCK_M,):
-    the step is one 128-wide activation block, quantized as ``_quantize_rows_kernel`` does (same ops, same order:
-    the same bits)."""
+    the step is one 128-wide activation block, quantized by ``quantize_tile`` as ``_quantize_rows_kernel`` does (the
+    same bits)."""
     x = tl.load(x_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
     xs = 0.0
     if QUANT_X:
-        x = x.to(tl.float32)
-        xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        x = tl.minimum(tl.maximum(x / xs[:, None], -448.0), 448.0).to(tl.float8e4nv)
+        x, xs = quantize_tile(x.to(tl.float32))
+        x = x.to(tl.float8e4nv)
     return x, xs
 
 

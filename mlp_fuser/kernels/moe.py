@@ -43,7 +43,7 @@ from .. import config as _config
 from ..activations import get_activation
 from . import moe_tuning
 from .common import INTERPRET, Prepared, cdiv, dot_precision, k_loop_fits, kept_desc, launch, next_power_of_2, num_sms
-from .fp8 import A8_BLOCK, FP8, _quantize_plan, _x_step, check_a8, quantize_rows
+from .fp8 import A8_BLOCK, FP8, _quantize_plan, _x_step, check_a8, quantize_rows, quantize_tile
 from .gemm import gate_up_acc
 from .moe_routing import Routing, align_plan, max_blocks, moe_align
 from .moe_tuning import _cfg
@@ -532,9 +532,7 @@ def _moe_gate_up_tma_kernel(
                     pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
     if QUANT_H:  # h float8 for down: rounded to H_ROUND as stored unfused, then quantize_rows' math (BLOCK_N: 128)
-        h = tl.where(mask_n[None, :], h.to(H_ROUND).to(tl.float32), 0.0)
-        scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
-        h = tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0)
+        h, scale = quantize_tile(tl.where(mask_n[None, :], h.to(H_ROUND).to(tl.float32), 0.0))
         tl.store(hs_ptr + pairs.to(tl.int64) * stride_hs + pid_n, scale, mask=mask_m)
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 

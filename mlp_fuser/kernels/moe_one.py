@@ -143,8 +143,10 @@ def one_config(fgu, fd, pairs: int, config: dict | None = None) -> dict:
     DEFAULT; then BLOCK_K halved until it divides gate/up's scale blocks along H and BLOCK_I until it divides
     down's along I (where they change along K)."""
     I = fd.w.shape[2]
-    wide = [c for bi, c in sorted(WIDE.items(), reverse=True) if bi <= I and pairs * cdiv(I, bi) >= WIDE_PROGRAMS]
-    cfg = dict(wide[0] if wide and config is None else DEFAULT, **(config or {}))
+    if config is None:
+        config = next((c for bi, c in sorted(WIDE.items(), reverse=True)
+                       if bi <= I and pairs * cdiv(I, bi) >= WIDE_PROGRAMS), DEFAULT)
+    cfg = dict(DEFAULT, **config)
     if fgu.k_scaled:
         while fgu.block_k % cfg["BLOCK_K"]:
             cfg["BLOCK_K"] //= 2
